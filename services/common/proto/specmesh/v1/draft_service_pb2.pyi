@@ -1,0 +1,64 @@
+from services.common.proto.specmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DraftSequence(_message.Message):
+    __slots__ = ("sequence_id", "new_token_ids", "method", "max_depth", "max_nodes", "tenant_salt")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    METHOD_FIELD_NUMBER: _ClassVar[int]
+    MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
+    MAX_NODES_FIELD_NUMBER: _ClassVar[int]
+    TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    new_token_ids: _containers.RepeatedScalarFieldContainer[int]
+    method: _common_pb2.SpeculationMethod
+    max_depth: int
+    max_nodes: int
+    tenant_salt: str
+    def __init__(self, sequence_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., method: _Optional[_Union[_common_pb2.SpeculationMethod, str]] = ..., max_depth: _Optional[int] = ..., max_nodes: _Optional[int] = ..., tenant_salt: _Optional[str] = ...) -> None: ...
+
+class ProposeRequest(_message.Message):
+    __slots__ = ("sequences", "step")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[DraftSequence]
+    step: int
+    def __init__(self, sequences: _Optional[_Iterable[_Union[DraftSequence, _Mapping]]] = ..., step: _Optional[int] = ...) -> None: ...
+
+class DraftTree(_message.Message):
+    __slots__ = ("sequence_id", "token_ids", "parents")
+    SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
+    PARENTS_FIELD_NUMBER: _ClassVar[int]
+    sequence_id: str
+    token_ids: _containers.RepeatedScalarFieldContainer[int]
+    parents: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, sequence_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ProposeResponse(_message.Message):
+    __slots__ = ("trees", "step")
+    TREES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    trees: _containers.RepeatedCompositeFieldContainer[DraftTree]
+    step: int
+    def __init__(self, trees: _Optional[_Iterable[_Union[DraftTree, _Mapping]]] = ..., step: _Optional[int] = ...) -> None: ...
+
+class ReleaseRequest(_message.Message):
+    __slots__ = ("sequence_ids",)
+    SEQUENCE_IDS_FIELD_NUMBER: _ClassVar[int]
+    sequence_ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, sequence_ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class ReleaseResponse(_message.Message):
+    __slots__ = ("released", "unknown")
+    RELEASED_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_FIELD_NUMBER: _ClassVar[int]
+    released: int
+    unknown: int
+    def __init__(self, released: _Optional[int] = ..., unknown: _Optional[int] = ...) -> None: ...

@@ -1,0 +1,113 @@
+"""One way to run a gRPC service: grpc.aio, health, reflection, tracing, graceful shutdown."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from grpc_reflection.v1alpha import reflection
+
+from services.common.telemetry import client_interceptors, server_interceptors
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ServerConfig:
+    """Address and shutdown behaviour of one gRPC server."""
+
+    host: str = "127.0.0.1"
+    port: int = 0  # 0 = any free port (tests)
+    grace_seconds: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in [0, 65535], got {self.port}")
+        if self.grace_seconds < 0:
+            raise ValueError(f"grace_seconds must be >= 0, got {self.grace_seconds}")
+
+
+class GrpcServer:
+    """A started grpc.aio server with the standard health and reflection services.
+
+    `register` adds the service implementations; `service_names` are the full
+    names (e.g. "specmesh.v1.TargetService") reported by health and reflection.
+    `on_drain` runs after health turns NOT_SERVING and before the server stops,
+    so a service can refuse new work and finish what is in flight.
+    """
+
+    def __init__(self, config: ServerConfig, register: Callable[[grpc.aio.Server], None],
+                 service_names: Sequence[str],
+                 on_drain: Callable[[], Awaitable[None]] | None = None,
+                 on_stopped: Callable[[], Awaitable[None]] | None = None) -> None:
+        self.config = config
+        self._service_names = list(service_names)
+        self._on_drain = on_drain
+        self._on_stopped = on_stopped
+        self._server = grpc.aio.server(interceptors=server_interceptors())
+        self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
+        register(self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        reflection.enable_server_reflection(
+            [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server)
+        self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        if self.port == 0:
+            raise OSError(f"could not bind {config.host}:{config.port}")
+        self._stopping = False
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def start(self) -> None:
+        await self._server.start()
+        for name in ["", *self._service_names]:
+            await self._set_health(name, health_pb2.HealthCheckResponse.SERVING)
+
+    async def stop(self, grace: float | None = None) -> None:
+        """NOT_SERVING first, then drain in-flight work within the grace period, then stop."""
+        if self._stopping:
+            return
+        self._stopping = True
+        grace = self.config.grace_seconds if grace is None else grace
+        for name in ["", *self._service_names]:
+            await self._set_health(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        if self._on_drain is not None:
+            try:
+                await asyncio.wait_for(self._on_drain(), timeout=grace)
+            except asyncio.TimeoutError:
+                log.warning("drain did not finish within %.1fs; stopping anyway", grace)
+        await self._server.stop(grace)
+        if self._on_stopped is not None:
+            await self._on_stopped()
+
+    async def wait_for_termination(self) -> None:
+        await self._server.wait_for_termination()
+
+    async def _set_health(self, name: str, status: int) -> None:
+        result = self._health.set(name, status)
+        if asyncio.iscoroutine(result):
+            await result
+
+
+async def run_until_signal(servers: Sequence[GrpcServer]) -> None:
+    """Blocks until SIGTERM or SIGINT, then stops all servers gracefully (first signal)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    await stop.wait()
+    log.info("shutting down: draining in-flight requests")
+    # Stop front to back: the first server (router) stops taking work first.
+    for server in servers:
+        await server.stop()
+
+
+def insecure_channel(address: str) -> grpc.aio.Channel:
+    """A client channel with tracing interceptors, so trace context crosses the hop."""
+    return grpc.aio.insecure_channel(address, interceptors=client_interceptors())

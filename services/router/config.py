@@ -1,0 +1,40 @@
+"""Router configuration, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class RouterConfig:
+    target_address: str
+    # Bearer token -> tenant. The tenant of a call comes only from here.
+    tokens: dict[str, str] = field(default_factory=dict)
+    # Secret mixed into tenant salts (HMAC); replicas of one deployment must share it.
+    salt_secret: str = "specmesh-dev-secret"
+    max_tokens_limit: int = 4096
+    default_timeout_s: float = 300.0  # used when the caller sets no deadline
+
+    def __post_init__(self) -> None:
+        if not self.target_address:
+            raise ValueError("target_address must not be empty")
+        if not self.tokens:
+            raise ValueError("at least one bearer token must be configured (token=tenant)")
+        for token, tenant in self.tokens.items():
+            if not token or not tenant:
+                raise ValueError("tokens and tenants must be non-empty strings")
+        if self.max_tokens_limit <= 0:
+            raise ValueError(f"max_tokens_limit must be > 0, got {self.max_tokens_limit}")
+        if self.default_timeout_s <= 0:
+            raise ValueError(f"default_timeout_s must be > 0, got {self.default_timeout_s}")
+
+
+def parse_tokens(spec: str) -> dict[str, str]:
+    """Parses "token1=tenantA,token2=tenantB" into a dict; raises ValueError on bad entries."""
+    tokens = {}
+    for entry in filter(None, (part.strip() for part in spec.split(","))):
+        token, sep, tenant = entry.partition("=")
+        if not sep or not token or not tenant:
+            raise ValueError(f"bad token entry {entry!r}; expected TOKEN=TENANT")
+        tokens[token] = tenant
+    return tokens

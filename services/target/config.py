@@ -1,0 +1,48 @@
+"""Target engine configuration, validated on construction."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_KV_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn}
+_KERNELS = ("auto", "triton", "reference")
+
+
+@dataclass(frozen=True)
+class EngineConfig:
+    model_dir: Path
+    dtype: str = "bfloat16"
+    kv_dtype: str = "auto"  # "auto" = same as dtype; "fp8" = float8_e4m3fn with scales
+    device: str = "cpu"
+    block_size: int = 16
+    num_blocks: int = 1024
+    max_num_seqs: int = 32  # running at once
+    max_batched_tokens: int = 512  # tokens per step (prefill chunks + decodes)
+    max_queued_requests: int = 256  # waiting beyond max_num_seqs; more → RESOURCE_EXHAUSTED
+    max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
+    kernels: str = "auto"
+
+    def __post_init__(self) -> None:
+        if self.dtype not in _DTYPES:
+            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
+        if self.kv_dtype != "auto" and self.kv_dtype not in _KV_DTYPES:
+            raise ValueError(f"kv_dtype must be 'auto' or one of {sorted(_KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.kernels not in _KERNELS:
+            raise ValueError(f"kernels must be one of {_KERNELS}, got {self.kernels!r}")
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_batched_tokens", "max_tokens_limit"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.max_queued_requests < 0:
+            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return _DTYPES[self.dtype]
+
+    @property
+    def torch_kv_dtype(self) -> torch.dtype:
+        return self.torch_dtype if self.kv_dtype == "auto" else _KV_DTYPES[self.kv_dtype]

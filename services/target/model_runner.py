@@ -1,0 +1,115 @@
+"""Runs the Hugging Face model over a flat batch of tokens against the paged KV pool."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.target.attention import AttentionMetadata, KVPool, register_paged_attention
+from services.target.block_manager import BlockManager
+from services.target.kernels.select import get_kernels
+from services.target.scheduler import ScheduledSeq
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the engine needs to know about the loaded model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    eos_token_ids: frozenset[int]
+
+
+class ModelRunner:
+    """Owns the model and the KV pool; one forward per engine step."""
+
+    def __init__(self, model, spec: ModelSpec, block_manager: BlockManager,
+                 kv_dtype: torch.dtype, kernels: str = "auto") -> None:
+        self.model = model
+        self.spec = spec
+        self.blocks = block_manager
+        self.device = next(model.parameters()).device
+        self.kernels = get_kernels(kernels)
+        self.kv_pool = KVPool.allocate(spec.num_layers, block_manager.num_blocks,
+                                       block_manager.block_size, spec.num_kv_heads, spec.head_dim,
+                                       kv_dtype, self.device)
+
+    @torch.inference_mode()
+    def forward(self, batch: list[ScheduledSeq]) -> torch.Tensor:
+        """Computes KV for every scheduled token; returns logits [num_sampling_seqs, vocab]
+        for the sequences whose last token was computed, in batch order."""
+        ids, positions, slots, logit_rows, q_lens, ctx_lens, tables = [], [], [], [], [], [], []
+        for item in batch:
+            seq, start, n = item.seq, item.start, item.num_tokens
+            ids.extend(seq.token_ids[start:start + n])
+            positions.extend(range(start, start + n))
+            slots.extend(self.blocks.slots(seq.seq_id, start, start + n))
+            if item.samples:
+                logit_rows.append(len(ids) - 1)
+            q_lens.append(n)
+            ctx_lens.append(start)
+            tables.append(self.blocks.block_table(seq.seq_id))
+        meta = self._metadata(slots, positions, q_lens, ctx_lens, tables)
+        dev = self.device
+        out = self.model(
+            input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
+            position_ids=torch.tensor([positions], dtype=torch.long, device=dev),
+            use_cache=False,
+            logits_to_keep=torch.tensor(logit_rows, dtype=torch.long, device=dev),
+            specmesh_meta=meta,
+        )
+        return out.logits[0].float()  # [num_sampling_seqs, vocab]
+
+    def _metadata(self, slots: list[int], positions: list[int], q_lens: list[int],
+                  ctx_lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
+        dev = self.device
+        width = max(len(t) for t in tables)
+        block_tables = torch.full((len(tables), width), -1, dtype=torch.int32)
+        for i, table in enumerate(tables):
+            block_tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        query_start_loc = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+        query_start_loc[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+        return AttentionMetadata(
+            kv_pool=self.kv_pool,
+            kernels=self.kernels,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=block_tables.to(dev),
+            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+            query_start_loc=query_start_loc.to(dev),
+            query_positions=torch.tensor(positions, dtype=torch.int32, device=dev),
+        )
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu"):
+    """Loads any local Hugging Face causal LM with paged attention; returns (model, tokenizer, spec)."""
+    from services.common.models.loading import load_causal_lm
+
+    attn = register_paged_attention()
+    model, tokenizer = load_causal_lm(model_dir, dtype=dtype, device=device, attn_implementation=attn)
+    model.eval()
+    return model, tokenizer, model_spec(model, tokenizer)
+
+
+def model_spec(model, tokenizer) -> ModelSpec:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    eos: set[int] = set()
+    # Same precedence as transformers' generate: generation config first.
+    for source in (getattr(model, "generation_config", None), config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            eos.update([value] if isinstance(value, int) else value)
+            break
+    return ModelSpec(
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim,
+        vocab_size=config.vocab_size,
+        max_context=config.max_position_embeddings,
+        eos_token_ids=frozenset(eos),
+    )

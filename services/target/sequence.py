@@ -1,0 +1,69 @@
+"""State of one request inside the engine (owned by the engine thread)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from services.target.detokenizer import IncrementalDetokenizer
+from services.common.sampling_params import SamplingConfig
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # end-of-sequence token
+    LENGTH = "length"  # max_tokens reached
+    STOP_SEQUENCE = "stop_sequence"
+    ABORTED = "aborted"  # cancelled by the caller
+
+
+@dataclass
+class StepOutput:
+    """What a request's stream receives after a step: newly committed tokens and text."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: Exception | None = None
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    prompt_ids: list[int]
+    sampling: SamplingConfig
+    generator: torch.Generator
+    detokenizer: IncrementalDetokenizer
+    emit: Callable[[StepOutput], None]  # thread-safe hand-off to the request's stream
+    tenant_salt: str = ""
+    arrival: float = field(default_factory=time.monotonic)
+    output_ids: list[int] = field(default_factory=list)
+    num_computed: int = 0  # tokens whose KV is in the pool
+    num_cached_prompt: int = 0  # prompt tokens served from the prefix cache
+    status: SeqStatus = SeqStatus.WAITING
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    @property
+    def max_total_tokens(self) -> int:
+        return len(self.prompt_ids) + self.sampling.max_tokens

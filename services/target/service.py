@@ -1,0 +1,118 @@
+"""gRPC TargetService: streams a request through the engine."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+from opentelemetry import trace
+
+from services.common.proto.specmesh.v1 import common_pb2, target_service_pb2, target_service_pb2_grpc
+from services.common.sampling_params import sampling_from_proto
+from services.target.engine import Engine, InvalidRequest, Overloaded
+from services.target.sequence import FinishReason, StepOutput
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("specmesh.target")
+
+_FINISH = {
+    FinishReason.STOP: common_pb2.FINISH_REASON_STOP,
+    FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
+    FinishReason.STOP_SEQUENCE: common_pb2.FINISH_REASON_STOP_SEQUENCE,
+}
+SERVICE_NAME = target_service_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
+
+
+class TargetService(target_service_pb2_grpc.TargetServiceServicer):
+    def __init__(self, engine: Engine, model_name: str) -> None:
+        self.engine = engine
+        self.model_name = model_name
+        self._in_flight = 0
+        self._draining = False
+
+    async def Generate(self, request, context: grpc.aio.ServicerContext):
+        if self._draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "target is shutting down; retry another replica")
+        try:
+            sampling = sampling_from_proto(request.sampling)
+        except ValueError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        if not request.prompt:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+        request_id = request.request_id or f"target-{id(request)}"
+        loop = asyncio.get_running_loop()
+        queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+
+        def emit(out: StepOutput) -> None:
+            loop.call_soon_threadsafe(queue.put_nowait, out)
+
+        prompt_ids = self.engine.tokenize(request.prompt)
+        finished = False
+        self._in_flight += 1
+        with tracer.start_as_current_span("target.generate") as span:
+            span.set_attribute("gen_ai.request.model", self.model_name)
+            span.set_attribute("gen_ai.request.max_tokens", sampling.max_tokens)
+            try:
+                try:
+                    self.engine.submit(request_id, prompt_ids, sampling, emit, request.tenant_salt)
+                except InvalidRequest as exc:
+                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                except Overloaded as exc:
+                    context.set_trailing_metadata((("retry-after-ms", "200"),))
+                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later")
+                with tracer.start_as_current_span("prefill") as phase:
+                    phase.set_attribute("specmesh.prompt_tokens", len(prompt_ids))
+                    out = await queue.get()
+                phase = tracer.start_span("decode")
+                try:
+                    while True:
+                        if out.error is not None:
+                            await context.abort(grpc.StatusCode.INTERNAL,
+                                                f"generation failed: {out.error}")
+                        if out.finish_reason is not None:
+                            finished = True
+                            _record_usage(span, out)
+                            yield target_service_pb2.TargetGenerateResponse(chunk=_final_chunk(out))
+                            return
+                        yield target_service_pb2.TargetGenerateResponse(
+                            chunk=common_pb2.GenerateChunk(text=out.text, token_ids=out.token_ids))
+                        out = await queue.get()
+                finally:
+                    phase.end()
+            finally:
+                self._in_flight -= 1
+                if not finished:
+                    self.engine.abort(request_id)  # cancelled or failed: free its blocks now
+
+    async def GetStats(self, request, context):
+        s = self.engine.stats()
+        return target_service_pb2.GetStatsResponse(
+            num_blocks=s.num_blocks, free_blocks=s.free_blocks, used_blocks=s.used_blocks,
+            block_size=s.block_size, running_requests=s.running, waiting_requests=s.waiting,
+            model=self.model_name)
+
+    async def drain(self) -> None:
+        """Refuses new requests and waits for in-flight ones to finish."""
+        self._draining = True
+        while self._in_flight:
+            await asyncio.sleep(0.05)
+
+
+def _final_chunk(out: StepOutput) -> common_pb2.GenerateChunk:
+    return common_pb2.GenerateChunk(
+        text=out.text, token_ids=out.token_ids, finish_reason=_FINISH[out.finish_reason],
+        usage=common_pb2.Usage(prompt_tokens=out.prompt_tokens,
+                               cached_prompt_tokens=out.cached_prompt_tokens,
+                               completion_tokens=out.completion_tokens))
+
+
+def _record_usage(span, out: StepOutput) -> None:
+    span.set_attribute("gen_ai.usage.input_tokens", out.prompt_tokens)
+    span.set_attribute("gen_ai.usage.output_tokens", out.completion_tokens)
+    span.set_attribute("gen_ai.usage.cached_input_tokens", out.cached_prompt_tokens)
+    span.set_attribute("gen_ai.response.finish_reasons", [out.finish_reason.value])
+
+
+def add_to_server(server: grpc.aio.Server, service: TargetService) -> None:
+    target_service_pb2_grpc.add_TargetServiceServicer_to_server(service, server)
