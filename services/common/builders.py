@@ -1,0 +1,81 @@
+"""Builds each service's validated config and server from Settings (used by the CLI)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from services.common.env import DEFAULT_PORTS, Settings
+from services.common.server import GrpcServer, ServerConfig, run_until_signal
+from services.common.telemetry import TelemetryConfig, setup_telemetry
+
+log = logging.getLogger(__name__)
+
+
+def server_config(settings: Settings, service: str) -> ServerConfig:
+    return ServerConfig(host=settings.host, port=settings.port or DEFAULT_PORTS[service],
+                        grace_seconds=settings.grace_seconds)
+
+
+def resolve_model(settings: Settings) -> Path:
+    from services.common.models.loading import resolve_model_dir
+    return resolve_model_dir(settings.model, Path(settings.model_cache).expanduser())
+
+
+def engine_config(settings: Settings, model_dir: Path):
+    from services.target.config import EngineConfig
+    return EngineConfig(model_dir=model_dir, dtype=settings.dtype, kv_dtype=settings.kv_dtype,
+                        device=settings.device, block_size=settings.block_size,
+                        num_blocks=settings.num_blocks, max_num_seqs=settings.max_num_seqs,
+                        max_batched_tokens=settings.max_batched_tokens,
+                        max_queued_requests=settings.max_queued_requests,
+                        max_tokens_limit=settings.max_tokens_limit, kernels=settings.kernels)
+
+
+def build_server(service: str, settings: Settings, config: ServerConfig | None = None) -> GrpcServer:
+    """Builds one service's server (not started). The target loads its model here."""
+    config = config or server_config(settings, service)
+    if service == "router":
+        from services.router.app import build_router_server
+        from services.router.config import RouterConfig, parse_tokens
+        return build_router_server(config, RouterConfig(
+            target_address=settings.target_address, tokens=parse_tokens(settings.tokens),
+            salt_secret=settings.salt_secret, max_tokens_limit=settings.max_tokens_limit))
+    if service == "target":
+        from services.target.app import build_target_server, load_engine
+        model_dir = resolve_model(settings)
+        engine = load_engine(engine_config(settings, model_dir))
+        return build_target_server(config, engine, settings.model)
+    if service == "draft":
+        from services.draft.app import build_draft_server
+        from services.draft.config import DraftConfig
+        return build_draft_server(DraftConfig(server=config))
+    if service == "cache":
+        from services.cache.app import build_cache_server
+        from services.cache.config import CacheConfig
+        return build_cache_server(CacheConfig(server=config, backend=settings.cache_backend,
+                                              redis_url=settings.redis_url or None))
+    raise ValueError(f"unknown service {service!r}; expected router, target, draft or cache")
+
+
+async def run_one(service: str, settings: Settings) -> int:
+    setup_telemetry(TelemetryConfig(f"specmesh-{service}", settings.otlp_endpoint or None))
+    server = build_server(service, settings)
+    await server.start()
+    print(f"{service} serving on {server.address}", flush=True)
+    await run_until_signal([server])
+    return 0
+
+
+async def run_all(settings: Settings) -> int:
+    """`specmesh up`: all four services in this process on loopback, default ports."""
+    setup_telemetry(TelemetryConfig("specmesh", settings.otlp_endpoint or None))
+    servers = {}
+    # The target first (it loads the model), the router last (it is the front door).
+    for service in ("target", "draft", "cache", "router"):
+        servers[service] = build_server(service, settings, server_config(settings, service))
+        await servers[service].start()
+        print(f"{service:>6} serving on {servers[service].address}", flush=True)
+    print(f"ready: specmesh generate \"Hello\" --address {servers['router'].address}", flush=True)
+    await run_until_signal([servers[s] for s in ("router", "target", "draft", "cache")])
+    return 0

@@ -1,0 +1,48 @@
+"""A small streaming client for the router (used by `specmesh generate`)."""
+
+from __future__ import annotations
+
+import sys
+import time
+
+import grpc
+
+from services.common.proto.specmesh.v1 import common_pb2, router_service_pb2, router_service_pb2_grpc
+
+
+async def stream_generate(settings, args) -> int:
+    sampling = common_pb2.SamplingParams(
+        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+        top_p=args.top_p, stop=args.stop)
+    if args.seed is not None:
+        sampling.seed, sampling.has_seed = args.seed, True
+    request = router_service_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling)
+    metadata = (("authorization", f"Bearer {settings.token}"),)
+    start = time.perf_counter()
+    first = None
+    tokens = 0
+    usage = None
+    async with grpc.aio.insecure_channel(settings.router_address) as channel:
+        stub = router_service_pb2_grpc.RouterServiceStub(channel)
+        try:
+            async for response in stub.Generate(request, metadata=metadata):
+                chunk = response.chunk
+                if chunk.token_ids and first is None:
+                    first = time.perf_counter()
+                tokens += len(chunk.token_ids)
+                sys.stdout.write(chunk.text)
+                sys.stdout.flush()
+                if chunk.HasField("usage"):
+                    usage = chunk.usage
+        except grpc.aio.AioRpcError as exc:
+            print(f"\nspecmesh: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            return 1
+    end = time.perf_counter()
+    sys.stdout.write("\n")
+    ttft = (first - start) if first else float("nan")
+    decode_rate = (tokens - 1) / (end - first) if first and tokens > 1 and end > first else 0.0
+    cached = usage.cached_prompt_tokens if usage else 0
+    print(f"[specmesh] {tokens} tokens, time to first token {ttft * 1000:.0f} ms, "
+          f"{decode_rate:.1f} tokens/s after the first, cached prompt tokens {cached}",
+          file=sys.stderr)
+    return 0
