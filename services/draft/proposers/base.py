@@ -1,0 +1,105 @@
+"""The proposer interface and the draft tree it returns.
+
+A *proposer* turns the committed tokens of a sequence into *draft tokens* for one
+verify pass (DESIGN section 5). Every method (prompt lookup, suffix tree, draft model,
+dynamic tree) implements `Proposer`; the draft service only talks to this interface.
+
+Who owns what:
+- `DraftStateStore` (services/draft/state.py) owns the committed token history of
+  every sequence; proposers read it through `SequenceState` and never change it.
+- A proposer owns only its derived per-sequence state (an n-gram index, a suffix
+  tree, a draft model's KV). The service calls `observe` with every batch of newly
+  committed tokens and `release` when a sequence ends.
+"""
+
+from __future__ import annotations
+
+import abc
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from services.common.proto.specmesh.v1 import draft_service_pb2
+from services.draft.state import SequenceState
+
+ROOT = -1  # parent index of a node that follows the last committed token
+
+
+@dataclass(frozen=True)
+class DraftTree:
+    """Draft tokens of one sequence for one verify pass, in flat form.
+
+    Node i has token `token_ids[i]` and parent `parents[i]`; `ROOT` (-1) means the
+    node follows the last committed token. Parents come before their children
+    (`parents[i] < i`), so `depths` can be computed in one pass; a node's depth is
+    its position offset after the last committed token (root children have depth 1).
+    A chain has parents [-1, 0, 1, ...]. An empty tree means "no draft this step".
+
+    Build trees only with `DraftTree.chain`, `DraftTree.empty` or `DraftTree.from_proto`
+    (all validated); the verifier reads `token_ids`, `parents` and `depths`.
+    """
+
+    sequence_id: str
+    token_ids: tuple[int, ...]  # [num_nodes]
+    parents: tuple[int, ...]  # [num_nodes], each in [-1, i)
+
+    def __post_init__(self) -> None:
+        if len(self.token_ids) != len(self.parents):
+            raise ValueError(f"draft tree of {self.sequence_id!r}: {len(self.token_ids)} tokens "
+                             f"but {len(self.parents)} parents")
+        for i, parent in enumerate(self.parents):
+            if not ROOT <= parent < i:
+                raise ValueError(f"draft tree of {self.sequence_id!r}: node {i} has parent "
+                                 f"{parent}; parents must be in [-1, {i})")
+
+    @classmethod
+    def chain(cls, sequence_id: str, token_ids: Sequence[int]) -> DraftTree:
+        """A single path: node i is the child of node i - 1."""
+        return cls(sequence_id, tuple(int(t) for t in token_ids), tuple(range(-1, len(token_ids) - 1)))
+
+    @classmethod
+    def empty(cls, sequence_id: str) -> DraftTree:
+        return cls(sequence_id, (), ())
+
+    @classmethod
+    def from_proto(cls, message: draft_service_pb2.DraftTree) -> DraftTree:
+        return cls(message.sequence_id, tuple(message.token_ids), tuple(message.parents))
+
+    @property
+    def num_nodes(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def depths(self) -> tuple[int, ...]:  # [num_nodes], root children have depth 1
+        depths: list[int] = []
+        for parent in self.parents:
+            depths.append(1 if parent == ROOT else depths[parent] + 1)
+        return tuple(depths)
+
+    def to_proto(self) -> draft_service_pb2.DraftTree:
+        return draft_service_pb2.DraftTree(sequence_id=self.sequence_id, token_ids=self.token_ids,
+                                           parents=self.parents)
+
+
+class Proposer(abc.ABC):
+    """One speculation method. Implementations are not thread-safe; the service calls
+    them from one event loop."""
+
+    @abc.abstractmethod
+    def propose(self, states: Sequence[SequenceState], max_depth: int, max_nodes: int) -> list[DraftTree]:
+        """One draft tree per state, in the same order.
+
+        `max_depth` (>= 1) bounds the depth of every node; `max_nodes` (>= 1) bounds the
+        number of nodes of each tree. Returns an empty tree when there is nothing to propose.
+        """
+
+    @abc.abstractmethod
+    def observe(self, sequence_id: str, new_token_ids: Sequence[int]) -> None:
+        """`new_token_ids` were committed (appended to the sequence's history).
+
+        Called once per append, after the store has appended them and before `propose`.
+        The first call for a sequence carries its whole prompt.
+        """
+
+    @abc.abstractmethod
+    def release(self, sequence_id: str) -> None:
+        """Drops all state of the sequence; unknown ids are ignored."""

@@ -1,0 +1,204 @@
+"""gRPC DraftService: batched draft proposals for the target's scheduler steps.
+
+Every Propose request (unary or one message of ProposeStream) is handled in three
+phases with no await in between, so requests never interleave:
+1. validate the whole request (nothing changes when any sequence is bad),
+2. commit: append new committed tokens to the store and let the proposer observe them,
+3. propose: one draft tree per sequence, batched per (method, max_depth, max_nodes).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import grpc
+from opentelemetry import trace
+
+from services.common.proto.specmesh.v1 import common_pb2, draft_service_pb2, draft_service_pb2_grpc
+from services.draft.config import DraftConfig
+from services.draft.proposers import DraftTree, PromptLookupProposer, Proposer
+from services.draft.state import DraftStateStore
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("specmesh.draft")
+SERVICE_NAME = draft_service_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
+_MAX_REPORTED_PROBLEMS = 5
+
+
+class RequestError(Exception):
+    """A request the service refuses; nothing was changed."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+@dataclass(frozen=True)
+class _Plan:
+    """One validated sequence of a request."""
+
+    sequence_id: str
+    new_token_ids: Sequence[int]
+    method: int
+    max_depth: int
+    max_nodes: int
+    tenant_salt: str
+
+
+class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
+    def __init__(self, config: DraftConfig) -> None:
+        self.config = config
+        self.store = DraftStateStore()
+        self.proposers: dict[int, Proposer] = {
+            common_pb2.SPECULATION_METHOD_PROMPT_LOOKUP: PromptLookupProposer(
+                config.prompt_lookup_max_ngram, config.prompt_lookup_min_ngram),
+        }
+        self._draining = False
+
+    async def Propose(self, request, context: grpc.aio.ServicerContext):
+        return await self._answer(request, context)
+
+    async def ProposeStream(self, request_iterator, context: grpc.aio.ServicerContext):
+        async for request in request_iterator:
+            yield await self._answer(request, context)
+
+    async def Release(self, request, context: grpc.aio.ServicerContext):
+        released, unknown = self.release(request.sequence_ids)
+        return draft_service_pb2.ReleaseResponse(released=released, unknown=unknown)
+
+    async def drain(self) -> None:
+        """Refuses new proposals (UNAVAILABLE: the target decodes without a draft).
+        Proposals run without awaiting, so none is ever half done."""
+        self._draining = True
+
+    def propose(self, request: draft_service_pb2.ProposeRequest) -> draft_service_pb2.ProposeResponse:
+        """Validates, commits and proposes; raises RequestError (changing nothing) on bad input."""
+        with tracer.start_as_current_span("draft.propose") as span:
+            span.set_attribute("specmesh.num_sequences", len(request.sequences))
+            plans = self._validate(request)
+            for plan in plans:
+                if plan.new_token_ids:
+                    self.store.append(plan.sequence_id, plan.new_token_ids, plan.tenant_salt, plan.method)
+                    self.proposers[plan.method].observe(plan.sequence_id, plan.new_token_ids)
+            trees = self._propose(plans)
+            span.set_attribute("specmesh.proposed_tokens", sum(tree.num_nodes for tree in trees))
+            return draft_service_pb2.ProposeResponse(trees=[tree.to_proto() for tree in trees],
+                                                     step=request.step)
+
+    def release(self, sequence_ids: Sequence[str]) -> tuple[int, int]:
+        """Drops the sequences' state everywhere. Returns (released, unknown)."""
+        for sequence_id in sequence_ids:
+            state = self.store.get(sequence_id)
+            if state is not None:
+                self.proposers[state.method].release(sequence_id)
+        return self.store.release(sequence_ids)
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    async def _answer(self, request, context: grpc.aio.ServicerContext):
+        if self._draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE,
+                                "draft server is shutting down; decode without a draft")
+        try:
+            return self.propose(request)
+        except RequestError as exc:
+            await context.abort(exc.code, str(exc))
+        except Exception:  # a bug: answer INTERNAL, never UNKNOWN
+            log.exception("draft proposal failed")
+            await context.abort(grpc.StatusCode.INTERNAL, "draft proposal failed; decode without a draft")
+
+    def _validate(self, request: draft_service_pb2.ProposeRequest) -> list[_Plan]:
+        if not request.sequences:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "no sequences in the request")
+        problems: list[str] = []
+        denied: list[str] = []
+        plans: list[_Plan] = []
+        seen: set[str] = set()
+        for i, seq in enumerate(request.sequences):
+            where = f"sequences[{i}] (id {seq.sequence_id!r})"
+            if seq.sequence_id in seen:
+                problems.append(f"{where}: duplicate sequence_id in one request")
+            seen.add(seq.sequence_id)
+            plan, seq_problems, seq_denied = self._validate_sequence(seq, where)
+            problems += seq_problems
+            denied += seq_denied
+            if plan is not None:
+                plans.append(plan)
+        if problems:
+            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, _summary(problems))
+        if denied:
+            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, _summary(denied))
+        new = sum(1 for plan in plans if plan.sequence_id not in self.store)
+        if len(self.store) + new > self.config.max_sequences:
+            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                               f"{new} new sequences would exceed the limit of {self.config.max_sequences} "
+                               "open sequences; release finished sequences or retry later")
+        return plans
+
+    def _validate_sequence(self, seq: draft_service_pb2.DraftSequence,
+                           where: str) -> tuple[_Plan | None, list[str], list[str]]:
+        """Returns (plan or None, invalid-argument problems, permission problems)."""
+        cfg = self.config
+        problems: list[str] = []
+        if not seq.sequence_id:
+            problems.append(f"{where}: sequence_id is empty")
+        method = seq.method or common_pb2.SPECULATION_METHOD_PROMPT_LOOKUP
+        if method not in self.proposers:
+            problems.append(f"{where}: method {_method_name(seq.method)} not supported by this draft server")
+        if not 1 <= seq.max_depth <= cfg.max_depth_limit:
+            problems.append(f"{where}: max_depth {seq.max_depth} is out of range [1, {cfg.max_depth_limit}]")
+        if not 0 <= seq.max_nodes <= cfg.max_nodes_limit:
+            problems.append(f"{where}: max_nodes {seq.max_nodes} is out of range [0, {cfg.max_nodes_limit}] "
+                            "(0 = one chain of max_depth nodes)")
+        new_token_ids = seq.new_token_ids
+        if new_token_ids and min(new_token_ids) < 0:
+            problems.append(f"{where}: new_token_ids contains negative token ids")
+        state = self.store.get(seq.sequence_id)
+        if state is None and not new_token_ids:
+            problems.append(f"{where}: unknown sequence (new or released) needs its prompt in new_token_ids")
+        num_tokens = len(new_token_ids) + (0 if state is None else state.num_tokens)
+        if num_tokens > cfg.max_history_tokens:
+            problems.append(f"{where}: history of {num_tokens} tokens is above the limit of "
+                            f"{cfg.max_history_tokens}")
+        denied: list[str] = []
+        if state is not None and not problems:
+            if state.tenant_salt != seq.tenant_salt:
+                denied.append(f"{where}: sequence belongs to another tenant")
+            elif state.method != method:
+                problems.append(f"{where}: sequence was opened with method {_method_name(state.method)}, "
+                                f"got {_method_name(method)}; release it first")
+        if problems or denied:
+            return None, problems, denied
+        max_nodes = seq.max_nodes or seq.max_depth
+        return _Plan(seq.sequence_id, new_token_ids, method, seq.max_depth, max_nodes, seq.tenant_salt), [], []
+
+    def _propose(self, plans: list[_Plan]) -> list[DraftTree]:
+        """One tree per plan, in order; proposers are called once per (method, depth, nodes)."""
+        groups: dict[tuple[int, int, int], list[int]] = {}
+        for i, plan in enumerate(plans):
+            groups.setdefault((plan.method, plan.max_depth, plan.max_nodes), []).append(i)
+        trees: list[DraftTree | None] = [None] * len(plans)
+        for (method, max_depth, max_nodes), indices in groups.items():
+            states = [self.store.get(plans[i].sequence_id) for i in indices]
+            for i, tree in zip(indices, self.proposers[method].propose(states, max_depth, max_nodes)):
+                trees[i] = tree
+        return trees
+
+
+def _method_name(method: int) -> str:
+    try:
+        return common_pb2.SpeculationMethod.Name(method)
+    except ValueError:
+        return str(method)
+
+
+def _summary(problems: list[str]) -> str:
+    more = len(problems) - _MAX_REPORTED_PROBLEMS
+    text = "; ".join(problems[:_MAX_REPORTED_PROBLEMS])
+    return text + (f"; and {more} more" if more > 0 else "")
+
+
+def add_to_server(server: grpc.aio.Server, service: DraftService) -> None:
+    draft_service_pb2_grpc.add_DraftServiceServicer_to_server(service, server)
