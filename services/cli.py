@@ -41,6 +41,8 @@ def _parser() -> argparse.ArgumentParser:
     prepare.set_defaults(func=_cmd_prepare)
 
     up = sub.add_parser("up", help="start all four services on loopback")
+    up.add_argument("--base-port", dest="port", type=int,
+                    help="router port; target, draft and cache take the next three (default 50051..50054)")
     _common_flags(up)
     _engine_flags(up)
     up.set_defaults(func=_cmd_up)

@@ -68,12 +68,22 @@ async def run_one(service: str, settings: Settings) -> int:
 
 
 async def run_all(settings: Settings) -> int:
-    """`specmesh up`: all four services in this process on loopback, default ports."""
+    """`specmesh up`: all four services in this process on loopback.
+
+    Ports are the defaults, or base, base+1, base+2, base+3 (router, target,
+    draft, cache) when `settings.port` is set.
+    """
     setup_telemetry(TelemetryConfig("specmesh", settings.otlp_endpoint or None))
+    ports = dict(DEFAULT_PORTS)
+    if settings.port:
+        ports = {name: settings.port + i for i, name in enumerate(("router", "target", "draft", "cache"))}
+    for name in ("target", "draft", "cache"):
+        setattr(settings, f"{name}_address", f"{settings.host}:{ports[name]}")
     servers = {}
     # The target first (it loads the model), the router last (it is the front door).
     for service in ("target", "draft", "cache", "router"):
-        servers[service] = build_server(service, settings, server_config(settings, service))
+        config = ServerConfig(settings.host, ports[service], settings.grace_seconds)
+        servers[service] = build_server(service, settings, config)
         await servers[service].start()
         print(f"{service:>6} serving on {servers[service].address}", flush=True)
     print(f"ready: specmesh generate \"Hello\" --address {servers['router'].address}", flush=True)

@@ -1,0 +1,18 @@
+#!/usr/bin/env bash
+# The main job on the embedded default: install, convert the default model once,
+# start all four services on loopback, stream one answer, shut down cleanly.
+# Usage: bash scripts/demo.sh ["PROMPT"]
+set -euo pipefail
+cd "$(dirname "$0")/.."
+PROMPT="${1:-Explain in two sentences why the sky is blue.}"
+bash scripts/setup.sh
+specmesh models prepare
+specmesh up &
+UP_PID=$!
+trap 'kill -INT $UP_PID 2>/dev/null; wait $UP_PID 2>/dev/null || true' EXIT
+for _ in $(seq 1 240); do
+  if python -m services.common.healthcheck 127.0.0.1:50051 >/dev/null 2>&1; then break; fi
+  if ! kill -0 $UP_PID 2>/dev/null; then echo "specmesh up exited" >&2; exit 1; fi
+  sleep 0.5
+done
+specmesh generate "$PROMPT" --max-tokens 64

@@ -1,0 +1,27 @@
+from __future__ import annotations
+
+import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+
+from services.common.telemetry import TelemetryConfig, setup_telemetry
+
+_SPANS = InMemorySpanExporter()
+setup_telemetry(TelemetryConfig("specmesh-tests"), span_exporter=_SPANS)
+
+
+@pytest.fixture
+def spans() -> InMemorySpanExporter:
+    _SPANS.clear()
+    return _SPANS
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory):
+    from services.common.models.tiny import build_tiny_model
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-llama"), arch="llama", seed=0)
+
+
+@pytest.fixture(scope="session")
+def tiny_gemma_dir(tmp_path_factory):
+    from services.common.models.tiny import build_tiny_model
+    return build_tiny_model(tmp_path_factory.mktemp("tiny-gemma"), arch="gemma3", seed=1)

@@ -1,0 +1,69 @@
+"""Starts real target + router gRPC servers on loopback for tests."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import grpc
+
+from services.common.proto.specmesh.v1 import (common_pb2, router_service_pb2, router_service_pb2_grpc,
+                                                target_service_pb2, target_service_pb2_grpc)
+from services.common.server import GrpcServer, ServerConfig
+from services.router.app import build_router_server
+from services.router.config import RouterConfig
+from services.target.app import build_target_server
+from services.target.config import EngineConfig
+from services.target.engine import Engine
+
+TOKEN_A, TOKEN_B = "token-a", "token-b"
+AUTH_A = (("authorization", f"Bearer {TOKEN_A}"),)
+AUTH_B = (("authorization", f"Bearer {TOKEN_B}"),)
+
+
+@dataclass
+class Mesh:
+    engine: Engine
+    target: GrpcServer
+    router: GrpcServer
+    channel: grpc.aio.Channel
+
+    @property
+    def router_stub(self) -> router_service_pb2_grpc.RouterServiceStub:
+        return router_service_pb2_grpc.RouterServiceStub(self.channel)
+
+    def target_stub(self) -> target_service_pb2_grpc.TargetServiceStub:
+        return target_service_pb2_grpc.TargetServiceStub(grpc.aio.insecure_channel(self.target.address))
+
+    async def stop(self) -> None:
+        await self.channel.close()
+        await self.router.stop(grace=1.0)
+        await self.target.stop(grace=1.0)
+
+
+async def start_mesh(model_dir: Path, **engine_overrides) -> Mesh:
+    config = EngineConfig(model_dir=model_dir, dtype="float32", num_blocks=256, block_size=4,
+                          max_batched_tokens=64, max_tokens_limit=256, kernels="reference")
+    engine = Engine.load(replace(config, **engine_overrides))
+    target = build_target_server(ServerConfig(port=0), engine, "tiny")
+    await target.start()
+    router = build_router_server(ServerConfig(port=0), RouterConfig(
+        target_address=target.address, tokens={TOKEN_A: "tenant-a", TOKEN_B: "tenant-b"},
+        max_tokens_limit=256))
+    await router.start()
+    return Mesh(engine, target, router, grpc.aio.insecure_channel(router.address))
+
+
+def request(prompt: str, max_tokens: int = 16, **sampling) -> router_service_pb2.GenerateRequest:
+    return router_service_pb2.GenerateRequest(
+        prompt=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens, **sampling))
+
+
+async def collect(stub, req, metadata=AUTH_A) -> tuple[list[int], str, common_pb2.GenerateChunk]:
+    """Runs one Generate call; returns (token ids, text, final chunk)."""
+    ids, text, last = [], "", None
+    async for response in stub.Generate(req, metadata=metadata):
+        ids.extend(response.chunk.token_ids)
+        text += response.chunk.text
+        last = response.chunk
+    return ids, text, last

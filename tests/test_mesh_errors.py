@@ -1,0 +1,71 @@
+"""Bad input gets INVALID_ARGUMENT / UNAUTHENTICATED and the servers keep serving."""
+
+from __future__ import annotations
+
+import math
+
+import grpc
+import pytest
+
+from tests.mesh import AUTH_A, collect, request, start_mesh
+
+BAD_REQUESTS = {
+    "empty prompt": request("", max_tokens=4),
+    "max_tokens zero": request("hello", max_tokens=0),
+    "max_tokens negative": request("hello", max_tokens=-3),
+    "max_tokens above limit": request("hello", max_tokens=257),
+    "temperature NaN": request("hello", temperature=math.nan),
+    "temperature infinite": request("hello", temperature=math.inf),
+    "temperature negative": request("hello", temperature=-0.5),
+    "top_p above 1": request("hello", top_p=1.5),
+    "top_p negative": request("hello", top_p=-0.1),
+    "top_p NaN": request("hello", top_p=math.nan),
+    "top_k negative": request("hello", top_k=-1),
+    "prompt plus max_tokens beyond context": request("word " * 400, max_tokens=200),
+}
+
+
+async def test_bad_requests_get_invalid_argument_and_the_server_keeps_serving(tiny_llama_dir):
+    mesh = await start_mesh(tiny_llama_dir)
+    try:
+        good, _, _ = await collect(mesh.router_stub, request("hello there", max_tokens=8))
+        for name, bad in BAD_REQUESTS.items():
+            with pytest.raises(grpc.aio.AioRpcError) as info:
+                await collect(mesh.router_stub, bad)
+            assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT, name
+            assert info.value.details(), name
+        again, _, _ = await collect(mesh.router_stub, request("hello there", max_tokens=8))
+        assert again == good
+        stats = await mesh.target_stub().GetStats(__import__(
+            "services.common.proto.specmesh.v1.target_service_pb2", fromlist=["x"]).GetStatsRequest())
+        assert stats.free_blocks == stats.num_blocks
+    finally:
+        await mesh.stop()
+
+
+@pytest.mark.parametrize("metadata", [
+    (),
+    (("authorization", "Bearer not-a-token"),),
+    (("authorization", "Basic dXNlcjpwYXNz"),),
+], ids=["missing", "unknown", "wrong-scheme"])
+async def test_missing_or_unknown_credential_is_unauthenticated(tiny_llama_dir, metadata):
+    mesh = await start_mesh(tiny_llama_dir)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(mesh.router_stub, request("hello", max_tokens=4), metadata=metadata)
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+        ids, _, _ = await collect(mesh.router_stub, request("hello", max_tokens=4), metadata=AUTH_A)
+        assert len(ids) == 4
+    finally:
+        await mesh.stop()
+
+
+async def test_target_down_is_unavailable(tiny_llama_dir):
+    mesh = await start_mesh(tiny_llama_dir)
+    try:
+        await mesh.target.stop(grace=0.5)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await collect(mesh.router_stub, request("hello", max_tokens=4))
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE
+    finally:
+        await mesh.stop()
