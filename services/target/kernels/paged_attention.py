@@ -1,0 +1,161 @@
+"""Paged attention over block tables (PyTorch reference + shared argument checks).
+
+One call serves a mixed batch: prefill chunks, decode steps and verify trees of many
+sequences, their new tokens flattened sequence after sequence in `query`.
+
+Visibility for new token i of sequence s (i local to s, c = context_lens[s]):
+  * committed kv slots j < c (sequence index j, position j), and
+  * new-token kv slots c + k with k <= i (causal), or with tree_mask[row, k] True when a
+    tree mask is given (row = global token index; ancestors-and-self of node i);
+  * with a sliding window W: only kv entries whose position p_kv satisfies
+    p_q - p_kv < W, where p_q = query_positions[row] and a new token's kv position is
+    its own query position (transformers: kv_idx > q_idx - sliding_window).
+A query row with no visible kv entry yields zeros. GQA: query head h reads kv head
+h // (num_heads // num_kv_heads). Softmax runs in float32; the output has query's dtype.
+The keys/values of the new tokens must already be in the cache (store_kv first).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ._validate import FLOAT_DTYPES, check_kv_cache, check_tensor
+
+MAX_HEAD_DIM = 256
+
+
+def paged_attention_reference(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32, committed kv entries before the new tokens
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32, cumulative new-token counts
+    query_positions: torch.Tensor,  # [num_tokens] int32, absolute position of each new token
+    scale: float,
+    sliding_window: int | None = None,
+    tree_mask: torch.Tensor | None = None,  # [num_tokens, max_q_len] bool
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] f32, FP8 only
+    v_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] f32, FP8 only
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query.dtype
+    """Attention of each new token over its sequence's paged KV (see module docstring)."""
+    validate_paged_attention_args(
+        query, k_cache, v_cache, block_tables, context_lens, query_start_loc, query_positions,
+        scale, sliding_window, tree_mask, k_scale, v_scale,
+    )
+    num_tokens, num_heads, head_dim = query.shape
+    _, block_size, nkv, _ = k_cache.shape
+    group = num_heads // nkv
+    num_seqs = block_tables.shape[0]
+    out = torch.zeros_like(query)
+    if num_tokens == 0 or num_seqs == 0:
+        return out
+    dev = query.device
+    starts = query_start_loc[:-1].long()  # [num_seqs]
+    q_lens = query_start_loc[1:].long() - starts  # [num_seqs]
+    ctx = context_lens.long()  # [num_seqs]
+    max_q = int(q_lens.max())
+    max_kv = int((ctx + q_lens).max())
+    if max_q == 0:
+        return out
+
+    # Pad queries per sequence: rows[s, i] = global token index of new token i of s.
+    i_idx = torch.arange(max_q, device=dev)  # [max_q]
+    q_valid = i_idx[None, :] < q_lens[:, None]  # [num_seqs, max_q]
+    rows = torch.where(q_valid, starts[:, None] + i_idx[None, :], 0)  # [num_seqs, max_q]
+    q = query.float()[rows]  # [num_seqs, max_q, num_heads, head_dim]
+    q = q.view(num_seqs, max_q, nkv, group, head_dim)
+
+    # Gather each sequence's kv entries 0 .. ctx + q_len - 1 through its block table.
+    j_idx = torch.arange(max_kv, device=dev)  # [max_kv]
+    kv_valid = j_idx[None, :] < (ctx + q_lens)[:, None]  # [num_seqs, max_kv]
+    blk_col = (j_idx // block_size).clamp(max=block_tables.shape[1] - 1)  # [max_kv]
+    blocks = block_tables.long()[:, blk_col]  # [num_seqs, max_kv]
+    slots = torch.where(kv_valid, blocks * block_size + j_idx % block_size, 0)  # [num_seqs, max_kv]
+    k = _gather_kv(k_cache, k_scale, slots)  # [num_seqs, max_kv, nkv, head_dim] f32
+    v = _gather_kv(v_cache, v_scale, slots)  # [num_seqs, max_kv, nkv, head_dim] f32
+
+    mask = _visibility(ctx, q_lens, q_valid, kv_valid, rows, query_positions, sliding_window, tree_mask)
+    scores = torch.einsum("sqngd,sknd->sngqk", q, k) * scale  # [num_seqs, nkv, group, max_q, max_kv]
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows -> zeros
+    o = torch.einsum("sngqk,sknd->sqngd", probs, v)  # [num_seqs, max_q, nkv, group, head_dim]
+    o = o.reshape(num_seqs, max_q, num_heads, head_dim)
+    out[rows[q_valid]] = o[q_valid].to(query.dtype)
+    return out
+
+
+def _gather_kv(
+    cache: torch.Tensor,  # [num_blocks, block_size, nkv, head_dim]
+    scale: torch.Tensor | None,  # [num_blocks, block_size, nkv] f32, FP8 only
+    slots: torch.Tensor,  # [num_seqs, max_kv] int64
+) -> torch.Tensor:  # [num_seqs, max_kv, nkv, head_dim] f32
+    nkv, head_dim = cache.shape[2], cache.shape[3]
+    x = cache.view(-1, nkv, head_dim)[slots].float()
+    if scale is not None:
+        x = x * scale.view(-1, nkv)[slots].unsqueeze(-1)
+    return x
+
+
+def _visibility(
+    ctx: torch.Tensor,  # [num_seqs] int64
+    q_lens: torch.Tensor,  # [num_seqs] int64
+    q_valid: torch.Tensor,  # [num_seqs, max_q] bool
+    kv_valid: torch.Tensor,  # [num_seqs, max_kv] bool
+    rows: torch.Tensor,  # [num_seqs, max_q] global token index
+    query_positions: torch.Tensor,  # [num_tokens]
+    sliding_window: int | None,
+    tree_mask: torch.Tensor | None,  # [num_tokens, max_q_len] bool
+) -> torch.Tensor:  # [num_seqs, max_q, max_kv] bool
+    max_q, max_kv = q_valid.shape[1], kv_valid.shape[1]
+    dev = ctx.device
+    i_idx = torch.arange(max_q, device=dev)  # [max_q]
+    j_idx = torch.arange(max_kv, device=dev)  # [max_kv]
+    k_new = j_idx[None, :] - ctx[:, None]  # [num_seqs, max_kv] index among new tokens
+    is_new = k_new >= 0  # [num_seqs, max_kv]
+    if tree_mask is None:
+        new_vis = k_new[:, None, :] <= i_idx[None, :, None]  # [num_seqs, max_q, max_kv]
+    else:
+        col = k_new.clamp(0, tree_mask.shape[1] - 1)  # [num_seqs, max_kv]
+        new_vis = tree_mask[rows[:, :, None], col[:, None, :]]  # [num_seqs, max_q, max_kv]
+    mask = q_valid[:, :, None] & kv_valid[:, None, :] & (~is_new[:, None, :] | new_vis)
+    if sliding_window is not None:
+        pos = query_positions.long()
+        p_q = pos[rows]  # [num_seqs, max_q]
+        starts = rows[:, :1]  # [num_seqs, 1] (row of new token 0; valid whenever q_len > 0)
+        new_rows = (starts + k_new.clamp(min=0)).clamp(max=pos.shape[0] - 1)  # [num_seqs, max_kv]
+        p_kv = torch.where(is_new, pos[new_rows], j_idx[None, :])  # [num_seqs, max_kv]
+        mask &= (p_q[:, :, None] - p_kv[:, None, :]) < sliding_window
+    return mask
+
+
+def validate_paged_attention_args(
+    query, k_cache, v_cache, block_tables, context_lens, query_start_loc, query_positions,
+    scale, sliding_window, tree_mask, k_scale, v_scale,
+) -> None:
+    """Shared argument checks (reference and Triton); raises ValueError / TypeError."""
+    check_tensor("query", query, [None, None, None], FLOAT_DTYPES, None, "[num_tokens, num_heads, head_dim]")
+    num_tokens, num_heads, head_dim = query.shape
+    dev = query.device
+    _, _, nkv, _, is_fp8 = check_kv_cache(k_cache, v_cache, k_scale, v_scale, None, head_dim, dev)
+    if not is_fp8 and k_cache.dtype != query.dtype:
+        raise TypeError(f"k_cache dtype {k_cache.dtype} must equal query dtype {query.dtype} (or be float8_e4m3fn)")
+    if num_heads % nkv != 0:
+        raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({nkv})")
+    if not 1 <= head_dim <= MAX_HEAD_DIM:
+        raise ValueError(f"head_dim must be in [1, {MAX_HEAD_DIM}], got {head_dim}")
+    check_tensor("block_tables", block_tables, [None, None], (torch.int32,), dev, "[num_seqs, max_blocks_per_seq]")
+    num_seqs = block_tables.shape[0]
+    if block_tables.shape[1] == 0:
+        raise ValueError("block_tables must have at least one column ([num_seqs, max_blocks_per_seq >= 1])")
+    check_tensor("context_lens", context_lens, [num_seqs], (torch.int32,), dev, f"[num_seqs={num_seqs}]")
+    check_tensor("query_start_loc", query_start_loc, [num_seqs + 1], (torch.int32,), dev, f"[num_seqs + 1={num_seqs + 1}]")
+    check_tensor("query_positions", query_positions, [num_tokens], (torch.int32,), dev, f"[num_tokens={num_tokens}]")
+    if tree_mask is not None:
+        check_tensor("tree_mask", tree_mask, [num_tokens, None], (torch.bool,), dev, f"[num_tokens={num_tokens}, max_q_len]")
+        if tree_mask.shape[1] == 0 and num_tokens > 0:
+            raise ValueError("tree_mask must have at least one column ([num_tokens, max_q_len >= 1])")
+    if not isinstance(scale, (int, float)) or isinstance(scale, bool):
+        raise TypeError(f"scale must be a Python float, got {type(scale).__name__}")
+    if sliding_window is not None and (isinstance(sliding_window, bool) or not isinstance(sliding_window, int) or sliding_window < 1):
+        raise ValueError(f"sliding_window must be None or a positive int, got {sliding_window!r}")
