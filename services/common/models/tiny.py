@@ -1,0 +1,212 @@
+"""Tiny seeded causal LMs for tests, saved as ordinary Hugging Face directories.
+
+`build_tiny_model` writes config + safetensors + tokenizer, so tests run the real loading
+path (`load_causal_lm`). Everything is offline and deterministic:
+
+- tokenizer: a byte-level BPE (`TINY_VOCAB_SIZE` tokens: 4 specials, 256 bytes, merges)
+  trained on the built-in `_CORPUS`; it adds `<bos>` like Gemma's tokenizer does and
+  round-trips any text (byte level, so there is no unknown token in practice).
+- weights: every matrix ~ N(0, initializer_range) drawn from a `torch.Generator` seeded
+  with `seed`, in sorted parameter-name order; vectors (norms) keep their defaults. The
+  large std (0.2) makes greedy output vary instead of repeating one token.
+
+Architectures: "llama" (2 layers, full attention) and "gemma3" (4 layers mixing
+sliding-window and full attention, sliding_window=16). Both untie the LM head.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import tempfile
+from functools import lru_cache
+from pathlib import Path
+from typing import Any
+
+import torch
+
+TINY_ARCHS = ("llama", "gemma3")
+TINY_VOCAB_SIZE = 384
+SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0, 1, 2, 3
+TINY_MARKER = "specmesh-tiny.json"
+
+_COMMON = dict(
+    hidden_size=64,
+    intermediate_size=128,
+    num_attention_heads=4,
+    num_key_value_heads=2,
+    head_dim=16,
+    max_position_embeddings=512,
+    rms_norm_eps=1e-6,
+    initializer_range=0.2,
+    pad_token_id=0,
+    bos_token_id=1,
+    eos_token_id=2,
+)
+_ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
+    "llama": dict(
+        num_hidden_layers=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        tie_word_embeddings=False,
+    ),
+    "gemma3": dict(
+        num_hidden_layers=4,
+        sliding_window=16,
+        sliding_window_pattern=2,  # only recorded as `_sliding_window_pattern`; layer_types rules
+        layer_types=["sliding_attention", "full_attention", "sliding_attention", "full_attention"],
+        rope_parameters={
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        query_pre_attn_scalar=16,
+        final_logit_softcapping=None,
+        attn_logit_softcapping=None,
+        # Untied, unlike the real Gemma 3: with random tied weights the residual stream's
+        # scaled embedding dominates and greedy output repeats one token forever.
+        tie_word_embeddings=False,
+    ),
+}
+
+
+def tiny_config(arch: str = "llama", **overrides):
+    """The tiny config of `arch` with `overrides` applied (unknown keys are an error)."""
+    from transformers import Gemma3TextConfig, LlamaConfig
+
+    if arch not in TINY_ARCHS:
+        raise ValueError(f"unknown tiny arch {arch!r}; expected one of {TINY_ARCHS}")
+    config_cls = {"llama": LlamaConfig, "gemma3": Gemma3TextConfig}[arch]
+    known = set(config_cls().to_dict()) | {"rope_parameters", "layer_types"}
+    unknown = sorted(set(overrides) - known)
+    if unknown:
+        raise ValueError(f"unknown config overrides for {arch}: {unknown}")
+    kwargs = {**_COMMON, **_ARCH_DEFAULTS[arch], "vocab_size": TINY_VOCAB_SIZE, **overrides}
+    if arch == "gemma3" and "num_hidden_layers" in overrides and "layer_types" not in overrides:
+        kwargs["layer_types"] = _alternating_layer_types(overrides["num_hidden_layers"])
+    config = config_cls(**kwargs)
+    config.architectures = [{"llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM"}[arch]]
+    return config
+
+
+def build_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+    """Write a tiny seeded model of `arch` to `out_dir` (atomically) and return `out_dir`.
+
+    Same (arch, seed, overrides) -> identical files' weights. `overrides` go to the config
+    (e.g. `num_hidden_layers=3`, `sliding_window=8`, `initializer_range=0.02`).
+    """
+    from transformers import AutoModelForCausalLM
+
+    out_dir = Path(out_dir)
+    config = tiny_config(arch, **overrides)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    _seed_weights(model, seed, config.initializer_range)
+    model.generation_config.pad_token_id = config.pad_token_id
+    tokenizer = build_tiny_tokenizer()
+    if config.vocab_size < len(tokenizer):
+        raise ValueError(f"vocab_size {config.vocab_size} is smaller than the tokenizer's {len(tokenizer)}")
+
+    out_dir.parent.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.tmp-", dir=out_dir.parent))
+    try:
+        model.save_pretrained(work)
+        tokenizer.save_pretrained(work)
+        marker = {"arch": arch, "seed": seed, "overrides": overrides}
+        (work / TINY_MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True, default=str) + "\n")
+        if out_dir.exists():
+            shutil.rmtree(out_dir)
+        os.rename(work, out_dir)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    return out_dir
+
+
+def tiny_model_dir(tmp_root: Path, arch: str = "llama", seed: int = 0) -> Path:
+    """`tmp_root/tiny-{arch}-seed{seed}`, built on first use and reused afterwards."""
+    out_dir = Path(tmp_root) / f"tiny-{arch}-seed{seed}"
+    try:
+        marker = json.loads((out_dir / TINY_MARKER).read_text())
+        if marker == {"arch": arch, "seed": seed, "overrides": {}}:
+            return out_dir
+    except (OSError, ValueError):
+        pass
+    return build_tiny_model(out_dir, arch=arch, seed=seed)
+
+
+def build_tiny_tokenizer():
+    """Byte-level BPE trained deterministically on `_CORPUS`, as a PreTrainedTokenizerFast."""
+    from tokenizers import Tokenizer
+    from transformers import PreTrainedTokenizerFast
+
+    return PreTrainedTokenizerFast(
+        tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json()),
+        pad_token="<pad>",
+        bos_token="<bos>",
+        eos_token="<eos>",
+        unk_token="<unk>",
+        model_max_length=_COMMON["max_position_embeddings"],
+    )
+
+
+# ----------------------------------------------------------------------------- helpers
+
+
+def _seed_weights(model: torch.nn.Module, seed: int, std: float) -> None:
+    """Overwrite every matrix with N(0, std) from one seeded generator; keep vectors."""
+    generator = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for _, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+            if param.dim() >= 2:
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+
+
+@lru_cache(maxsize=1)
+def _trained_tokenizer_json() -> str:
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE(unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=TINY_VOCAB_SIZE,
+        special_tokens=list(SPECIAL_TOKENS),
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+    tok.train_from_iterator(_CORPUS.splitlines(), trainer=trainer)
+    tok.post_processor = processors.TemplateProcessing(
+        single="<bos> $A", pair="<bos> $A <bos> $B", special_tokens=[("<bos>", tok.token_to_id("<bos>"))]
+    )
+    return tok.to_str()
+
+
+def _alternating_layer_types(num_layers: int) -> list[str]:
+    return ["full_attention" if i % 2 else "sliding_attention" for i in range(num_layers)]
+
+
+_CORPUS = """\
+The quick brown fox jumps over the lazy dog. The dog sleeps in the sun.
+Speculative decoding lets a small draft model propose tokens that a large target verifies.
+The target accepts the longest prefix it agrees with and adds one bonus token.
+Paged attention stores keys and values in fixed-size blocks shared by reference count.
+A prefix cache reuses the blocks of a prompt that was already seen by another request.
+The router picks a replica with the longest cached prefix, then the lowest load.
+def fibonacci(n):
+    if n < 2:
+        return n
+    return fibonacci(n - 1) + fibonacci(n - 2)
+for i in range(10):
+    print(i, fibonacci(i))
+class Block:
+    def __init__(self, block_id, size):
+        self.block_id = block_id
+        self.ref_count = 0
+Once upon a time there was a little robot who loved to count tokens.
+It counted one, two, three, four, five, six, seven, eight, nine, ten.
+Then it counted again, because counting is what little robots do best.
+The capital of France is Paris. The capital of Italy is Rome. The capital of Spain is Madrid.
+Numbers: 0 1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16 17 18 19 20 100 1000 3.14159 2.71828
+Punctuation and symbols: , . ; : ! ? ( ) [ ] { } < > = + - * / % & | ^ ~ @ # $ _ " '
+Ünïcödé text: café, naïve, résumé, Straße, 日本語, 中文, русский, ελληνικά, emoji 🙂🚀.
+{"model": "tiny", "layers": 2, "heads": 4, "kv_heads": 2, "head_dim": 16}
+SELECT id, name FROM users WHERE tenant = 'a' ORDER BY id LIMIT 10;
+"""
