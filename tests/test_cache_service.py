@@ -10,13 +10,11 @@ import grpc
 import pytest
 import redis.asyncio as aioredis
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.cache.app import build_cache_server
 from services.cache.config import CacheConfig, RedisEndpoint
 from services.common.proto.specmesh.v1 import cache_service_pb2 as pb
 from services.common.proto.specmesh.v1 import cache_service_pb2_grpc
-from services.common.telemetry import TelemetryConfig, setup_telemetry
 
 # aiocache 0.12.3 calls redis-py methods that redis-py 5+ marks deprecated (setex, close).
 pytestmark = pytest.mark.filterwarnings("ignore:Call to deprecated:DeprecationWarning")
@@ -175,19 +173,17 @@ async def test_redis_down_is_unavailable():
 
 # ---- server plumbing and config ---------------------------------------------------------------
 
-async def test_health_serving_and_span_attributes():
-    exporter = InMemorySpanExporter()
-    setup_telemetry(TelemetryConfig("specmesh-test"), span_exporter=exporter)
+async def test_health_serving_and_span_attributes(spans):  # `spans`: tests/conftest.py
     async with Client(CacheConfig()) as cache:
         reply = await health_pb2_grpc.HealthStub(cache.channel).Check(health_pb2.HealthCheckRequest())
         assert reply.status == health_pb2.HealthCheckResponse.SERVING
         await cache.get(TOOL, "secret-key")
         await cache.put(TOOL, "secret-key", b"secret-value")
         await cache.get(TOOL, "secret-key")
-    lookups = [s for s in exporter.get_finished_spans() if s.name == "cache.lookup"]
-    assert [(s.attributes["specmesh.cache_kind"], s.attributes["specmesh.cache_hit"]) for s in lookups[-2:]] \
+    lookups = [s for s in spans.get_finished_spans() if s.name == "cache.lookup"]
+    assert [(s.attributes["specmesh.cache_kind"], s.attributes["specmesh.cache_hit"]) for s in lookups] \
         == [("tool", False), ("tool", True)]
-    for span in exporter.get_finished_spans():
+    for span in spans.get_finished_spans():
         for value in span.attributes.values():
             assert "secret" not in str(value)
 

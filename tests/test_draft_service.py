@@ -7,11 +7,9 @@ import random
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.common.proto.specmesh.v1 import common_pb2, draft_service_pb2, draft_service_pb2_grpc
 from services.common.server import GrpcServer
-from services.common.telemetry import TelemetryConfig, setup_telemetry
 from services.draft.app import build_draft_server
 from services.draft.config import DraftConfig
 from services.draft.proposers import DraftTree, PromptLookupProposer
@@ -229,9 +227,7 @@ async def test_draining_server_answers_unavailable():
 
 # ---- server plumbing -------------------------------------------------------------------------
 
-async def test_health_serving_and_span_attributes():
-    exporter = InMemorySpanExporter()
-    setup_telemetry(TelemetryConfig("specmesh-test"), span_exporter=exporter)
+async def test_health_serving_and_span_attributes(spans):  # `spans`: tests/conftest.py
     server, channel = await _serve(DraftConfig())
     try:
         health = health_pb2_grpc.HealthStub(channel)
@@ -243,12 +239,12 @@ async def test_health_serving_and_span_attributes():
     finally:
         await channel.close()
         await server.stop(0)
-    spans = [s for s in exporter.get_finished_spans() if s.name == "draft.propose"]
-    assert spans, "no draft.propose span"
-    attributes = dict(spans[-1].attributes)
+    proposals = [s for s in spans.get_finished_spans() if s.name == "draft.propose"]
+    assert len(proposals) == 1 and proposals[0].parent is not None  # inside the gRPC server span
+    attributes = dict(proposals[0].attributes)
     assert attributes["specmesh.num_sequences"] == 2
     assert attributes["specmesh.proposed_tokens"] == 3
-    for span in spans:
+    for span in proposals:
         for value in span.attributes.values():
             assert not isinstance(value, (list, tuple)), "token contents must not be recorded"
 
