@@ -13,7 +13,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 
 
-
 def _token_array() -> array:
     tokens = array("i")
     assert tokens.itemsize == 4, "token histories are stored as 32-bit ints"
