@@ -1,14 +1,24 @@
-"""The one owner of KV blocks: free list, reference counts and per-sequence block tables.
+"""The one owner of KV blocks: free list, reference counts, block tables and the prefix cache.
 
-Everything else asks this module for blocks and never edits a table itself.
-Check, then commit: `can_reserve` before `reserve`; a reserve that cannot be
-satisfied raises `OutOfBlocks` and changes nothing.
+Terms:
+- A *full* block holds `block_size` committed tokens. Full blocks get a chained hash
+  `h(parent_hash, tokens, extra_key)`; `extra_key` carries the model id and the tenant
+  salt, so equal tokens of different tenants never share a block.
+- A *cached* block is a full block registered under its hash. When no sequence
+  references it (ref count 0) it waits in LRU order and is evicted only when a fresh
+  block is needed and no never-cached free block is left.
+
+Check, then commit: `can_reserve` / `can_admit` before `reserve` / `admit`; a call that
+cannot be satisfied raises `OutOfBlocks` and changes nothing. Everything else in the
+engine asks this module and never edits a table.
 """
 
 from __future__ import annotations
 
-from collections import deque
-from dataclasses import dataclass
+import hashlib
+import struct
+from collections import OrderedDict, deque
+from dataclasses import dataclass, field
 
 
 class OutOfBlocks(RuntimeError):
@@ -18,87 +28,229 @@ class OutOfBlocks(RuntimeError):
 @dataclass(frozen=True)
 class BlockStats:
     num_blocks: int
-    free_blocks: int
-    used_blocks: int
-    allocated_slots: int  # slots in used blocks
-    used_slots: int  # slots holding a token that a sequence reserved
+    free_blocks: int  # allocatable: never-cached free + evictable cached
+    used_blocks: int  # referenced by at least one sequence
+    cached_blocks: int  # registered in the prefix cache (used or evictable)
+    evictions: int
+    prefix_queries: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+
+
+@dataclass(frozen=True)
+class KVEvent:
+    """A change of the prefix cache, for subscribers (the cache service's prefix index)."""
+
+    kind: str  # "stored" | "removed"
+    block_hash: int
+    parent_hash: int | None
+    num_tokens: int
+    scope: str  # short digest of the extra key: groups a tenant's blocks, reveals no salt
+
+
+@dataclass(frozen=True)
+class PrefixMatch:
+    """The cached full blocks that start a prompt (from `match_prefix`, not yet acquired)."""
+
+    block_ids: tuple[int, ...]
+    hashes: tuple[int, ...]
+    num_tokens: int
+
+
+@dataclass
+class _Block:
+    ref_count: int = 0
+    hash: int | None = None
+    key: tuple | None = None  # (parent_hash, tokens, extra_key): the collision check
+
+
+@dataclass
+class _SeqBlocks:
+    table: list[int] = field(default_factory=list)
+    hashes: list[int] = field(default_factory=list)  # of the leading full committed blocks
+    reserved_tokens: int = 0
+
+
+def block_hash(parent: int | None, tokens: tuple[int, ...], extra_key: str) -> int:
+    """Stable 64-bit chained hash (the same in every process, so events can be shared)."""
+    h = hashlib.blake2b(digest_size=8)
+    h.update(struct.pack("<Q", 0 if parent is None else parent))
+    h.update(struct.pack(f"<{len(tokens)}i", *tokens))
+    h.update(extra_key.encode())
+    return struct.unpack("<Q", h.digest())[0]
 
 
 class BlockManager:
-    """Fixed-size KV blocks for all sequences of one engine.
-
-    A sequence's table maps its token index i to slot
-    `table[i // block_size] * block_size + i % block_size`.
-    """
-
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
         self.block_size = block_size
-        self._free: deque[int] = deque(range(num_blocks))  # lowest ids first
-        self._ref_counts = [0] * num_blocks
-        self._tables: dict[str, list[int]] = {}
-        self._reserved_tokens: dict[str, int] = {}
+        self.enable_prefix_caching = enable_prefix_caching
+        self._blocks = [_Block() for _ in range(num_blocks)]
+        self._free: deque[int] = deque(range(num_blocks))  # never cached (or evicted), lowest ids first
+        self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, ref 0; oldest first
+        self._cached: dict[int, int] = {}  # hash -> block id
+        self._seqs: dict[str, _SeqBlocks] = {}
+        self.events: list[KVEvent] = []  # drained by the engine each step
+        self._evictions = self._queries = self._query_tokens = self._hit_tokens = 0
 
     # ---- queries -------------------------------------------------------
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return len(self._free) + len(self._evictable)
 
     def blocks_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.block_size)
 
+    def has(self, seq_id: str) -> bool:
+        return seq_id in self._seqs
+
     def block_table(self, seq_id: str) -> list[int]:
-        return list(self._tables.get(seq_id, ()))
+        entry = self._seqs.get(seq_id)
+        return list(entry.table) if entry else []
 
     def ref_count(self, block_id: int) -> int:
-        return self._ref_counts[block_id]
+        return self._blocks[block_id].ref_count
 
-    def has(self, seq_id: str) -> bool:
-        return seq_id in self._tables
-
-    def can_reserve(self, seq_id: str, num_tokens: int) -> bool:
-        return self._missing_blocks(seq_id, num_tokens) <= len(self._free)
-
-    def slot(self, seq_id: str, index: int) -> int:
-        table = self._tables[seq_id]
-        return table[index // self.block_size] * self.block_size + index % self.block_size
+    def evictable_order(self) -> list[int]:
+        """Cached unreferenced blocks, next to be evicted first."""
+        return list(self._evictable)
 
     def slots(self, seq_id: str, start: int, end: int) -> list[int]:
-        table, bs = self._tables[seq_id], self.block_size
+        table, bs = self._seqs[seq_id].table, self.block_size
         return [table[i // bs] * bs + i % bs for i in range(start, end)]
 
+    def can_reserve(self, seq_id: str, num_tokens: int) -> bool:
+        return self._missing(seq_id, num_tokens) <= self.num_free
+
+    def match_prefix(self, token_ids: list[int], extra_key: str) -> PrefixMatch:
+        """The longest run of cached full blocks that starts `token_ids` (changes nothing).
+
+        At least one token is always left uncached so that the prompt's last position
+        is computed and yields logits.
+        """
+        ids, hashes, parent = [], [], None
+        if self.enable_prefix_caching:
+            for i in range((len(token_ids) - 1) // self.block_size):
+                tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
+                h = block_hash(parent, tokens, extra_key)
+                block_id = self._cached.get(h)
+                if block_id is None or self._blocks[block_id].key != (parent, tokens, extra_key):
+                    break  # miss, or a hash collision: treat as a miss
+                ids.append(block_id)
+                hashes.append(h)
+                parent = h
+        return PrefixMatch(tuple(ids), tuple(hashes), len(ids) * self.block_size)
+
+    def can_admit(self, match: PrefixMatch, num_tokens: int) -> bool:
+        """Whether a new sequence starting with `match` can hold `num_tokens` tokens."""
+        revived = sum(1 for b in match.block_ids if self._blocks[b].ref_count == 0)
+        missing = max(0, self.blocks_for(num_tokens) - len(match.block_ids))
+        return missing + revived <= self.num_free
+
     def stats(self) -> BlockStats:
-        used = self.num_blocks - len(self._free)
-        return BlockStats(self.num_blocks, len(self._free), used, used * self.block_size,
-                          sum(self._reserved_tokens.values()))
+        used = sum(1 for b in self._blocks if b.ref_count > 0)
+        return BlockStats(self.num_blocks, self.num_free, used, len(self._cached), self._evictions,
+                          self._queries, self._query_tokens, self._hit_tokens)
+
+    def slot_usage(self, filled: dict[str, int]) -> tuple[int, int]:
+        """(allocated slots, slots holding KV) over referenced blocks; `filled` = tokens with KV per seq."""
+        fill: dict[int, int] = {}
+        for seq_id, entry in self._seqs.items():
+            n = filled.get(seq_id, 0)
+            for i, block_id in enumerate(entry.table):
+                used = min(self.block_size, max(0, n - i * self.block_size))
+                fill[block_id] = max(fill.get(block_id, 0), used)
+        return len(fill) * self.block_size, sum(fill.values())
 
     # ---- changes -------------------------------------------------------
+    def admit(self, seq_id: str, match: PrefixMatch, num_tokens: int, num_prompt_tokens: int) -> None:
+        """Starts `seq_id`'s table with the matched cached blocks, then reserves up to `num_tokens`."""
+        if seq_id in self._seqs:
+            raise ValueError(f"{seq_id} already holds blocks")
+        if not self.can_admit(match, num_tokens):
+            raise OutOfBlocks(f"{seq_id}: not enough free blocks for {num_tokens} tokens")
+        for block_id in match.block_ids:
+            self._acquire(block_id)
+        self._seqs[seq_id] = _SeqBlocks(list(match.block_ids), list(match.hashes))
+        self._queries += 1
+        self._query_tokens += num_prompt_tokens
+        self._hit_tokens += match.num_tokens
+        self.reserve(seq_id, num_tokens)
+
     def reserve(self, seq_id: str, num_tokens: int) -> list[int]:
         """Grows `seq_id`'s table to hold `num_tokens` tokens; returns the new block ids."""
-        missing = self._missing_blocks(seq_id, num_tokens)
-        if missing > len(self._free):
-            raise OutOfBlocks(f"{seq_id}: need {missing} blocks, {len(self._free)} free")
-        table = self._tables.setdefault(seq_id, [])
-        new = [self._free.popleft() for _ in range(missing)]
-        for block_id in new:
-            self._ref_counts[block_id] = 1
-        table.extend(new)
-        self._reserved_tokens[seq_id] = max(self._reserved_tokens.get(seq_id, 0), num_tokens)
+        missing = self._missing(seq_id, num_tokens)
+        if missing > self.num_free:
+            raise OutOfBlocks(f"{seq_id}: need {missing} blocks, {self.num_free} free")
+        entry = self._seqs.setdefault(seq_id, _SeqBlocks())
+        new = [self._take_free_block() for _ in range(missing)]
+        entry.table.extend(new)
+        entry.reserved_tokens = max(entry.reserved_tokens, num_tokens)
         return new
 
+    def commit(self, seq_id: str, token_ids: list[int], num_committed: int, extra_key: str) -> None:
+        """Registers the sequence's full blocks whose tokens are all committed (KV computed)."""
+        if not self.enable_prefix_caching:
+            return
+        entry, bs = self._seqs[seq_id], self.block_size
+        while (len(entry.hashes) + 1) * bs <= num_committed:
+            i = len(entry.hashes)
+            parent = entry.hashes[-1] if entry.hashes else None
+            tokens = tuple(token_ids[i * bs:(i + 1) * bs])
+            h = block_hash(parent, tokens, extra_key)
+            block = self._blocks[entry.table[i]]
+            if h not in self._cached and block.hash is None:
+                block.hash, block.key = h, (parent, tokens, extra_key)
+                self._cached[h] = entry.table[i]
+                self.events.append(KVEvent("stored", h, parent, bs, _scope(extra_key)))
+            entry.hashes.append(h)
+
     def release(self, seq_id: str) -> int:
-        """Drops the sequence's table; blocks whose count reaches 0 go back to the free list."""
-        table = self._tables.pop(seq_id, [])
-        self._reserved_tokens.pop(seq_id, None)
-        for block_id in table:
-            self._ref_counts[block_id] -= 1
-            if self._ref_counts[block_id] == 0:
-                self._free.append(block_id)
-        return len(table)
+        """Drops the sequence's table. Blocks reaching ref 0 become free (or evictable when cached).
+
+        Blocks are released last-first, so a sequence's tail is evicted before its prefix.
+        """
+        entry = self._seqs.pop(seq_id, None)
+        if entry is None:
+            return 0
+        for block_id in reversed(entry.table):
+            block = self._blocks[block_id]
+            block.ref_count -= 1
+            if block.ref_count == 0:
+                if block.hash is not None:
+                    self._evictable[block_id] = None
+                else:
+                    self._free.append(block_id)
+        return len(entry.table)
 
     # ---- helpers -------------------------------------------------------
-    def _missing_blocks(self, seq_id: str, num_tokens: int) -> int:
-        have = len(self._tables.get(seq_id, ()))
+    def _missing(self, seq_id: str, num_tokens: int) -> int:
+        entry = self._seqs.get(seq_id)
+        have = len(entry.table) if entry else 0
         return max(0, self.blocks_for(num_tokens) - have)
+
+    def _acquire(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        if block.ref_count == 0:
+            self._evictable.pop(block_id, None)
+        block.ref_count += 1
+
+    def _take_free_block(self) -> int:
+        if self._free:
+            block_id = self._free.popleft()
+        else:
+            block_id, _ = self._evictable.popitem(last=False)  # least recently used
+            block = self._blocks[block_id]
+            del self._cached[block.hash]
+            parent, tokens, extra_key = block.key
+            self.events.append(KVEvent("removed", block.hash, parent, len(tokens), _scope(extra_key)))
+            block.hash = block.key = None
+            self._evictions += 1
+        self._blocks[block_id].ref_count = 1
+        return block_id
+
+
+def _scope(extra_key: str) -> str:
+    return hashlib.blake2b(extra_key.encode(), digest_size=6).hexdigest()

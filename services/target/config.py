@@ -24,7 +24,10 @@ class EngineConfig:
     max_batched_tokens: int = 512  # tokens per step (prefill chunks + decodes)
     max_queued_requests: int = 256  # waiting beyond max_num_seqs; more → RESOURCE_EXHAUSTED
     max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
+    max_queued_tokens: int = 262144  # prompt tokens waiting; more → RESOURCE_EXHAUSTED
+    enable_prefix_caching: bool = True
     kernels: str = "auto"
+    name: str = ""  # model id in prefix-cache keys and metrics; "" = the model directory's name
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -33,7 +36,8 @@ class EngineConfig:
             raise ValueError(f"kv_dtype must be 'auto' or one of {sorted(_KV_DTYPES)}, got {self.kv_dtype!r}")
         if self.kernels not in _KERNELS:
             raise ValueError(f"kernels must be one of {_KERNELS}, got {self.kernels!r}")
-        for name in ("block_size", "num_blocks", "max_num_seqs", "max_batched_tokens", "max_tokens_limit"):
+        for name in ("block_size", "num_blocks", "max_num_seqs", "max_batched_tokens", "max_tokens_limit",
+                     "max_queued_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if self.max_queued_requests < 0:

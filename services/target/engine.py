@@ -15,9 +15,11 @@ from dataclasses import dataclass
 
 import torch
 
+from services.target import metrics
 from services.target.block_manager import BlockManager
 from services.target.config import EngineConfig
 from services.target.detokenizer import IncrementalDetokenizer
+from services.target.kv_events import KVEventLog
 from services.target.model_runner import ModelRunner, load_model
 from services.common.sampling_params import SamplingConfig
 from services.target.sampler import make_generator, sample
@@ -40,10 +42,18 @@ class EngineStats:
     num_blocks: int
     free_blocks: int
     used_blocks: int
+    cached_blocks: int
     block_size: int
     running: int
     waiting: int
+    queued_tokens: int
     num_preemptions: int
+    evictions: int
+    prefix_queries: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    kv_bytes: int
+    fragmentation: float  # allocated-but-unused slots / allocated slots
 
 
 class Engine:
@@ -51,7 +61,9 @@ class Engine:
         self.config = config
         self.tokenizer = tokenizer
         self.spec = spec
-        self.blocks = BlockManager(config.num_blocks, config.block_size)
+        self.name = config.name or config.model_dir.name
+        self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
+        self.kv_events = KVEventLog()
         self.runner = ModelRunner(model, spec, self.blocks, config.torch_kv_dtype, config.kernels)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batched_tokens)
         self._lock = threading.Condition()
@@ -59,8 +71,10 @@ class Engine:
         self._aborts: set[str] = set()
         self._live: dict[str, Sequence] = {}  # engine thread only
         self._num_pending = 0  # submitted and not finished; guarded by _lock
+        self._queued_tokens = 0  # prompt tokens of requests not yet admitted; guarded by _lock
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="specmesh-engine", daemon=True)
+        self._histograms = metrics.register_engine(self)
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
@@ -87,13 +101,17 @@ class Engine:
         self.validate(prompt_ids, sampling)
         seq = Sequence(request_id, list(prompt_ids), sampling, make_generator(sampling.seed),
                        IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling.stop), emit,
-                       tenant_salt=tenant_salt)
+                       extra_key=f"{self.name}\x00{tenant_salt}")
         with self._lock:
             if self._stopped:
                 raise Overloaded("engine is shutting down")
             if self._num_pending >= self.config.max_num_seqs + self.config.max_queued_requests:
                 raise Overloaded(f"{self._num_pending} requests in flight; queue limit reached")
+            if self._queued_tokens + len(prompt_ids) > self.config.max_queued_tokens:
+                raise Overloaded(f"{self._queued_tokens} prompt tokens already queued; "
+                                 f"limit {self.config.max_queued_tokens}")
             self._num_pending += 1
+            self._queued_tokens += len(prompt_ids)
             self._incoming.append(seq)
             self._lock.notify_all()
 
@@ -121,9 +139,24 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._lock:
             b = self.blocks.stats()
-            return EngineStats(b.num_blocks, b.free_blocks, b.used_blocks, self.blocks.block_size,
-                               len(self.scheduler.running), len(self.scheduler.waiting),
-                               self.scheduler.num_preemptions)
+            filled = {s.seq_id: s.num_computed for s in self.scheduler.running}
+            allocated, used = self.blocks.slot_usage(filled)
+            return EngineStats(
+                num_blocks=b.num_blocks, free_blocks=b.free_blocks, used_blocks=b.used_blocks,
+                cached_blocks=b.cached_blocks, block_size=self.blocks.block_size,
+                running=len(self.scheduler.running),
+                waiting=len(self.scheduler.waiting) + len(self._incoming),
+                queued_tokens=self._queued_tokens, num_preemptions=self.scheduler.num_preemptions,
+                evictions=b.evictions, prefix_queries=b.prefix_queries,
+                prefix_query_tokens=b.prefix_query_tokens, prefix_hit_tokens=b.prefix_hit_tokens,
+                kv_bytes=self.runner.kv_pool.num_bytes,
+                fragmentation=(allocated - used) / allocated if allocated else 0.0)
+
+    def has_state(self, request_id: str) -> bool:
+        """Whether the engine still holds anything for this request (tests, debugging)."""
+        with self._lock:
+            return (request_id in self._live or self.blocks.has(request_id)
+                    or any(s.seq_id == request_id for s in self._incoming))
 
     # ---- engine thread ----------------------------------------------------
     def _loop(self) -> None:
@@ -135,7 +168,13 @@ class Engine:
                     break
                 self._take_incoming()
                 batch = self.scheduler.schedule()
+                for item in batch:
+                    if item.seq.admitted and not item.seq.counted_admission:
+                        item.seq.counted_admission = True
+                        self._queued_tokens -= len(item.seq.prompt_ids)
             if batch:
+                self._histograms["batch_size"].record(len(batch))
+                self._histograms["batch_tokens"].record(sum(i.num_tokens for i in batch))
                 self._run_step(batch)
         with self._lock:
             for seq in list(self._live.values()):
@@ -166,14 +205,23 @@ class Engine:
         now = time.monotonic()
         with self._lock:
             for item in batch:
-                item.seq.num_computed = item.start + item.num_tokens
+                seq = item.seq
+                seq.num_computed = item.start + item.num_tokens
+                if seq.seq_id in self._live:
+                    self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed, seq.extra_key)
             for item, token in zip(sampling, tokens):
                 seq = item.seq
                 if seq.seq_id not in self._live:
                     continue
                 if seq.first_token_time is None:
                     seq.first_token_time = now
+                    self._histograms["ttft"].record(now - seq.arrival)
+                elif seq.last_token_time is not None:
+                    self._histograms["tpot"].record(now - seq.last_token_time)
+                seq.last_token_time = now
                 self._commit(seq, token)
+            self.kv_events.append(self.blocks.events)
+            self.blocks.events = []
 
     def _commit(self, seq: Sequence, token: int) -> None:
         seq.output_ids.append(token)
@@ -198,6 +246,11 @@ class Engine:
             return
         self.scheduler.remove(seq)
         self._num_pending -= 1
+        if not seq.counted_admission:
+            seq.counted_admission = True
+            self._queued_tokens -= len(seq.prompt_ids)
+        self.kv_events.append(self.blocks.events)
+        self.blocks.events = []
         if reason is FinishReason.ABORTED:
             return  # nobody is listening
         seq.emit(StepOutput([], "", finish_reason=reason, prompt_tokens=len(seq.prompt_ids),

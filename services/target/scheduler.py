@@ -67,12 +67,17 @@ class Scheduler:
             budget -= n
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
-            n = min(seq.num_tokens - seq.num_computed, budget)
-            if not self.blocks.can_reserve(seq.seq_id, seq.num_computed + n):
+            match = self.blocks.match_prefix(seq.token_ids, seq.extra_key)
+            n = min(seq.num_tokens - match.num_tokens, budget)
+            if not self.blocks.can_admit(match, match.num_tokens + n):
                 break  # FIFO: don't let later requests overtake
-            self.blocks.reserve(seq.seq_id, seq.num_computed + n)
+            self.blocks.admit(seq.seq_id, match, match.num_tokens + n, len(seq.prompt_ids))
             self.waiting.popleft()
+            seq.num_computed = match.num_tokens
+            if seq.num_preemptions == 0:
+                seq.num_cached_prompt = min(match.num_tokens, len(seq.prompt_ids))
             seq.status = SeqStatus.RUNNING
+            seq.admitted = True
             self.running.append(seq)
             batch.append(ScheduledSeq(seq, seq.num_computed, n))
             budget -= n

@@ -47,7 +47,7 @@ class Sequence:
     generator: torch.Generator
     detokenizer: IncrementalDetokenizer
     emit: Callable[[StepOutput], None]  # thread-safe hand-off to the request's stream
-    tenant_salt: str = ""
+    extra_key: str = ""  # model id + tenant salt: scopes this sequence's prefix-cache blocks
     arrival: float = field(default_factory=time.monotonic)
     output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the pool
@@ -55,6 +55,9 @@ class Sequence:
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
     first_token_time: float | None = None
+    last_token_time: float | None = None
+    admitted: bool = False  # left the waiting queue at least once
+    counted_admission: bool = False  # its prompt tokens were taken off the queued-token count
 
     @property
     def token_ids(self) -> list[int]:

@@ -93,8 +93,9 @@ def _store_kv_kernel(
 def _quantize_rows(x, FP8_MAX: tl.constexpr, FP8_MIN_AMAX: tl.constexpr):
     """x [R, D] f32 -> (x / scale rounded to e4m3 values, as f32 [R, D]; scale [R] f32)."""
     amax = tl.max(tl.abs(x), axis=1)  # [R]
-    scale = tl.maximum(amax, FP8_MIN_AMAX) / FP8_MAX  # [R]
-    y = x / scale[:, None]
+    # div_rn: IEEE division like PyTorch ('/' is approximate on NVIDIA GPUs).
+    scale = tl.math.div_rn(tl.maximum(amax, FP8_MIN_AMAX), tl.full([1], FP8_MAX, tl.float32))  # [R]
+    y = tl.math.div_rn(x, scale[:, None])
     y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
     return _round_to_e4m3(y), scale
 
