@@ -1,10 +1,12 @@
 """Compile every Triton kernel variant for an NVIDIA target without a GPU.
 
-Run as a script (TRITON_INTERPRET must be unset): `python -m tests.kernels.compile_check`.
+Run as a script (TRITON_INTERPRET must be unset):
+`python -m tests.kernels.compile_check [--quick] [ARCH]` (ARCH 90 by default).
 Triton's full NVIDIA pipeline (TTIR -> TTGIR -> LLVM -> PTX -> cubin with the bundled
 ptxas) runs on the CPU, so this catches code the interpreter accepts but the compiler
-rejects (types of loop-carried values, dot shapes, fp8 casts). Default target: sm_90
-(H100/H200). Prints one line per variant and exits non-zero on the first failure.
+rejects (types of loop-carried values, dot shapes, fp8 casts). --quick compiles a
+subset (every flag at least once, ~20 s cold); the full matrix takes ~2 minutes cold
+(Triton caches compiled kernels, so reruns are fast). Exits non-zero on a failure.
 """
 
 from __future__ import annotations
@@ -43,9 +45,12 @@ def _attention_variants():
         num_warps = cfg.pop("num_warps")
         consts = dict(NUM_HEADS=h, NUM_KV_HEADS=nkv, HEAD_DIM=hd, HEAD_DIM_PAD=max(16, triton.next_power_of_2(hd)),
                       BLOCK_SIZE=16, QUERIES_PER_KV=h // nkv, USE_TREE_MASK=tree, USE_SLIDING_WINDOW=sw,
-                      USE_FP8=fp8, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", **cfg)
+                      USE_FP8=fp8, UPCAST_DOT=False, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", **cfg)
         name = f"paged_attention h={h} kv={nkv} d={hd} {dtype} fp8={fp8} tree={tree} sw={sw} decode={decode}"
         yield name, pat._paged_attention_kernel, types, consts, num_warps
+        if dtype == "bf16" and not decode:  # the interpreter's variant (see paged_attention_triton)
+            yield name + " upcast", pat._paged_attention_kernel, types, \
+                dict(consts, UPCAST_DOT=True, DOT_PRECISION="ieee"), num_warps
 
 
 def _store_variants():
@@ -74,10 +79,28 @@ def _accept_variants():
             dict(MAX_NODES=nodes, NODES_PAD=pad, BLOCK_V=1024), 4
 
 
-def main(arch: int = 90) -> int:
+# Quick subset: names as produced above, chosen so every constexpr flag is compiled.
+QUICK = {
+    "store_kv bf16 fp8=True kv=1 d=256", "store_kv fp32 fp8=False kv=3 d=48", "store_kv fp16 fp8=True kv=8 d=128",
+    "paged_attention h=4 kv=1 d=256 bf16 fp8=False tree=False sw=False decode=False",
+    "paged_attention h=4 kv=1 d=256 bf16 fp8=False tree=True sw=True decode=False",
+    "paged_attention h=4 kv=1 d=256 bf16 fp8=False tree=False sw=True decode=True",
+    "paged_attention h=4 kv=1 d=256 bf16 fp8=True tree=False sw=True decode=False",
+    "paged_attention h=4 kv=1 d=256 bf16 fp8=False tree=True sw=True decode=False upcast",
+    "paged_attention h=32 kv=8 d=128 bf16 fp8=False tree=False sw=False decode=True",
+    "paged_attention h=32 kv=8 d=128 fp32 fp8=False tree=True sw=False decode=False",
+    "paged_attention h=8 kv=8 d=64 fp32 fp8=True tree=False sw=False decode=False",
+    "accept_greedy parents=i32 nodes=6", "accept_sampling parents=i32 nodes=6",
+    "accept_greedy parents=i64 nodes=33", "accept_sampling parents=i64 nodes=33",
+}
+
+
+def main(arch: int = 90, quick: bool = False) -> int:
     target = GPUTarget("cuda", arch, 32)
     count = 0
     for name, fn, types, consts, num_warps in itertools.chain(_store_variants(), _attention_variants(), _accept_variants()):
+        if quick and name not in QUICK:
+            continue
         signature = {**types, **dict.fromkeys(consts, "constexpr")}
         src = ASTSource(fn=fn, signature=signature, constexprs=consts)
         try:
@@ -91,4 +114,5 @@ def main(arch: int = 90) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(int(sys.argv[1]) if len(sys.argv) > 1 else 90))
+    args = [a for a in sys.argv[1:] if a != "--quick"]
+    sys.exit(main(int(args[0]) if args else 90, quick="--quick" in sys.argv[1:]))

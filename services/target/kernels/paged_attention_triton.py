@@ -17,6 +17,7 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
+from triton import knobs
 
 from ._validate import FP8_DTYPE
 from .paged_attention import validate_paged_attention_args
@@ -51,6 +52,9 @@ def paged_attention_triton(
         return out
     cfg = _launch_config(num_tokens, num_seqs, num_heads // nkv, head_dim)
     is_fp8 = k_cache.dtype == FP8_DTYPE
+    # Triton 3.9's interpreter multiplies bf16 tiles as raw uint16 (wrong results), so
+    # under the interpreter the dots run on f32 copies; on GPUs they use the native dtype.
+    upcast = bool(knobs.runtime.interpret)
     grid = (num_tokens // cfg["BLOCK_Q"] + num_seqs, nkv)
     _paged_attention_kernel[grid](
         out,
@@ -78,7 +82,8 @@ def paged_attention_triton(
         USE_TREE_MASK=tree_mask is not None,
         USE_SLIDING_WINDOW=sliding_window is not None,
         USE_FP8=is_fp8,
-        DOT_PRECISION="ieee" if query.dtype == torch.float32 else "tf32",
+        UPCAST_DOT=upcast,
+        DOT_PRECISION="ieee" if upcast or query.dtype == torch.float32 else "tf32",
         **cfg,
     )
     return out
@@ -146,6 +151,7 @@ def _paged_attention_kernel(
     USE_TREE_MASK: tl.constexpr,
     USE_SLIDING_WINDOW: tl.constexpr,
     USE_FP8: tl.constexpr,
+    UPCAST_DOT: tl.constexpr,
     DOT_PRECISION: tl.constexpr,
 ):
     tile_idx = tl.program_id(0)
@@ -169,6 +175,8 @@ def _paged_attention_kernel(
     q_mask = row_valid[:, None] & d_valid[None, :]  # [BLOCK_M, HEAD_DIM_PAD]
     q = tl.load(query_ptr + q_offs, mask=q_mask, other=0.0)  # [BLOCK_M, HEAD_DIM_PAD]
     q_pos = tl.load(query_positions_ptr + token, mask=row_valid, other=0)  # [BLOCK_M]
+    if UPCAST_DOT:
+        q = q.to(tl.float32)
 
     # kv range: [lo, hi) in sequence indices.
     if USE_TREE_MASK:
@@ -201,6 +209,9 @@ def _paged_attention_kernel(
             vs = tl.load(v_scale_ptr + scale_offs, mask=kv_valid, other=0.0)  # [BLOCK_N]
             k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
             v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
+        if UPCAST_DOT:
+            k = k.to(tl.float32)
+            v = v.to(tl.float32)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
 
         # Visibility (see paged_attention.py): committed entries, then causal/tree new ones.
