@@ -260,3 +260,26 @@ def test_resolve_default_name_gives_prepared_dir():
     cache_root = default_model_dir().parent
     assert resolve_model_dir("default", cache_root, progress=False) == default_model_dir()
     assert resolve_model_dir("gemma-3-270m", cache_root, progress=False) == default_model_dir()
+
+
+# ----------------------------------------------------------------------------- HF baseline helper
+
+
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_hf_generate_greedy_matches_argmax_loop(tiny_root, arch):
+    from benchmarks.hf_baseline import hf_generate_greedy
+
+    model, tokenizer = load_causal_lm(tiny_model_dir(tiny_root, arch), dtype=torch.float32)
+    run = hf_generate_greedy(model, tokenizer, "Once upon a time", max_new_tokens=24, ignore_eos=True)
+
+    ids = torch.tensor([run.prompt_ids])  # [1, seq]
+    expected = []
+    with torch.no_grad():
+        for _ in range(24):  # no KV cache: recompute the whole sequence each step
+            next_id = int(model(ids).logits[0, -1].argmax())
+            expected.append(next_id)
+            ids = torch.cat([ids, torch.tensor([[next_id]])], dim=1)
+    assert run.prompt_ids[0] == tokenizer.bos_token_id
+    assert run.new_tokens == expected
+    assert 0 < run.ttft_s <= run.total_s
+    assert run.text == tokenizer.decode(expected, skip_special_tokens=True)
