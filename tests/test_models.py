@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -216,6 +217,17 @@ def test_prepare_converts_once_and_replaces_half_directories(tmp_path, monkeypat
     assert sorted(p.name for p in tmp_path.iterdir()) == ["gemma"]
 
 
+def test_prepare_removes_temp_dirs_of_killed_runs(tmp_path, monkeypatch):
+    monkeypatch.setattr(prepare_mod, "_convert", _fake_convert)
+    stale, fresh = tmp_path / ".gemma.tmp-stale", tmp_path / ".gemma.tmp-fresh"
+    stale.mkdir()
+    fresh.mkdir()  # could belong to a run still in progress
+    os.utime(stale, (0, 0))
+
+    prepare_default_model(tmp_path / "gemma", progress=False)
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".gemma.tmp-fresh", "gemma"]
+
+
 # ----------------------------------------------------------------------------- the real default model
 
 
@@ -283,3 +295,4 @@ def test_hf_generate_greedy_matches_argmax_loop(tiny_root, arch):
     assert run.new_tokens == expected
     assert 0 < run.ttft_s <= run.total_s
     assert run.text == tokenizer.decode(expected, skip_special_tokens=True)
+

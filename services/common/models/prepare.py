@@ -27,6 +27,8 @@ import os
 import shutil
 import tempfile
 import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -38,6 +40,7 @@ PREPARED_MARKER = "specmesh-prepared.json"
 FORMAT_VERSION = 1
 DEFAULT_MODEL_ALIASES = ("default", DEFAULT_MODEL_NAME)
 
+_STALE_WORK_DIR_S = 3600.0  # a killed run leaves its temp dir; conversion takes ~30 s
 _STAGES = ("assemble", "load gguf", "convert", "save", "verify")
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
 _SLIDING_WINDOW_PATTERN = 6  # Gemma 3: every 6th layer is full attention, the rest sliding
@@ -85,6 +88,7 @@ def prepare_default_model(cache_dir: Path | None = None, force: bool = False, pr
     if not force and is_prepared(model_dir):
         return model_dir
     model_dir.parent.mkdir(parents=True, exist_ok=True)
+    _remove_stale_work_dirs(model_dir)
     work = Path(tempfile.mkdtemp(prefix=f".{model_dir.name}.tmp-", dir=model_dir.parent))
     try:
         out = work / "model"
@@ -125,20 +129,14 @@ def _convert(work: Path, out: Path, progress: bool) -> dict[str, float]:
     return timings
 
 
-class _stage:
-    """Context manager: names the tqdm stage, times it, advances the bar on success."""
-
-    def __init__(self, bar: tqdm, timings: dict[str, float], name: str):
-        self.bar, self.timings, self.name = bar, timings, name
-
-    def __enter__(self) -> None:
-        self.bar.set_postfix_str(self.name)
-        self.start = time.perf_counter()
-
-    def __exit__(self, exc_type, exc, tb) -> None:
-        if exc_type is None:
-            self.timings[self.name] = round(time.perf_counter() - self.start, 3)
-            self.bar.update(1)
+@contextmanager
+def _stage(bar: tqdm, timings: dict[str, float], name: str) -> Iterator[None]:
+    """Show `name` on the bar, time the block, advance the bar when it succeeds."""
+    bar.set_postfix_str(name)
+    start = time.perf_counter()
+    yield
+    timings[name] = round(time.perf_counter() - start, 3)
+    bar.update(1)
 
 
 def _field(reader, key: str):
@@ -331,3 +329,14 @@ def _install(out: Path, model_dir: Path, work: Path, force: bool) -> None:
     except OSError:
         if not is_prepared(model_dir):  # lost a race to a complete copy? fine; otherwise fail
             raise
+
+
+def _remove_stale_work_dirs(model_dir: Path) -> None:
+    """Delete temp dirs that killed runs left next to `model_dir` (old enough to be dead)."""
+    now = time.time()
+    for path in model_dir.parent.glob(f".{model_dir.name}.tmp-*"):
+        try:
+            if now - path.stat().st_mtime > _STALE_WORK_DIR_S:
+                shutil.rmtree(path, ignore_errors=True)
+        except OSError:
+            pass
