@@ -66,8 +66,8 @@ def validate_store_kv_args(key, value, k_cache, v_cache, slot_mapping, k_scale, 
     doc = f"[num_tokens, num_kv_heads={nkv}, head_dim={hd}]"
     check_tensor("key", key, [None, nkv, hd], FLOAT_DTYPES, device, doc)
     num_tokens = key.shape[0]
-    check_tensor("value", value, [num_tokens, nkv, hd], (key.dtype,), device, doc)
     if not is_fp8 and key.dtype != k_cache.dtype:
         raise TypeError(f"key dtype {key.dtype} must equal the cache dtype {k_cache.dtype} (or the cache be float8_e4m3fn)")
+    check_tensor("value", value, [num_tokens, nkv, hd], (key.dtype,), device, doc)
     check_tensor("slot_mapping", slot_mapping, [num_tokens], INDEX_DTYPES, device, f"[num_tokens={num_tokens}]")
     return num_tokens, is_fp8

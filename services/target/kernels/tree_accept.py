@@ -31,9 +31,12 @@ token is still distributed as q (children of one node are independent draws from
 or deterministic), so by induction the token emitted at cur follows the residual
 at the first child, i.e. target_probs[cur]; the accepted child then continues the same
 argument one level deeper with the target's distribution at that child. Chains are the
-one-child case. (Children drawn WITHOUT replacement from one q, e.g. distinct top-k
-tokens of a draft LM, are not independent draws; give them q = 0 rows only if they are
-deterministic, otherwise acceptance is not lossless.)
+one-child case. A deterministic proposal (q = one-hot(x)) is exact for ANY token x,
+however it was chosen, as long as the choice does not depend on the uniforms: accept
+with p(x), else continue with p restricted to y != x; so a zero draft row is always
+lossless, only the acceptance rate is lower than with the true q. Children drawn
+WITHOUT replacement from one q (e.g. distinct top-k tokens of a draft LM) are not
+independent draws from q: pass zero rows for them, not q.
 Numerics: the residual is kept unnormalized in float64 with its mass m, and
 "u < (r(x)/m) / q(x)" is evaluated as "u * q(x) * m < r(x)". A rejection that would
 leave zero residual mass (probability zero in exact arithmetic) leaves p unchanged.
@@ -101,10 +104,7 @@ def accept_tree_sampling_reference(
                 if u[s, c] * q[x] * mass < r[x]:
                     nxt = c
                     break
-                new_r = (r - mass * q).clamp(min=0.0)
-                new_mass = new_r.sum()
-                if new_mass > 0:
-                    r, mass = new_r, new_mass
+                r, mass = _residual_after_rejection(r, mass, q)
             if nxt < 0:
                 bonus[s] = sample_inverse_cdf(r, u[s, max_nodes] * mass)
                 break
@@ -112,6 +112,17 @@ def accept_tree_sampling_reference(
             acc[s, depth] = cur
         nacc[s] = depth
     return acc, nacc, bonus
+
+
+def _residual_after_rejection(
+    r: torch.Tensor,  # [vocab] f64 unnormalized residual
+    mass: torch.Tensor,  # [] f64, r.sum()
+    q: torch.Tensor,  # [vocab] f64 draft distribution of the rejected child
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """max(p - q, 0) with p = r / mass, kept unnormalized; unchanged if no mass would remain."""
+    new_r = (r - mass * q).clamp(min=0.0)
+    new_mass = new_r.sum()
+    return (new_r, new_mass) if new_mass > 0 else (r, mass)
 
 
 def sample_inverse_cdf(r: torch.Tensor, target: torch.Tensor | float) -> int:
