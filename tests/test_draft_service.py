@@ -1,8 +1,9 @@
-"""DraftService over real gRPC on loopback, and the prompt lookup proposer itself."""
+"""DraftService over real gRPC on loopback (every method), and the prompt lookup proposer itself."""
 
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import grpc
 import pytest
@@ -155,12 +156,6 @@ BAD_REQUESTS = {
     "nodes over limit": (request(seq("x", [1], nodes=65)), "max_nodes 65"),
     "new sequence without tokens": (request(seq("x", [])), "unknown sequence"),
     "negative token": (request(seq("x", [1, -2, 3])), "negative token"),
-    "suffix": (request(seq("x", [1], method=common_pb2.SPECULATION_METHOD_SUFFIX)),
-               "method SPECULATION_METHOD_SUFFIX not supported by this draft server"),
-    "draft model": (request(seq("x", [1], method=common_pb2.SPECULATION_METHOD_DRAFT_MODEL)),
-                    "method SPECULATION_METHOD_DRAFT_MODEL not supported by this draft server"),
-    "dynamic tree": (request(seq("x", [1], method=common_pb2.SPECULATION_METHOD_DYNAMIC_TREE)),
-                     "method SPECULATION_METHOD_DYNAMIC_TREE not supported by this draft server"),
     "off": (request(seq("x", [1], method=common_pb2.SPECULATION_METHOD_OFF)), "not supported"),
     "unknown method": (request(seq("x", [1], method=99)), "method 99 not supported"),
     "history too long (new)": (request(seq("x", [1] * 65537)), "above the limit of 65536"),
@@ -252,9 +247,12 @@ async def test_health_serving_and_span_attributes(spans):  # `spans`: tests/conf
 def test_config_is_validated():
     for bad in (dict(max_depth_limit=0), dict(max_nodes_limit=-1), dict(max_history_tokens=0),
                 dict(max_sequences=0), dict(prompt_lookup_min_ngram=0),
-                dict(prompt_lookup_min_ngram=4, prompt_lookup_max_ngram=3)):
+                dict(prompt_lookup_min_ngram=4, prompt_lookup_max_ngram=3), dict(suffix_max_match=0),
+                dict(suffix_tenant_max_tokens=0), dict(suffix_max_tenants=0), dict(suffix_max_occurrences=0),
+                dict(draft_model_dtype="int8"), dict(draft_model_prefill_chunk=0), dict(dynamic_tree_top_k=0)):
         with pytest.raises(ValueError):
             DraftConfig(**bad)
+    assert DraftConfig(draft_model_dir="~/m").draft_model_dir == Path("~/m").expanduser()
 
 
 # ---- the proposer and the draft tree, without gRPC -------------------------------------------
@@ -316,3 +314,105 @@ def test_draft_tree_is_validated():
         DraftTree("s", (5, 6), (-1,))
     with pytest.raises(ValueError):
         DraftTree("s", (5, 6), (-1, 1))  # a node cannot be its own parent
+
+
+# ---- suffix decoding over gRPC ----------------------------------------------------------------
+
+SUFFIX = common_pb2.SPECULATION_METHOD_SUFFIX
+DM = common_pb2.SPECULATION_METHOD_DRAFT_MODEL
+DT = common_pb2.SPECULATION_METHOD_DYNAMIC_TREE
+
+
+async def test_suffix_tree_and_tenant_isolation(draft):
+    branch = seq("b", [7, 1, 2, 3, 8, 1, 2, 4, 9, 1, 2, 3, 6, 1], depth=3, nodes=4, method=SUFFIX)
+    [tree] = (await draft.Propose(request(branch))).trees
+    assert (list(tree.token_ids), list(tree.parents)) == ([2, 3, 4, 6], [-1, 0, 0, 1])
+    # Tenant a's released output is proposed to tenant a, never to tenant b.
+    await draft.Propose(request(seq("a1", [10, 11, 12], method=SUFFIX, salt="a")))
+    await draft.Propose(request(seq("a1", [20, 21, 22, 23, 24], method=SUFFIX, salt="a")))
+    await draft.Release(draft_service_pb2.ReleaseRequest(sequence_ids=["a1"]))
+    got = await propose(draft, seq("a2", [30, 21], method=SUFFIX, salt="a"),
+                        seq("b2", [30, 21], method=SUFFIX, salt="b"))
+    assert got == [[22, 23, 24], []]
+
+
+# ---- draft model and dynamic tree over gRPC ----------------------------------------------------
+
+async def test_model_methods_without_draft_model_are_failed_precondition(draft):
+    await propose(draft, seq("subject", PROMPT), seq("control", PROMPT))
+    for method in (DM, DT):
+        bad = request(seq("fresh", [5, 6]), seq("subject", [9, 9]), seq("x", [1], method=method))
+        details = await expect_status(draft.Propose(bad), grpc.StatusCode.FAILED_PRECONDITION,
+                                      "DraftConfig(draft_model_dir=")
+        assert common_pb2.SpeculationMethod.Name(method) in details
+    assert await propose(draft, seq("subject", [3]), seq("control", [3])) == [[4, 1, 2, 3]] * 2
+    await expect_status(draft.Propose(request(seq("fresh", []))), INVALID, "unknown sequence")
+    # Bad input still wins over the missing model.
+    await expect_status(draft.Propose(request(seq("x", [1], method=DM), seq("y", [1], depth=0))),
+                        INVALID, "max_depth 0")
+
+
+@pytest.fixture
+async def model_draft(tiny_llama_dir):
+    server, channel = await _serve(DraftConfig(draft_model_dir=tiny_llama_dir, draft_model_dtype="float32",
+                                               dynamic_tree_top_k=3))
+    yield draft_service_pb2_grpc.DraftServiceStub(channel)
+    await channel.close()
+    await server.stop(0)
+
+
+def _hf_greedy(model_dir, tokens, num_tokens):
+    import torch
+
+    from services.common.models.loading import load_causal_lm
+    model, _ = load_causal_lm(model_dir, torch.float32)
+    ids = torch.tensor([tokens])
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=num_tokens,
+                         min_new_tokens=num_tokens, do_sample=False)
+    return out[0, len(tokens):].tolist()
+
+
+async def test_every_method_in_one_request(model_draft, tiny_llama_dir):
+    prompt = [1, 40, 41, 42, 43, 40, 41]
+    greedy = _hf_greedy(tiny_llama_dir, prompt, 4)
+    response = await model_draft.Propose(request(
+        seq("pl", prompt, method=PL), seq("dm", prompt, method=DM), seq("sx", prompt, method=SUFFIX),
+        seq("dt", prompt, method=DT, depth=4, nodes=12), seq("dm2", prompt, method=DM, depth=2)))
+    pl, dm, sx, dt, dm2 = response.trees
+    assert [t.sequence_id for t in response.trees] == ["pl", "dm", "sx", "dt", "dm2"]
+    assert chain_of(pl) == chain_of(sx) == [42, 43, 40, 41]
+    assert chain_of(dm) == greedy and chain_of(dm2) == greedy[:2]
+    tree = DraftTree.from_proto(dt)
+    assert 4 < tree.num_nodes <= 12 and max(tree.depths) == 4
+    assert list(tree.token_ids[:4]) == greedy and list(tree.parents[:4]) == [-1, 0, 1, 2]  # greedy path first
+
+
+async def test_draft_model_stream_rolls_back_on_rejection(model_draft, tiny_llama_dir):
+    prompt = [1, 50, 51, 52, 53, 54]
+    call = model_draft.ProposeStream()
+    await call.write(request(seq("s", prompt, method=DM, depth=4), step=1))
+    first = chain_of((await call.read()).trees[0])
+    assert first == _hf_greedy(tiny_llama_dir, prompt, 4)
+    new = first[:2] + [(first[2] + 1) % 384]  # two accepted, then the target's own token
+    await call.write(request(seq("s", new, method=DM, depth=4), step=2))
+    second = await call.read()
+    assert second.step == 2
+    assert chain_of(second.trees[0]) == _hf_greedy(tiny_llama_dir, prompt + new, 4)
+    await call.done_writing()
+    assert await call.code() == grpc.StatusCode.OK
+
+
+async def test_model_bad_input_is_invalid_argument_and_changes_nothing(model_draft):
+    first = await propose(model_draft, seq("subject", PROMPT, method=DM))
+    bad_requests = [
+        (request(seq("fresh", [5, 6], method=DT), seq("subject", [9, 384], method=DM)), "token id 384"),
+        (request(seq("fresh", [5, 6], method=DT), seq("subject", [9], method=DM, depth=17)), "max_depth 17"),
+        (request(seq("fresh", [5, 6], method=DT), seq("subject", [9], method=DT)), "opened with method"),
+    ]
+    for bad, text in bad_requests:
+        await expect_status(model_draft.Propose(bad), INVALID, text)
+    assert await propose(model_draft, seq("subject", [], method=DM)) == first
+    await expect_status(model_draft.Propose(request(seq("fresh", [], method=DT))), INVALID, "unknown sequence")
+    response = await model_draft.Release(draft_service_pb2.ReleaseRequest(sequence_ids=["subject"]))
+    assert (response.released, response.unknown) == (1, 0)
+    await expect_status(model_draft.Propose(request(seq("subject", [], method=DM))), INVALID, "unknown sequence")

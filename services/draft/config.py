@@ -3,8 +3,11 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from services.common.server import ServerConfig
+
+DRAFT_MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -20,9 +23,32 @@ class DraftConfig:
     # Prompt lookup: n-gram sizes tried, longest first.
     prompt_lookup_max_ngram: int = 3
     prompt_lookup_min_ngram: int = 1
+    # Suffix decoding: longest suffix matched; output tokens kept per tenant (oldest
+    # dropped first); tenants kept (least recently used dropped first); occurrences
+    # of the matched suffix counted (most recent first).
+    suffix_max_match: int = 32
+    suffix_tenant_max_tokens: int = 65536
+    suffix_max_tenants: int = 1024
+    suffix_max_occurrences: int = 256
+    # Draft model (enables DRAFT_MODEL and DYNAMIC_TREE): a local Hugging Face causal LM
+    # directory that shares the target's tokenizer; None = those methods answer
+    # FAILED_PRECONDITION. Loaded once when the service is built.
+    draft_model_dir: Path | None = None
+    draft_model_dtype: str = "bfloat16"
+    draft_model_device: str = "cpu"
+    draft_model_prefill_chunk: int = 512  # prompt tokens per draft forward pass
+    # Dynamic trees: children per expanded node, and nodes expanded per depth.
+    dynamic_tree_top_k: int = 4
 
     def __post_init__(self) -> None:
-        for name in ("max_depth_limit", "max_nodes_limit", "max_history_tokens", "max_sequences"):
+        if self.draft_model_dir is not None:
+            object.__setattr__(self, "draft_model_dir", Path(self.draft_model_dir).expanduser())
+        if self.draft_model_dtype not in DRAFT_MODEL_DTYPES:
+            raise ValueError(f"draft_model_dtype must be one of {DRAFT_MODEL_DTYPES}, "
+                             f"got {self.draft_model_dtype!r}")
+        for name in ("max_depth_limit", "max_nodes_limit", "max_history_tokens", "max_sequences",
+                     "suffix_max_match", "suffix_tenant_max_tokens", "suffix_max_tenants",
+                     "suffix_max_occurrences", "draft_model_prefill_chunk", "dynamic_tree_top_k"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 1 <= self.prompt_lookup_min_ngram <= self.prompt_lookup_max_ngram:

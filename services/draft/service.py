@@ -4,7 +4,12 @@ Every Propose request (unary or one message of ProposeStream) is handled in thre
 phases with no await in between, so requests never interleave:
 1. validate the whole request (nothing changes when any sequence is bad),
 2. commit: append new committed tokens to the store and let the proposer observe them,
-3. propose: one draft tree per sequence, batched per (method, max_depth, max_nodes).
+3. propose: one draft tree per sequence; each method's proposer is called once per
+   request with all its sequences.
+
+Methods: PROMPT_LOOKUP (also for UNSPECIFIED) and SUFFIX always; DRAFT_MODEL and
+DYNAMIC_TREE when a draft model is configured (`DraftConfig.draft_model_dir`), else
+they answer FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
@@ -18,13 +23,17 @@ from opentelemetry import trace
 
 from services.common.proto.specmesh.v1 import common_pb2, draft_service_pb2, draft_service_pb2_grpc
 from services.draft.config import DraftConfig
-from services.draft.proposers import DraftTree, PromptLookupProposer, Proposer
+from services.draft.proposers import DraftTree, PromptLookupProposer, Proposer, SuffixProposer
 from services.draft.state import DraftStateStore
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("specmesh.draft")
 SERVICE_NAME = draft_service_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 _MAX_REPORTED_PROBLEMS = 5
+_MODEL_METHODS = (common_pb2.SPECULATION_METHOD_DRAFT_MODEL, common_pb2.SPECULATION_METHOD_DYNAMIC_TREE)
+_NO_DRAFT_MODEL = ("needs a draft model and this draft server has none; start it with "
+                   "DraftConfig(draft_model_dir=<local Hugging Face causal LM directory that shares the "
+                   "target's tokenizer>) or use SPECULATION_METHOD_PROMPT_LOOKUP or SPECULATION_METHOD_SUFFIX")
 
 
 class RequestError(Exception):
@@ -48,13 +57,28 @@ class _Plan:
 
 
 class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
-    def __init__(self, config: DraftConfig) -> None:
+    def __init__(self, config: DraftConfig, draft_model=None) -> None:
+        """`draft_model`: an already loaded `DraftModel` to use instead of loading
+        `config.draft_model_dir` (e.g. shared within one process)."""
         self.config = config
         self.store = DraftStateStore()
         self.proposers: dict[int, Proposer] = {
             common_pb2.SPECULATION_METHOD_PROMPT_LOOKUP: PromptLookupProposer(
                 config.prompt_lookup_max_ngram, config.prompt_lookup_min_ngram),
+            common_pb2.SPECULATION_METHOD_SUFFIX: SuffixProposer(
+                config.suffix_max_match, config.suffix_tenant_max_tokens, config.suffix_max_tenants,
+                config.suffix_max_occurrences),
         }
+        if draft_model is None and config.draft_model_dir is not None:
+            from services.draft.proposers.draft_model import DraftModel
+            draft_model = DraftModel.load(config.draft_model_dir, config.draft_model_dtype,
+                                          config.draft_model_device, config.draft_model_prefill_chunk)
+        if draft_model is not None:
+            from services.draft.proposers.draft_model import DraftModelProposer
+            from services.draft.proposers.dynamic_tree import DynamicTreeProposer
+            self.proposers[common_pb2.SPECULATION_METHOD_DRAFT_MODEL] = DraftModelProposer(draft_model)
+            self.proposers[common_pb2.SPECULATION_METHOD_DYNAMIC_TREE] = DynamicTreeProposer(
+                draft_model, config.dynamic_tree_top_k)
         self._draining = False
 
     async def Propose(self, request, context: grpc.aio.ServicerContext):
@@ -114,6 +138,7 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "no sequences in the request")
         problems: list[str] = []
         denied: list[str] = []
+        missing: list[str] = []
         plans: list[_Plan] = []
         seen: set[str] = set()
         for i, seq in enumerate(request.sequences):
@@ -121,15 +146,18 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
             if seq.sequence_id in seen:
                 problems.append(f"{where}: duplicate sequence_id in one request")
             seen.add(seq.sequence_id)
-            plan, seq_problems, seq_denied = self._validate_sequence(seq, where)
+            plan, seq_problems, seq_denied, seq_missing = self._validate_sequence(seq, where)
             problems += seq_problems
             denied += seq_denied
+            missing += seq_missing
             if plan is not None:
                 plans.append(plan)
         if problems:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, _summary(problems))
         if denied:
             raise RequestError(grpc.StatusCode.PERMISSION_DENIED, _summary(denied))
+        if missing:
+            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, _summary(missing))
         new = sum(1 for plan in plans if plan.sequence_id not in self.store)
         if len(self.store) + new > self.config.max_sequences:
             raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -138,14 +166,19 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
         return plans
 
     def _validate_sequence(self, seq: draft_service_pb2.DraftSequence,
-                           where: str) -> tuple[_Plan | None, list[str], list[str]]:
-        """Returns (plan or None, invalid-argument problems, permission problems)."""
+                           where: str) -> tuple[_Plan | None, list[str], list[str], list[str]]:
+        """Returns (plan or None, invalid-argument problems, permission problems,
+        failed preconditions)."""
         cfg = self.config
         problems: list[str] = []
+        missing: list[str] = []
         if not seq.sequence_id:
             problems.append(f"{where}: sequence_id is empty")
         method = seq.method or common_pb2.SPECULATION_METHOD_PROMPT_LOOKUP
-        if method not in self.proposers:
+        proposer = self.proposers.get(method)
+        if method in _MODEL_METHODS and proposer is None:
+            missing.append(f"{where}: method {_method_name(method)} {_NO_DRAFT_MODEL}")
+        elif proposer is None:
             problems.append(f"{where}: method {_method_name(seq.method)} not supported by this draft server")
         if not 1 <= seq.max_depth <= cfg.max_depth_limit:
             problems.append(f"{where}: max_depth {seq.max_depth} is out of range [1, {cfg.max_depth_limit}]")
@@ -155,6 +188,10 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
         new_token_ids = seq.new_token_ids
         if new_token_ids and min(new_token_ids) < 0:
             problems.append(f"{where}: new_token_ids contains negative token ids")
+        vocab_size = None if proposer is None else proposer.vocab_size
+        if new_token_ids and vocab_size is not None and max(new_token_ids) >= vocab_size:
+            problems.append(f"{where}: new_token_ids contains token id {max(new_token_ids)}, outside the "
+                            f"draft model's vocabulary of {vocab_size} tokens")
         state = self.store.get(seq.sequence_id)
         if state is None and not new_token_ids:
             problems.append(f"{where}: unknown sequence (new or released) needs its prompt in new_token_ids")
@@ -169,20 +206,22 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
             elif state.method != method:
                 problems.append(f"{where}: sequence was opened with method {_method_name(state.method)}, "
                                 f"got {_method_name(method)}; release it first")
-        if problems or denied:
-            return None, problems, denied
+        if problems or denied or missing:
+            return None, problems, denied, missing
         max_nodes = seq.max_nodes or seq.max_depth
-        return _Plan(seq.sequence_id, new_token_ids, method, seq.max_depth, max_nodes, seq.tenant_salt), [], []
+        return _Plan(seq.sequence_id, new_token_ids, method, seq.max_depth, max_nodes, seq.tenant_salt), [], [], []
 
     def _propose(self, plans: list[_Plan]) -> list[DraftTree]:
-        """One tree per plan, in order; proposers are called once per (method, depth, nodes)."""
-        groups: dict[tuple[int, int, int], list[int]] = {}
+        """One tree per plan, in order; each method's proposer is called once."""
+        groups: dict[int, list[int]] = {}
         for i, plan in enumerate(plans):
-            groups.setdefault((plan.method, plan.max_depth, plan.max_nodes), []).append(i)
+            groups.setdefault(plan.method, []).append(i)
         trees: list[DraftTree | None] = [None] * len(plans)
-        for (method, max_depth, max_nodes), indices in groups.items():
+        for method, indices in groups.items():
             states = [self.store.get(plans[i].sequence_id) for i in indices]
-            for i, tree in zip(indices, self.proposers[method].propose(states, max_depth, max_nodes)):
+            proposed = self.proposers[method].propose_batch(
+                states, [plans[i].max_depth for i in indices], [plans[i].max_nodes for i in indices])
+            for i, tree in zip(indices, proposed, strict=True):
                 trees[i] = tree
         return trees
 

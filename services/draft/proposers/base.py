@@ -34,8 +34,9 @@ class DraftTree:
     its position offset after the last committed token (root children have depth 1).
     A chain has parents [-1, 0, 1, ...]. An empty tree means "no draft this step".
 
-    Build trees only with `DraftTree.chain`, `DraftTree.empty` or `DraftTree.from_proto`
-    (all validated); the verifier reads `token_ids`, `parents` and `depths`.
+    Build trees only with `DraftTree.chain`, `DraftTree.from_nodes`, `DraftTree.empty` or
+    `DraftTree.from_proto` (all validated); the verifier reads `token_ids`, `parents` and
+    `depths`.
     """
 
     sequence_id: str
@@ -55,6 +56,11 @@ class DraftTree:
     def chain(cls, sequence_id: str, token_ids: Sequence[int]) -> DraftTree:
         """A single path: node i is the child of node i - 1."""
         return cls(sequence_id, tuple(int(t) for t in token_ids), tuple(range(-1, len(token_ids) - 1)))
+
+    @classmethod
+    def from_nodes(cls, sequence_id: str, token_ids: Sequence[int], parents: Sequence[int]) -> DraftTree:
+        """A tree from flat node lists; parents must come before their children."""
+        return cls(sequence_id, tuple(int(t) for t in token_ids), tuple(int(p) for p in parents))
 
     @classmethod
     def empty(cls, sequence_id: str) -> DraftTree:
@@ -82,7 +88,16 @@ class DraftTree:
 
 class Proposer(abc.ABC):
     """One speculation method. Implementations are not thread-safe; the service calls
-    them from one event loop."""
+    them from one event loop.
+
+    The service calls `propose_batch` once per request and method with per-sequence
+    limits; its default groups the sequences by (max_depth, max_nodes) and calls
+    `propose` per group. Proposers that batch across limits override it.
+    """
+
+    # Token ids a proposer accepts are in [0, vocab_size); None = any id >= 0. The service
+    # answers INVALID_ARGUMENT for ids outside (a draft model cannot embed them).
+    vocab_size: int | None = None
 
     @abc.abstractmethod
     def propose(self, states: Sequence[SequenceState], max_depth: int, max_nodes: int) -> list[DraftTree]:
@@ -91,6 +106,22 @@ class Proposer(abc.ABC):
         `max_depth` (>= 1) bounds the depth of every node; `max_nodes` (>= 1) bounds the
         number of nodes of each tree. Returns an empty tree when there is nothing to propose.
         """
+
+    def propose_batch(self, states: Sequence[SequenceState], max_depths: Sequence[int],
+                      max_nodes: Sequence[int]) -> list[DraftTree]:
+        """One draft tree per state, in the same order; `max_depths[i]` and `max_nodes[i]`
+        bound the tree of `states[i]` as in `propose`."""
+        if not len(states) == len(max_depths) == len(max_nodes):
+            raise ValueError(f"{len(states)} states but {len(max_depths)} max_depths and "
+                             f"{len(max_nodes)} max_nodes")
+        groups: dict[tuple[int, int], list[int]] = {}
+        for i, limits in enumerate(zip(max_depths, max_nodes)):
+            groups.setdefault(limits, []).append(i)
+        trees: list[DraftTree | None] = [None] * len(states)
+        for (max_depth, nodes), indices in groups.items():
+            for i, tree in zip(indices, self.propose([states[i] for i in indices], max_depth, nodes)):
+                trees[i] = tree
+        return trees  # type: ignore[return-value]
 
     @abc.abstractmethod
     def observe(self, sequence_id: str, new_token_ids: Sequence[int]) -> None:

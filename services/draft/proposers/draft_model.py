@@ -1,0 +1,166 @@
+"""Draft model: a small local Hugging Face causal LM proposes its greedy continuation.
+
+`DraftModel` wraps the loaded LM (shared by the DRAFT_MODEL and DYNAMIC_TREE proposers);
+`DraftModelProposer` keeps one KV cache per sequence (`transformers.DynamicCache`) and
+proposes a greedy chain of min(max_depth, max_nodes) tokens.
+
+KV cache of a sequence (`SequenceKV`): KV for `token_ids`, which are always a prefix of
+the committed tokens followed by draft tokens the cache ran ahead with. Rollback:
+- `observe` compares the newly committed tokens with the cached ones at the same
+  positions and crops the cache to the common prefix (a rejected draft token and all
+  after it are dropped; accepted ones are kept);
+- `propose` first feeds the committed tokens the cache lacks (at least the last one,
+  for its logits), so the cache holds exactly the committed tokens, then drafts.
+After a chain of k tokens the cache holds the committed tokens plus the first k - 1
+draft tokens (the last one was never fed). The prefix is never recomputed.
+
+The draft model must share the target's tokenizer; this is not checked here. Token ids
+must be below the draft model's vocabulary size (`vocab_size`); the service checks.
+Sequences run one after another (no cross-sequence batching yet); prompts are fed in
+chunks of `prefill_chunk` tokens.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+from transformers import DynamicCache, PreTrainedModel
+
+from services.draft.proposers.base import DraftTree, Proposer
+from services.draft.state import SequenceState
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+class DraftModel:
+    """A loaded draft LM: forward passes over one sequence's KV cache."""
+
+    def __init__(self, model: PreTrainedModel, prefill_chunk: int = 512) -> None:
+        self.model = model.eval()
+        self.prefill_chunk = prefill_chunk
+        self.config = model.config.get_text_config(decoder=True)
+        self.vocab_size = int(model.get_output_embeddings().weight.shape[0])
+        self.device = next(model.parameters()).device
+        self.dtype = next(model.parameters()).dtype
+
+    @classmethod
+    def load(cls, model_dir: Path, dtype: str = "bfloat16", device: str = "cpu",
+             prefill_chunk: int = 512) -> DraftModel:
+        from services.common.models.loading import load_causal_lm
+        model, _ = load_causal_lm(Path(model_dir), DTYPES[dtype], device)
+        return cls(model, prefill_chunk)
+
+    @torch.inference_mode()
+    def extend(self, cache: DynamicCache, token_ids: Sequence[int]) -> torch.Tensor:
+        """Feeds `token_ids` after the cached tokens (causal); returns the logits after
+        the last one."""  # -> [vocab] float32
+        start = cache.get_seq_length()
+        logits = None
+        for begin in range(0, len(token_ids), self.prefill_chunk):
+            chunk = list(token_ids[begin:begin + self.prefill_chunk])
+            ids = torch.tensor([chunk], dtype=torch.long, device=self.device)  # [1, chunk]
+            positions = torch.arange(start + begin, start + begin + len(chunk), device=self.device)[None]
+            out = self.model(input_ids=ids, position_ids=positions, cache=cache, use_cache=True,
+                             logits_to_keep=1)
+            logits = out.logits[0, -1]
+        assert logits is not None, "extend needs at least one token"
+        return logits.float()
+
+    @torch.inference_mode()
+    def forward_masked(self, cache: DynamicCache, token_ids: Sequence[int], positions: Sequence[int],
+                       attention_mask: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
+        """Feeds `token_ids` at explicit `positions` with a custom additive 4D mask (or one
+        per layer type); returns the logits of every fed token."""  # -> [num_tokens, vocab] float32
+        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
+        pos = torch.tensor([list(positions)], dtype=torch.long, device=self.device)  # [1, n]
+        out = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True,
+                         attention_mask=attention_mask)
+        return out.logits[0].float()
+
+
+@dataclass
+class SequenceKV:
+    """The draft model's KV cache of one sequence."""
+
+    cache: DynamicCache = field(default_factory=DynamicCache)
+    token_ids: list[int] = field(default_factory=list)  # tokens whose KV is cached
+    num_committed: int = 0  # committed tokens observed
+
+    def crop(self, length: int) -> None:
+        """Keeps the KV of the first `length` cached tokens."""
+        drop = len(self.token_ids) - length
+        if drop > 0:
+            self.cache.crop(-drop)
+            del self.token_ids[length:]
+
+
+class DraftModelProposer(Proposer):
+    def __init__(self, draft: DraftModel) -> None:
+        self.draft = draft
+        self.vocab_size = draft.vocab_size
+        self._kv: dict[str, SequenceKV] = {}
+
+    def propose(self, states: Sequence[SequenceState], max_depth: int, max_nodes: int) -> list[DraftTree]:
+        if max_depth < 1 or max_nodes < 1:
+            raise ValueError(f"max_depth and max_nodes must be >= 1, got {max_depth}, {max_nodes}")
+        return [self._chain(state, min(max_depth, max_nodes)) for state in states]
+
+    def propose_batch(self, states: Sequence[SequenceState], max_depths: Sequence[int],
+                      max_nodes: Sequence[int]) -> list[DraftTree]:
+        return [self.propose([state], depth, nodes)[0]
+                for state, depth, nodes in zip(states, max_depths, max_nodes, strict=True)]
+
+    def observe(self, sequence_id: str, new_token_ids: Sequence[int]) -> None:
+        kv = self._kv.get(sequence_id)
+        if kv is None:
+            kv = self._kv[sequence_id] = SequenceKV()
+        start = kv.num_committed
+        common = 0
+        ahead = kv.token_ids[start:start + len(new_token_ids)]
+        while common < len(ahead) and ahead[common] == new_token_ids[common]:
+            common += 1
+        kv.crop(start + common)  # drops the first rejected draft token and all after it
+        kv.num_committed += len(new_token_ids)
+
+    def release(self, sequence_id: str) -> None:
+        self._kv.pop(sequence_id, None)
+
+    def cached_token_ids(self, sequence_id: str) -> tuple[int, ...]:
+        """The tokens whose KV the sequence's cache holds (empty when unknown)."""
+        kv = self._kv.get(sequence_id)
+        return () if kv is None else tuple(kv.token_ids)
+
+    def cache_length(self, sequence_id: str) -> int:
+        """Tokens in the sequence's KV cache as transformers sees it (0 when unknown)."""
+        kv = self._kv.get(sequence_id)
+        return 0 if kv is None else kv.cache.get_seq_length()
+
+    # ---- helpers ------------------------------------------------------------------------
+
+    def _sync(self, state: SequenceState) -> tuple[SequenceKV, torch.Tensor]:
+        """Brings the cache to exactly the committed tokens; returns it and the logits
+        after the last committed token ([vocab] float32)."""
+        kv = self._kv.get(state.sequence_id)
+        if kv is None or kv.num_committed != state.num_tokens:
+            seen = 0 if kv is None else kv.num_committed
+            raise RuntimeError(f"draft model cache of {state.sequence_id!r} has seen {seen} committed "
+                               f"tokens, history has {state.num_tokens}: observe() was skipped")
+        keep = min(len(kv.token_ids), state.num_tokens - 1)  # feed at least the last token
+        kv.crop(keep)
+        missing = state.token_ids[keep:].tolist()
+        logits = self.draft.extend(kv.cache, missing)
+        kv.token_ids.extend(missing)
+        return kv, logits
+
+    def _chain(self, state: SequenceState, num_tokens: int) -> DraftTree:
+        kv, logits = self._sync(state)
+        chain: list[int] = []
+        for i in range(num_tokens):
+            chain.append(int(torch.argmax(logits)))  # first maximum: ties go to the lowest id
+            if i + 1 < num_tokens:
+                logits = self.draft.extend(kv.cache, chain[-1:])
+                kv.token_ids.append(chain[-1])
+        return DraftTree.chain(state.sequence_id, chain)
