@@ -130,7 +130,7 @@ def test_triton_decode_batch_long_context(triton_kernels):
     g = torch.Generator().manual_seed(5)
     seqs = [SeqSpec(c, 1) for c in (0, 1, 63, 64, 150)]
     batch = make_batch(seqs, 8, 2, 32, 16, torch.bfloat16, g, DEVICE)
-    for window in (None, 1, 40):
+    for window in (None, 1, 40, 24):  # 150 - 24 + 1 = 127: first visible entry ends a kv tile
         expected = paged_attention_reference(**batch.args(0.17, window))
         assert_close(triton_kernels.paged_attention(**batch.args(0.17, window)), expected, torch.bfloat16, str(window))
 
@@ -140,8 +140,9 @@ def test_triton_sliding_window_skips_tiles(triton_kernels):
     # Long cached prefix + prefill chunk: tiles wholly before the window are skipped.
     g = torch.Generator().manual_seed(6)
     batch = make_batch([SeqSpec(150, 20), SeqSpec(70, 3)], 4, 4, 16, 16, torch.float32, g, DEVICE)
-    expected = paged_attention_reference(**batch.args(0.25, 17))
-    assert_close(triton_kernels.paged_attention(**batch.args(0.25, 17)), expected, torch.float32, "window 17")
+    for window in (17, 24):  # 150 - 24 + 1 = 127: the first visible entry is the last of a tile
+        expected = paged_attention_reference(**batch.args(0.25, window))
+        assert_close(triton_kernels.paged_attention(**batch.args(0.25, window)), expected, torch.float32, str(window))
 
 
 @pytest.mark.triton
