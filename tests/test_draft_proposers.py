@@ -295,11 +295,14 @@ def test_dynamic_tree_probabilities_match_full_forward(draft_model):
     prompt = PROMPTS[1]
     build = proposer.build(d.commit("s", prompt), 4, 30)
     assert sum(build.expanded) == 3 * 3  # top_k nodes at each depth below max_depth
+    probs = {}  # parent -> next-token probabilities after the prompt and the parent's path
     for i, parent in enumerate(build.candidate_parents):
-        context = prompt + (_path(build, parent) if parent != -1 else [])
-        with torch.no_grad():
-            logits = draft_model.model(torch.tensor([context])).logits[0, -1].double()
-        p = torch.softmax(logits, -1)[build.candidate_token_ids[i]].item()
+        if parent not in probs:
+            context = prompt + (_path(build, parent) if parent != -1 else [])
+            with torch.no_grad():
+                logits = draft_model.model(torch.tensor([context])).logits[0, -1].double()
+            probs[parent] = torch.softmax(logits, -1)
+        p = probs[parent][build.candidate_token_ids[i]].item()
         before = 1.0 if parent == -1 else build.cumulative_probs[parent]
         assert build.cumulative_probs[i] == pytest.approx(before * p, rel=1e-4)
 

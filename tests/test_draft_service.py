@@ -416,3 +416,17 @@ async def test_model_bad_input_is_invalid_argument_and_changes_nothing(model_dra
     response = await model_draft.Release(draft_service_pb2.ReleaseRequest(sequence_ids=["subject"]))
     assert (response.released, response.unknown) == (1, 0)
     await expect_status(model_draft.Propose(request(seq("subject", [], method=DM))), INVALID, "unknown sequence")
+
+
+async def test_concurrent_model_and_lookup_requests_are_serialized(model_draft, tiny_llama_dir, spans):
+    import asyncio
+
+    prompts = {f"m{i}": [1, 60 + i, 61, 62, 60 + i, 61] for i in range(3)}
+    calls = [model_draft.Propose(request(seq(sid, tokens, method=DM, depth=3))) for sid, tokens in prompts.items()]
+    calls += [model_draft.Propose(request(seq(f"p{i}", [5, 6, 7, 5, 6]))) for i in range(3)]
+    responses = await asyncio.gather(*calls)
+    for sid, response in zip(prompts, responses):
+        assert chain_of(response.trees[0]) == _hf_greedy(tiny_llama_dir, prompts[sid], 3)
+    assert all(chain_of(r.trees[0]) == [7, 5, 6] for r in responses[3:])
+    proposals = [s for s in spans.get_finished_spans() if s.name == "draft.propose"]
+    assert len(proposals) == 6 and all(s.parent is not None for s in proposals)  # thread keeps the context

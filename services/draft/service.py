@@ -10,10 +10,16 @@ phases with no await in between, so requests never interleave:
 Methods: PROMPT_LOOKUP (also for UNSPECIFIED) and SUFFIX always; DRAFT_MODEL and
 DYNAMIC_TREE when a draft model is configured (`DraftConfig.draft_model_dir`), else
 they answer FAILED_PRECONDITION.
+
+Requests that run the draft model go to a worker thread, so the event loop keeps
+answering health checks meanwhile; one lock serializes every Propose and Release, and a
+proposal in a thread always finishes (even when its RPC is cancelled) before the lock
+is released, so the phases above still never interleave.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -80,6 +86,7 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
             self.proposers[common_pb2.SPECULATION_METHOD_DYNAMIC_TREE] = DynamicTreeProposer(
                 draft_model, config.dynamic_tree_top_k)
         self._draining = False
+        self._lock = asyncio.Lock()
 
     async def Propose(self, request, context: grpc.aio.ServicerContext):
         return await self._answer(request, context)
@@ -89,7 +96,8 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
             yield await self._answer(request, context)
 
     async def Release(self, request, context: grpc.aio.ServicerContext):
-        released, unknown = self.release(request.sequence_ids)
+        async with self._lock:
+            released, unknown = self.release(request.sequence_ids)
         return draft_service_pb2.ReleaseResponse(released=released, unknown=unknown)
 
     async def drain(self) -> None:
@@ -126,12 +134,23 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "draft server is shutting down; decode without a draft")
         try:
-            return self.propose(request)
+            async with self._lock:
+                if not self._runs_model(request):
+                    return self.propose(request)
+                work = asyncio.ensure_future(asyncio.to_thread(self.propose, request))
+                try:
+                    return await asyncio.shield(work)
+                except asyncio.CancelledError:
+                    await asyncio.wait([work])  # keep the lock until the proposal is done
+                    raise
         except RequestError as exc:
             await context.abort(exc.code, str(exc))
         except Exception:  # a bug: answer INTERNAL, never UNKNOWN
             log.exception("draft proposal failed")
             await context.abort(grpc.StatusCode.INTERNAL, "draft proposal failed; decode without a draft")
+
+    def _runs_model(self, request: draft_service_pb2.ProposeRequest) -> bool:
+        return any(seq.method in _MODEL_METHODS and seq.method in self.proposers for seq in request.sequences)
 
     def _validate(self, request: draft_service_pb2.ProposeRequest) -> list[_Plan]:
         if not request.sequences:
