@@ -27,12 +27,14 @@ def _attention_variants():
     ptrs = ["out_ptr", "query_ptr", "k_cache_ptr", "v_cache_ptr", "k_scale_ptr", "v_scale_ptr",
             "block_tables_ptr", "context_lens_ptr", "query_start_loc_ptr", "query_positions_ptr", "tree_mask_ptr"]
     shapes = [(4, 1, 256), (32, 8, 128), (8, 8, 64)]  # (heads, kv heads, head_dim)
-    for (h, nkv, hd), dtype, fp8, tree, sw, decode in itertools.product(
-        shapes, ["bf16", "fp32"], [False, True], [False, True], [False, True], [False, True]
+    for (h, nkv, hd), (dtype, cache_dtype), fp8, tree, sw, decode in itertools.product(
+        shapes, [("bf16", "bf16"), ("fp32", "fp32"), ("fp32", "bf16")], [False, True], [False, True], [False, True], [False, True]
     ):
-        if fp8 and (tree or decode):
-            continue  # fp8 is orthogonal to the mask logic; keep the matrix small
-        cache = "fp8e4nv" if fp8 else dtype
+        if (fp8 or cache_dtype != dtype) and (tree or decode or sw):
+            continue  # the kv dtype is orthogonal to the mask logic; keep the matrix small
+        if fp8 and cache_dtype != dtype:
+            continue
+        cache = "fp8e4nv" if fp8 else cache_dtype
         types = dict.fromkeys(ptrs, f"*{dtype}")
         types.update({"k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}",
                       "k_scale_ptr": "*fp32" if fp8 else f"*{dtype}", "v_scale_ptr": "*fp32" if fp8 else f"*{dtype}",
@@ -47,6 +49,7 @@ def _attention_variants():
                       BLOCK_SIZE=16, QUERIES_PER_KV=h // nkv, USE_TREE_MASK=tree, USE_SLIDING_WINDOW=sw,
                       USE_FP8=fp8, UPCAST_DOT=False, DOT_PRECISION="ieee" if dtype == "fp32" else "tf32", **cfg)
         name = f"paged_attention h={h} kv={nkv} d={hd} {dtype} fp8={fp8} tree={tree} sw={sw} decode={decode}"
+        name += "" if fp8 or cache == dtype else f" cache={cache}"
         yield name, pat._paged_attention_kernel, types, consts, num_warps
         if dtype == "bf16" and not decode:  # the interpreter's variant (see paged_attention_triton)
             yield name + " upcast", pat._paged_attention_kernel, types, \
@@ -55,13 +58,21 @@ def _attention_variants():
 
 def _store_variants():
     for dtype, fp8, (nkv, hd) in itertools.product(["bf16", "fp32", "fp16"], [False, True], [(1, 256), (8, 128), (3, 48)]):
-        cache = "fp8e4nv" if fp8 else dtype
-        types = {"key_ptr": f"*{dtype}", "value_ptr": f"*{dtype}", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}",
-                 "k_scale_ptr": "*fp32" if fp8 else f"*{cache}", "v_scale_ptr": "*fp32" if fp8 else f"*{cache}",
-                 "slot_mapping_ptr": "*i64"}
-        consts = dict(NUM_KV_HEADS=nkv, HEAD_DIM=hd, HEADS_PAD=triton.next_power_of_2(nkv),
-                      HEAD_DIM_PAD=triton.next_power_of_2(hd), USE_FP8=fp8, FP8_MAX=448.0, FP8_MIN_AMAX=1e-12)
-        yield f"store_kv {dtype} fp8={fp8} kv={nkv} d={hd}", kvs._store_kv_kernel, types, consts, 4
+        yield from _store_variant(dtype, "fp8e4nv" if fp8 else dtype, nkv, hd)
+    yield from _store_variant("fp32", "bf16", 2, 64)  # cast on store (ROUND_TO_BF16)
+    yield from _store_variant("bf16", "fp32", 2, 64)
+
+
+def _store_variant(dtype, cache, nkv, hd):
+    fp8 = cache == "fp8e4nv"
+    types = {"key_ptr": f"*{dtype}", "value_ptr": f"*{dtype}", "k_cache_ptr": f"*{cache}", "v_cache_ptr": f"*{cache}",
+             "k_scale_ptr": "*fp32" if fp8 else f"*{cache}", "v_scale_ptr": "*fp32" if fp8 else f"*{cache}",
+             "slot_mapping_ptr": "*i64"}
+    consts = dict(NUM_KV_HEADS=nkv, HEAD_DIM=hd, HEADS_PAD=triton.next_power_of_2(nkv),
+                  HEAD_DIM_PAD=triton.next_power_of_2(hd), USE_FP8=fp8,
+                  ROUND_TO_BF16=cache == "bf16" and dtype != "bf16", FP8_MAX=448.0, FP8_MIN_AMAX=1e-12)
+    name = f"store_kv {dtype} fp8={fp8} kv={nkv} d={hd}" + ("" if fp8 or cache == dtype else f" cache={cache}")
+    yield name, kvs._store_kv_kernel, types, consts, 4
 
 
 def _accept_variants():
@@ -82,10 +93,11 @@ def _accept_variants():
 # Quick subset: names as produced above, chosen so every constexpr flag is compiled.
 QUICK = {
     "store_kv bf16 fp8=True kv=1 d=256", "store_kv fp32 fp8=False kv=3 d=48", "store_kv fp16 fp8=True kv=8 d=128",
+    "store_kv fp32 fp8=False kv=2 d=64 cache=bf16", "paged_attention h=32 kv=8 d=128 fp32 fp8=False tree=False sw=False decode=False cache=bf16",
     "paged_attention h=4 kv=1 d=256 bf16 fp8=False tree=False sw=False decode=False",
     "paged_attention h=4 kv=1 d=256 bf16 fp8=False tree=True sw=True decode=False",
     "paged_attention h=4 kv=1 d=256 bf16 fp8=False tree=False sw=True decode=True",
-    "paged_attention h=4 kv=1 d=256 bf16 fp8=True tree=False sw=True decode=False",
+    "paged_attention h=4 kv=1 d=256 bf16 fp8=True tree=False sw=False decode=False",
     "paged_attention h=4 kv=1 d=256 bf16 fp8=False tree=True sw=True decode=False upcast",
     "paged_attention h=32 kv=8 d=128 bf16 fp8=False tree=False sw=False decode=True",
     "paged_attention h=32 kv=8 d=128 fp32 fp8=False tree=True sw=False decode=False",
@@ -98,9 +110,11 @@ QUICK = {
 def main(arch: int = 90, quick: bool = False) -> int:
     target = GPUTarget("cuda", arch, 32)
     count = 0
+    done = set()
     for name, fn, types, consts, num_warps in itertools.chain(_store_variants(), _attention_variants(), _accept_variants()):
         if quick and name not in QUICK:
             continue
+        done.add(name)
         signature = {**types, **dict.fromkeys(consts, "constexpr")}
         src = ASTSource(fn=fn, signature=signature, constexprs=consts)
         try:
@@ -109,6 +123,9 @@ def main(arch: int = 90, quick: bool = False) -> int:
             print(f"FAIL sm_{arch} {name}: {type(exc).__name__}: {exc}")
             return 1
         count += 1
+    if quick and done != QUICK:
+        print(f"FAIL: unknown quick variants {sorted(QUICK - done)}")
+        return 1
     print(f"compiled {count} kernel variants for sm_{arch}")
     return 0
 

@@ -110,6 +110,7 @@ def make_batch(
     device: str = "cpu",
     use_tree_mask: bool = False,
     fp8: bool = False,
+    cache_dtype: torch.dtype | None = None,
 ) -> PagedBatch:
     """Random dense KV per sequence, written into shuffled (gappy) blocks of a noisy cache."""
     kv_lens = [s.context_len + s.q_len for s in seqs]
@@ -119,12 +120,12 @@ def make_batch(
     max_blocks = max(need) + 2
     # Unused table entries hold garbage: -1, huge ids, or valid-looking ids of other sequences.
     table = torch.randint(-1, num_blocks * 4, (len(seqs), max_blocks), generator=gen, dtype=torch.int32)
-    cache_dtype = torch.float8_e4m3fn if fp8 else dtype
+    cache_dtype = torch.float8_e4m3fn if fp8 else (cache_dtype or dtype)
     noise = torch.randn((2, num_blocks, block_size, num_kv_heads, head_dim), generator=gen) * 3
     k_cache, v_cache = noise[0].to(cache_dtype), noise[1].to(cache_dtype)
     k_scale = torch.rand((num_blocks, block_size, num_kv_heads), generator=gen) if fp8 else None
     v_scale = torch.rand((num_blocks, block_size, num_kv_heads), generator=gen) if fp8 else None
-    store_dtype = torch.float32 if fp8 else dtype
+    store_dtype = torch.float32 if fp8 else cache_dtype
     k_dense, v_dense, slots_all, k_all, v_all = [], [], [], [], []
     for s, n in enumerate(kv_lens):
         blocks = [perm.pop() for _ in range(need[s])]

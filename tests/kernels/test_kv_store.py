@@ -12,10 +12,10 @@ from .conftest import DEVICE
 FP8 = torch.float8_e4m3fn
 
 
-def _case(seed: int, dtype: torch.dtype, fp8: bool, nkv: int, hd: int, device: str = "cpu"):
+def _case(seed: int, dtype: torch.dtype, fp8: bool, nkv: int, hd: int, device: str = "cpu", cache_dtype=None):
     g = torch.Generator().manual_seed(seed)
     num_blocks, block_size, n = 7, 4, 11
-    cache_dtype = FP8 if fp8 else dtype
+    cache_dtype = FP8 if fp8 else (cache_dtype or dtype)
     caches = (torch.randn((2, num_blocks, block_size, nkv, hd), generator=g) * 2).to(cache_dtype)
     scales = torch.rand((2, num_blocks, block_size, nkv), generator=g) if fp8 else None
     key = (torch.randn((n, nkv, hd), generator=g) * torch.logspace(-3, 3, n)[:, None, None]).to(dtype)
@@ -82,6 +82,20 @@ def test_triton_matches_reference_bitwise(triton_kernels, dtype, fp8, nkv, hd):
     for name, a, b in zip(("k_cache", "v_cache", "k_scale", "v_scale"), ref[2:], tri[2:]):
         if a is not None:
             assert torch.equal(_bits(a), _bits(b)), name
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize(
+    "dtype,cache_dtype",
+    [(torch.float32, torch.bfloat16), (torch.float16, torch.bfloat16), (torch.float32, torch.float16),
+     (torch.bfloat16, torch.float32)],
+)
+def test_triton_casts_to_cache_dtype_like_reference(triton_kernels, dtype, cache_dtype):
+    ref = _case(3, dtype, False, 2, 32, cache_dtype=cache_dtype)
+    tri = _case(3, dtype, False, 2, 32, DEVICE, cache_dtype=cache_dtype)
+    store_kv_reference(*ref)
+    triton_kernels.store_kv(*tri)
+    assert torch.equal(ref[2].cpu(), tri[2].cpu()) and torch.equal(ref[3].cpu(), tri[3].cpu())
 
 
 @pytest.mark.triton

@@ -172,3 +172,13 @@ def test_triton_empty_sequence_in_batch(triton_kernels):
     batch = make_batch([SeqSpec(5, 2), SeqSpec(7, 0), SeqSpec(0, 3)], 2, 1, 16, 4, torch.float32, g, DEVICE)
     expected = paged_attention_reference(**batch.args(0.3))
     assert_close(triton_kernels.paged_attention(**batch.args(0.3)), expected, torch.float32, "empty seq")
+
+
+@pytest.mark.triton
+@pytest.mark.parametrize("dtype,cache_dtype", [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_triton_cache_dtype_differs_from_query(triton_kernels, dtype, cache_dtype):
+    g = torch.Generator().manual_seed(12)
+    batch = make_batch([SeqSpec(9, 4), SeqSpec(3, 1)], 4, 2, 32, 8, dtype, g, DEVICE, cache_dtype=cache_dtype)
+    expected = paged_attention_reference(**batch.args(0.2, 6))
+    torch.testing.assert_close(expected.float().cpu(), naive_attention(batch, 0.2, 6), atol=2e-2, rtol=2e-2)
+    assert_close(triton_kernels.paged_attention(**batch.args(0.2, 6)), expected, dtype, "mixed dtypes")

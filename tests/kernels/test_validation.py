@@ -80,7 +80,8 @@ def _store_args():
 STORE_BREAKS = [
     ("key", lambda a: a["key"][:, :1], ValueError, "key must have shape [num_tokens, num_kv_heads=2, head_dim=16]"),
     ("key", lambda a: a["key"].transpose(0, 1).contiguous().transpose(0, 1), ValueError, "key must be contiguous"),
-    ("key", lambda a: a["key"].half(), TypeError, "key dtype torch.float16 must equal the cache dtype"),
+    ("key", lambda a: a["key"].double(), TypeError, "key must have dtype in (float32, bfloat16, float16), got float64"),
+    ("value", lambda a: a["value"].half(), TypeError, "value must have dtype in (float32), got float16"),
     ("value", lambda a: a["value"][:2], ValueError, "value must have shape"),
     ("slot_mapping", lambda a: a["slot_mapping"].float(), TypeError, "slot_mapping must have dtype in (int32, int64)"),
     ("slot_mapping", lambda a: a["slot_mapping"][:2], ValueError, "slot_mapping must have shape [num_tokens=3]"),

@@ -7,8 +7,10 @@ Terms (DESIGN.md section 4):
              value = fp8 * scale, scale = amax(|x|) / 448 over head_dim (448 is the
              largest finite e4m3 value), so every stored row uses the full fp8 range.
 
-The Triton version (kv_store_triton.store_kv_triton) has the same signature and writes
-bit-identical caches (it rounds to e4m3 explicitly, round-to-nearest-even).
+key/value may have another float dtype than a non-FP8 cache: they are cast to the cache
+dtype (round to nearest even). The Triton version (kv_store_triton.store_kv_triton) has
+the same signature and writes bit-identical caches (it rounds to e4m3 and bf16
+explicitly, so the result does not depend on the conversion the backend provides).
 Two tokens mapped to the same slot in one call is undefined (last writer wins on CPU).
 """
 
@@ -48,7 +50,7 @@ def store_kv_reference(
             flat[slots] = quant
             scale.view(-1, nkv)[slots] = row_scale
         else:
-            flat[slots] = rows
+            flat[slots] = rows.to(cache.dtype)  # round to nearest even
 
 
 def quantize_fp8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -66,8 +68,6 @@ def validate_store_kv_args(key, value, k_cache, v_cache, slot_mapping, k_scale, 
     doc = f"[num_tokens, num_kv_heads={nkv}, head_dim={hd}]"
     check_tensor("key", key, [None, nkv, hd], FLOAT_DTYPES, device, doc)
     num_tokens = key.shape[0]
-    if not is_fp8 and key.dtype != k_cache.dtype:
-        raise TypeError(f"key dtype {key.dtype} must equal the cache dtype {k_cache.dtype} (or the cache be float8_e4m3fn)")
     check_tensor("value", value, [num_tokens, nkv, hd], (key.dtype,), device, doc)
     check_tensor("slot_mapping", slot_mapping, [num_tokens], INDEX_DTYPES, device, f"[num_tokens={num_tokens}]")
     return num_tokens, is_fp8

@@ -1,7 +1,7 @@
 """KV store, Triton version (same signature and results as kv_store.store_kv_reference).
 
 One program per new token writes all kv heads of its key and value rows into the slot
-given by slot_mapping (skipping slots < 0). For an FP8 cache it computes one scale per
+given by slot_mapping (skipping slots < 0), cast to the cache dtype. For an FP8 cache it computes one scale per
 token per kv head (amax / 448) and rounds to e4m3 itself (round-to-nearest-even, with
 the carry into the exponent) so the stored bytes match the PyTorch reference exactly;
 the final cast then only converts already-representable values.
@@ -43,6 +43,7 @@ def store_kv_triton(
         HEADS_PAD=triton.next_power_of_2(nkv),
         HEAD_DIM_PAD=triton.next_power_of_2(hd),
         USE_FP8=is_fp8,
+        ROUND_TO_BF16=k_cache.dtype == torch.bfloat16 and key.dtype != torch.bfloat16,
         FP8_MAX=FP8_MAX,
         FP8_MIN_AMAX=FP8_MIN_AMAX,
     )
@@ -62,6 +63,7 @@ def _store_kv_kernel(
     HEADS_PAD: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
     USE_FP8: tl.constexpr,
+    ROUND_TO_BF16: tl.constexpr,
     FP8_MAX: tl.constexpr,
     FP8_MIN_AMAX: tl.constexpr,
 ):
@@ -85,6 +87,9 @@ def _store_kv_kernel(
             tl.store(k_scale_ptr + slot * NUM_KV_HEADS + offs_h, k_s, mask=scale_mask)
             tl.store(v_scale_ptr + slot * NUM_KV_HEADS + offs_h, v_s, mask=scale_mask)
         else:
+            if ROUND_TO_BF16:  # explicit RTNE (Triton's interpreter truncates f32 -> bf16)
+                k = _round_to_bf16(k.to(tl.float32))
+                v = _round_to_bf16(v.to(tl.float32))
             tl.store(k_cache_ptr + dst, k.to(k_cache_ptr.dtype.element_ty), mask=mask)
             tl.store(v_cache_ptr + dst, v.to(v_cache_ptr.dtype.element_ty), mask=mask)
 
@@ -98,6 +103,14 @@ def _quantize_rows(x, FP8_MAX: tl.constexpr, FP8_MIN_AMAX: tl.constexpr):
     y = tl.math.div_rn(x, scale[:, None])
     y = tl.minimum(tl.maximum(y, -FP8_MAX), FP8_MAX)
     return _round_to_e4m3(y), scale
+
+
+@triton.jit
+def _round_to_bf16(x):
+    """Round f32 values to the nearest bf16 value (ties to even), as f32."""
+    bits = x.to(tl.int32, bitcast=True)
+    bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & -65536  # -65536 == 0xFFFF0000
+    return bits.to(tl.float32, bitcast=True)
 
 
 @triton.jit

@@ -10,7 +10,9 @@ Visibility for new token i of sequence s (i local to s, c = context_lens[s]):
   * with a sliding window W: only kv entries whose position p_kv satisfies
     p_q - p_kv < W, where p_q = query_positions[row] and a new token's kv position is
     its own query position (transformers: kv_idx > q_idx - sliding_window).
-A query row with no visible kv entry yields zeros. GQA: query head h reads kv head
+A query row with no visible kv entry yields zeros. The cache may hold another float dtype
+than the query (or FP8 with scales); the Triton kernel converts kv tiles to the query
+dtype for its dots. GQA: query head h reads kv head
 h // (num_heads // num_kv_heads). Softmax runs in float32; the output has query's dtype.
 The keys/values of the new tokens must already be in the cache (store_kv first).
 """
@@ -138,8 +140,6 @@ def validate_paged_attention_args(
     num_tokens, num_heads, head_dim = query.shape
     dev = query.device
     _, _, nkv, _, is_fp8 = check_kv_cache(k_cache, v_cache, k_scale, v_scale, None, head_dim, dev)
-    if not is_fp8 and k_cache.dtype != query.dtype:
-        raise TypeError(f"k_cache dtype {k_cache.dtype} must equal query dtype {query.dtype} (or be float8_e4m3fn)")
     if num_heads % nkv != 0:
         raise ValueError(f"num_heads ({num_heads}) must be a multiple of num_kv_heads ({nkv})")
     if not 1 <= head_dim <= MAX_HEAD_DIM:

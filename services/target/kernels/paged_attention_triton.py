@@ -207,11 +207,10 @@ def _paged_attention_kernel(
             scale_offs = slot * NUM_KV_HEADS + kv_head  # [BLOCK_N]
             ks = tl.load(k_scale_ptr + scale_offs, mask=kv_valid, other=0.0)  # [BLOCK_N]
             vs = tl.load(v_scale_ptr + scale_offs, mask=kv_valid, other=0.0)  # [BLOCK_N]
-            k = (k.to(tl.float32) * ks[:, None]).to(q.dtype)
-            v = (v.to(tl.float32) * vs[:, None]).to(q.dtype)
-        if UPCAST_DOT:
-            k = k.to(tl.float32)
-            v = v.to(tl.float32)
+            k = k.to(tl.float32) * ks[:, None]
+            v = v.to(tl.float32) * vs[:, None]
+        k = k.to(q.dtype)  # no-op when the cache has the query's dtype (and UPCAST_DOT: f32)
+        v = v.to(q.dtype)
         s = tl.dot(q, tl.trans(k), input_precision=DOT_PRECISION) * scale_log2  # [BLOCK_M, BLOCK_N]
 
         # Visibility (see paged_attention.py): committed entries, then causal/tree new ones.
