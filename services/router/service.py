@@ -58,6 +58,10 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
                 yield router_service_pb2.GenerateResponse(chunk=response.chunk)
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
+            pushback = [(k, v) for k, v in (exc.trailing_metadata() or ())
+                        if k == "grpc-retry-pushback-ms"]
+            if pushback:
+                context.set_trailing_metadata(tuple(pushback))
             if code in _PASS_THROUGH:
                 await context.abort(code, exc.details() or code.name)
             await context.abort(grpc.StatusCode.UNAVAILABLE,

@@ -149,16 +149,24 @@ class BlockManager:
         missing = max(0, self.blocks_for(num_tokens) - len(match.block_ids))
         return missing + revived <= self.num_free
 
+    def cached_blocks(self) -> list[KVEvent]:
+        """Every cached block as a "stored" event (a snapshot for new subscribers)."""
+        out = []
+        for h, block_id in self._cached.items():
+            parent, tokens, extra_key = self._blocks[block_id].key
+            out.append(KVEvent("stored", h, parent, len(tokens), _scope(extra_key)))
+        return out
+
     def stats(self) -> BlockStats:
         used = sum(1 for b in self._blocks if b.ref_count > 0)
         return BlockStats(self.num_blocks, self.num_free, used, len(self._cached), self._evictions,
                           self._queries, self._query_tokens, self._hit_tokens)
 
-    def slot_usage(self, filled: dict[str, int]) -> tuple[int, int]:
-        """(allocated slots, slots holding KV) over referenced blocks; `filled` = tokens with KV per seq."""
+    def slot_usage(self) -> tuple[int, int]:
+        """(allocated slots, slots holding or being filled with KV) over referenced blocks."""
         fill: dict[int, int] = {}
-        for seq_id, entry in self._seqs.items():
-            n = filled.get(seq_id, 0)
+        for entry in self._seqs.values():
+            n = entry.reserved_tokens
             for i, block_id in enumerate(entry.table):
                 used = min(self.block_size, max(0, n - i * self.block_size))
                 fill[block_id] = max(fill.get(block_id, 0), used)

@@ -139,8 +139,7 @@ class Engine:
     def stats(self) -> EngineStats:
         with self._lock:
             b = self.blocks.stats()
-            filled = {s.seq_id: s.num_computed for s in self.scheduler.running}
-            allocated, used = self.blocks.slot_usage(filled)
+            allocated, used = self.blocks.slot_usage()
             return EngineStats(
                 num_blocks=b.num_blocks, free_blocks=b.free_blocks, used_blocks=b.used_blocks,
                 cached_blocks=b.cached_blocks, block_size=self.blocks.block_size,
@@ -151,6 +150,17 @@ class Engine:
                 prefix_query_tokens=b.prefix_query_tokens, prefix_hit_tokens=b.prefix_hit_tokens,
                 kv_bytes=self.runner.kv_pool.num_bytes,
                 fragmentation=(allocated - used) / allocated if allocated else 0.0)
+
+    def live_request_ids(self) -> set[str]:
+        """Requests the engine holds any state for (queued, running or holding blocks)."""
+        with self._lock:
+            return ({*self._live, *(s.seq_id for s in self._incoming)}
+                    | set(self.blocks._seqs))
+
+    def kv_snapshot(self):
+        """(sequence number, cached blocks) taken together, so events after the number apply on top."""
+        with self._lock:
+            return self.kv_events.last_sequence, self.blocks.cached_blocks()
 
     def has_state(self, request_id: str) -> bool:
         """Whether the engine still holds anything for this request (tests, debugging)."""

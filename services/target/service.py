@@ -21,6 +21,7 @@ _FINISH = {
     FinishReason.LENGTH: common_pb2.FINISH_REASON_LENGTH,
     FinishReason.STOP_SEQUENCE: common_pb2.FINISH_REASON_STOP_SEQUENCE,
 }
+RETRY_PUSHBACK_MS = 250
 SERVICE_NAME = target_service_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
@@ -59,7 +60,8 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
                 except InvalidRequest as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 except Overloaded as exc:
-                    context.set_trailing_metadata((("retry-after-ms", "200"),))
+                    # gRPC's standard retry hint; clients with a retry policy honour it.
+                    context.set_trailing_metadata((("grpc-retry-pushback-ms", str(RETRY_PUSHBACK_MS)),))
                     await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later")
                 with tracer.start_as_current_span("prefill") as phase:
                     phase.set_attribute("specmesh.prompt_tokens", len(prompt_ids))
@@ -89,14 +91,46 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
         s = self.engine.stats()
         return target_service_pb2.GetStatsResponse(
             num_blocks=s.num_blocks, free_blocks=s.free_blocks, used_blocks=s.used_blocks,
-            block_size=s.block_size, running_requests=s.running, waiting_requests=s.waiting,
-            model=self.model_name)
+            cached_blocks=s.cached_blocks, block_size=s.block_size, running_requests=s.running,
+            waiting_requests=s.waiting, model=self.model_name, queued_tokens=s.queued_tokens,
+            preemptions=s.num_preemptions, evictions=s.evictions,
+            prefix_query_tokens=s.prefix_query_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
+            kv_bytes=s.kv_bytes, fragmentation=s.fragmentation)
+
+    async def SubscribeKVEvents(self, request, context):
+        log_ = self.engine.kv_events
+        after = request.after_sequence
+        need_snapshot = request.snapshot
+        while not self._draining:
+            events = None if need_snapshot else log_.since(after)
+            if events is None:  # asked for, or a gap: send everything cached, then follow
+                after, blocks = self.engine.kv_snapshot()
+                yield target_service_pb2.SubscribeKVEventsResponse(
+                    is_snapshot=True, snapshot_sequence=after,
+                    snapshot_blocks=[_event_proto(0, b) for b in blocks])
+                need_snapshot = False
+            elif events:
+                yield target_service_pb2.SubscribeKVEventsResponse(
+                    events=[_event_proto(n, e) for n, e in events])
+                after = events[-1][0]
+            else:
+                await log_.wait(after, timeout=0.5)
 
     async def drain(self) -> None:
         """Refuses new requests and waits for in-flight ones to finish."""
         self._draining = True
         while self._in_flight:
             await asyncio.sleep(0.05)
+
+
+_EVENT_KINDS = {"stored": target_service_pb2.KV_EVENT_KIND_BLOCK_STORED,
+                "removed": target_service_pb2.KV_EVENT_KIND_BLOCK_REMOVED}
+
+
+def _event_proto(sequence: int, event) -> target_service_pb2.KVEvent:
+    return target_service_pb2.KVEvent(
+        sequence=sequence, kind=_EVENT_KINDS[event.kind], block_hash=event.block_hash,
+        parent_hash=event.parent_hash or 0, num_tokens=event.num_tokens, scope=event.scope)
 
 
 def _final_chunk(out: StepOutput) -> common_pb2.GenerateChunk:

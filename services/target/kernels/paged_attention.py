@@ -6,7 +6,9 @@ sequences, their new tokens flattened sequence after sequence in `query`.
 Visibility for new token i of sequence s (i local to s, c = context_lens[s]):
   * committed kv slots j < c (sequence index j, position j), and
   * new-token kv slots c + k with k <= i (causal), or with tree_mask[row, k] True when a
-    tree mask is given (row = global token index; ancestors-and-self of node i);
+    tree mask is given (row = global token index; ancestors-and-self of node i). A tree
+    mask covers the whole batch: rows of prefill/decode sequences in a mixed batch
+    must hold their causal pattern (True for k <= i); columns k >= q_len are ignored;
   * with a sliding window W: only kv entries whose position p_kv satisfies
     p_q - p_kv < W, where p_q = query_positions[row] and a new token's kv position is
     its own query position (transformers: kv_idx > q_idx - sliding_window).

@@ -1,10 +1,21 @@
 from services.common.proto.specmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class KVEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_EVENT_KIND_UNSPECIFIED: _ClassVar[KVEventKind]
+    KV_EVENT_KIND_BLOCK_STORED: _ClassVar[KVEventKind]
+    KV_EVENT_KIND_BLOCK_REMOVED: _ClassVar[KVEventKind]
+KV_EVENT_KIND_UNSPECIFIED: KVEventKind
+KV_EVENT_KIND_BLOCK_STORED: KVEventKind
+KV_EVENT_KIND_BLOCK_REMOVED: KVEventKind
 
 class TargetGenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "sampling", "tenant_salt", "speculation")
@@ -31,7 +42,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_size", "running_requests", "waiting_requests", "model")
+    __slots__ = ("num_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_size", "running_requests", "waiting_requests", "model", "queued_tokens", "preemptions", "evictions", "prefix_query_tokens", "prefix_hit_tokens", "kv_bytes", "fragmentation")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -40,6 +51,13 @@ class GetStatsResponse(_message.Message):
     RUNNING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     WAITING_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    QUEUED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    EVICTIONS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_QUERY_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PREFIX_HIT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    KV_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTATION_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     free_blocks: int
     used_blocks: int
@@ -48,4 +66,47 @@ class GetStatsResponse(_message.Message):
     running_requests: int
     waiting_requests: int
     model: str
-    def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., model: _Optional[str] = ...) -> None: ...
+    queued_tokens: int
+    preemptions: int
+    evictions: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    kv_bytes: int
+    fragmentation: float
+    def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., model: _Optional[str] = ..., queued_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., evictions: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., fragmentation: _Optional[float] = ...) -> None: ...
+
+class SubscribeKVEventsRequest(_message.Message):
+    __slots__ = ("after_sequence", "snapshot")
+    AFTER_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    after_sequence: int
+    snapshot: bool
+    def __init__(self, after_sequence: _Optional[int] = ..., snapshot: _Optional[bool] = ...) -> None: ...
+
+class KVEvent(_message.Message):
+    __slots__ = ("sequence", "kind", "block_hash", "parent_hash", "num_tokens", "scope")
+    SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
+    PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
+    NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SCOPE_FIELD_NUMBER: _ClassVar[int]
+    sequence: int
+    kind: KVEventKind
+    block_hash: int
+    parent_hash: int
+    num_tokens: int
+    scope: str
+    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[KVEventKind, str]] = ..., block_hash: _Optional[int] = ..., parent_hash: _Optional[int] = ..., num_tokens: _Optional[int] = ..., scope: _Optional[str] = ...) -> None: ...
+
+class SubscribeKVEventsResponse(_message.Message):
+    __slots__ = ("events", "is_snapshot", "snapshot_sequence", "snapshot_blocks")
+    EVENTS_FIELD_NUMBER: _ClassVar[int]
+    IS_SNAPSHOT_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
+    SNAPSHOT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    events: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    is_snapshot: bool
+    snapshot_sequence: int
+    snapshot_blocks: _containers.RepeatedCompositeFieldContainer[KVEvent]
+    def __init__(self, events: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ..., is_snapshot: _Optional[bool] = ..., snapshot_sequence: _Optional[int] = ..., snapshot_blocks: _Optional[_Iterable[_Union[KVEvent, _Mapping]]] = ...) -> None: ...

@@ -46,6 +46,11 @@ class TargetServiceStub:
                 request_serializer=specmesh_dot_v1_dot_target__service__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_target__service__pb2.GetStatsResponse.FromString,
                 _registered_method=True)
+        self.SubscribeKVEvents = channel.unary_stream(
+                '/specmesh.v1.TargetService/SubscribeKVEvents',
+                request_serializer=specmesh_dot_v1_dot_target__service__pb2.SubscribeKVEventsRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_target__service__pb2.SubscribeKVEventsResponse.FromString,
+                _registered_method=True)
 
 
 class TargetServiceServicer:
@@ -72,6 +77,17 @@ class TargetServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def SubscribeKVEvents(self, request, context):
+        """Streams prefix-cache changes (block stored / removed) for the cache
+        service's prefix index. Every event has a sequence number; when the
+        subscriber's `after_sequence` is older than the log keeps (a gap), or it
+        asks for one, the stream starts with a snapshot of all cached blocks.
+        Errors: none beyond transport errors; the stream ends when the server stops.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -84,6 +100,11 @@ def add_TargetServiceServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=specmesh_dot_v1_dot_target__service__pb2.GetStatsRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_target__service__pb2.GetStatsResponse.SerializeToString,
+            ),
+            'SubscribeKVEvents': grpc.unary_stream_rpc_method_handler(
+                    servicer.SubscribeKVEvents,
+                    request_deserializer=specmesh_dot_v1_dot_target__service__pb2.SubscribeKVEventsRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_target__service__pb2.SubscribeKVEventsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -142,6 +163,33 @@ class TargetService:
             '/specmesh.v1.TargetService/GetStats',
             specmesh_dot_v1_dot_target__service__pb2.GetStatsRequest.SerializeToString,
             specmesh_dot_v1_dot_target__service__pb2.GetStatsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SubscribeKVEvents(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/specmesh.v1.TargetService/SubscribeKVEvents',
+            specmesh_dot_v1_dot_target__service__pb2.SubscribeKVEventsRequest.SerializeToString,
+            specmesh_dot_v1_dot_target__service__pb2.SubscribeKVEventsResponse.FromString,
             options,
             channel_credentials,
             insecure,
