@@ -11,6 +11,7 @@ import torch
 from services.target.attention import AttentionMetadata, KVPool
 from services.target.kernels import get_kernels
 
+from .conftest import DEVICE
 from .helpers import ancestors_or_self, binary_tree, depths
 
 BLOCK_SIZE, NUM_BLOCKS = 4, 64
@@ -23,7 +24,7 @@ def tiny_gemma(tmp_path_factory):
     from services.target.model_runner import load_model
 
     model_dir = build_tiny_model(tmp_path_factory.mktemp("kernels-tiny-gemma"), arch="gemma3", seed=1)
-    model, tokenizer, spec = load_model(model_dir, torch.float32)
+    model, tokenizer, spec = load_model(model_dir, torch.float32, device=DEVICE)
     return model_dir, model, tokenizer, spec
 
 
@@ -31,19 +32,21 @@ def _forward(model, kernels, pool, table, ctx, tokens, positions, tree_mask=None
     """One pass of one sequence: new tokens at sequence indices ctx .. ctx + n - 1."""
     n = len(tokens)
     slots = [int(table[j // BLOCK_SIZE]) * BLOCK_SIZE + j % BLOCK_SIZE for j in range(ctx, ctx + n)]
+    dev = lambda t: t.to(DEVICE) if t is not None else None  # noqa: E731
     meta = AttentionMetadata(
-        kv_pool=pool, kernels=kernels, slot_mapping=torch.tensor(slots), block_tables=table[None].clone(),
-        context_lens=torch.tensor([ctx], dtype=torch.int32), query_start_loc=torch.tensor([0, n], dtype=torch.int32),
-        query_positions=torch.tensor(positions, dtype=torch.int32), tree_mask=tree_mask,
+        kv_pool=pool, kernels=kernels, slot_mapping=dev(torch.tensor(slots)), block_tables=dev(table[None].clone()),
+        context_lens=dev(torch.tensor([ctx], dtype=torch.int32)),
+        query_start_loc=dev(torch.tensor([0, n], dtype=torch.int32)),
+        query_positions=dev(torch.tensor(positions, dtype=torch.int32)), tree_mask=dev(tree_mask),
     )
     with torch.inference_mode():
-        out = model(input_ids=torch.tensor([tokens]), position_ids=torch.tensor([positions]), use_cache=False,
-                    specmesh_meta=meta)
-    return out.logits[0].float()  # [n, vocab]
+        out = model(input_ids=dev(torch.tensor([tokens])), position_ids=dev(torch.tensor([positions])),
+                    use_cache=False, specmesh_meta=meta)
+    return out.logits[0].float().cpu()  # [n, vocab]
 
 
 def _new_pool(spec) -> tuple[KVPool, torch.Tensor]:
-    pool = KVPool.allocate(spec.num_layers, NUM_BLOCKS, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, torch.float32, "cpu")
+    pool = KVPool.allocate(spec.num_layers, NUM_BLOCKS, BLOCK_SIZE, spec.num_kv_heads, spec.head_dim, torch.float32, DEVICE)
     table = torch.randperm(NUM_BLOCKS, generator=torch.Generator().manual_seed(0))[:32].int()  # gappy blocks
     return pool, table
 
@@ -69,8 +72,8 @@ def test_greedy_triton_equals_reference_and_hf(tiny_gemma):
     model_dir, model, tokenizer, spec = tiny_gemma
     ref = _greedy(model, tokenizer, spec, "reference", 12)
     assert _greedy(model, tokenizer, spec, "triton", 12) == ref
-    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-    ids = torch.tensor([AutoTokenizer.from_pretrained(model_dir)(PROMPT).input_ids])
+    hf_model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).to(DEVICE).eval()
+    ids = torch.tensor([AutoTokenizer.from_pretrained(model_dir)(PROMPT).input_ids], device=DEVICE)
     hf = hf_model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                            pad_token_id=tokenizer.pad_token_id)
     assert hf[0, ids.shape[1]:].tolist() == ref  # prompt + 12 tokens > sliding window 16
