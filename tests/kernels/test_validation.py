@@ -141,3 +141,11 @@ def test_get_kernels_selection():
     assert get_kernels("auto").backend == ("triton" if torch.cuda.is_available() else "reference")
     with pytest.raises(ValueError, match="kernel backend must be one of"):
         get_kernels("cuda")
+
+
+def test_forcing_triton_without_cuda_or_interpreter_is_a_clear_error(monkeypatch):
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    with pytest.raises(RuntimeError, match="kernel backend 'triton' needs a CUDA device"):
+        get_kernels("triton")
+    assert get_kernels("auto").backend == "reference"
