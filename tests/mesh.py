@@ -41,15 +41,18 @@ class Mesh:
         await self.target.stop(grace=1.0)
 
 
-async def start_mesh(model_dir: Path, **engine_overrides) -> Mesh:
+async def start_mesh(model_dir: Path, speculation: dict | None = None, **engine_overrides) -> Mesh:
+    """Target + router. `speculation` sets the router's plan (RouterConfig speculation_* fields);
+    by default the router asks for none, so tests without a draft service stay plain."""
     config = EngineConfig(model_dir=model_dir, dtype="float32", num_blocks=256, block_size=4,
                           max_batched_tokens=64, max_tokens_limit=256, kernels="reference")
     engine = Engine.load(replace(config, **engine_overrides))
     target = build_target_server(ServerConfig(port=0), engine, "tiny")
     await target.start()
+    plan = {"speculation_method": "off", **(speculation or {})}
     router = build_router_server(ServerConfig(port=0), RouterConfig(
         target_address=target.address, tokens={TOKEN_A: "tenant-a", TOKEN_B: "tenant-b"},
-        max_tokens_limit=256))
+        max_tokens_limit=256, **plan))
     await router.start()
     return Mesh(engine, target, router, grpc.aio.insecure_channel(router.address))
 

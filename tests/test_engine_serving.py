@@ -204,7 +204,9 @@ async def test_fragmentation_stays_below_4_percent_in_a_mixed_workload(tiny_llam
     # a 4-token block matches what 16-token blocks give on prompts of thousands of tokens.
     mesh = await start_mesh(tiny_llama_dir, num_blocks=1024, block_size=4, max_batched_tokens=256)
     try:
-        prompts = [("word " * n) + "end" for n in (40, 55, 70, 100, 45, 60, 85, 110)]  # 164-444 tokens
+        # Distinct texts (no shared prefix), 100-450 tokens each.
+        words = ["apple", "river", "stone", "cloud", "tiger", "lemon", "piano", "orbit"]
+        prompts = [f"{w} " * n + "end" for w, n in zip(words, (40, 55, 70, 100, 45, 60, 85, 110))]
         tasks = [asyncio.create_task(collect(mesh.router_stub, request(p, 48))) for p in prompts]
         samples = []
         while not all(t.done() for t in tasks):

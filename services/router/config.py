@@ -5,6 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 
+SPECULATION_METHODS = ("off", "prompt_lookup", "suffix", "draft_model", "dynamic_tree")
+
+
 @dataclass(frozen=True)
 class RouterConfig:
     target_address: str
@@ -14,6 +17,10 @@ class RouterConfig:
     salt_secret: str = "specmesh-dev-secret"
     max_tokens_limit: int = 4096
     default_timeout_s: float = 300.0  # used when the caller sets no deadline
+    # Speculation plan for every bucket for now: method name (see SPECULATION_METHODS) and limits.
+    speculation_method: str = "prompt_lookup"
+    speculation_depth: int = 5
+    speculation_nodes: int = 0  # tree node budget; 0 = a chain of `speculation_depth` nodes
 
     def __post_init__(self) -> None:
         if not self.target_address:
@@ -25,6 +32,13 @@ class RouterConfig:
                 raise ValueError("tokens and tenants must be non-empty strings")
         if self.max_tokens_limit <= 0:
             raise ValueError(f"max_tokens_limit must be > 0, got {self.max_tokens_limit}")
+        if self.speculation_method not in SPECULATION_METHODS:
+            raise ValueError(f"speculation_method must be one of {sorted(SPECULATION_METHODS)}, "
+                             f"got {self.speculation_method!r}")
+        if not 1 <= self.speculation_depth <= 16:
+            raise ValueError(f"speculation_depth must be in [1, 16], got {self.speculation_depth}")
+        if not 0 <= self.speculation_nodes <= 64:
+            raise ValueError(f"speculation_nodes must be in [0, 64], got {self.speculation_nodes}")
         if self.default_timeout_s <= 0:
             raise ValueError(f"default_timeout_s must be > 0, got {self.default_timeout_s}")
 

@@ -44,11 +44,12 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
             bucket = bucket_of(request.prompt, sampling)
             span.set_attribute("specmesh.bucket", bucket)
             span.set_attribute("specmesh.route", "default")
+            span.set_attribute("specmesh.speculation", self.config.speculation_method)
             span.set_attribute("gen_ai.request.max_tokens", sampling.max_tokens)
             target_request = target_service_pb2.TargetGenerateRequest(
                 request_id=uuid.uuid4().hex, prompt=request.prompt, sampling=request.sampling,
-                tenant_salt=self.auth.salt(tenant),
-                speculation=common_pb2.SpeculationPlan(method=common_pb2.SPECULATION_METHOD_OFF))
+                tenant_salt=self.auth.salt(tenant), bucket=bucket,
+                speculation=self._plan(bucket))
         remaining = context.time_remaining()
         timeout = self.config.default_timeout_s if remaining is None else max(remaining, 0.001)
         self._in_flight += 1
@@ -85,6 +86,16 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
         if problems:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
         return sampling
+
+    def _plan(self, bucket: str) -> common_pb2.SpeculationPlan:
+        """The speculation plan for a bucket (one configured plan for all buckets for now)."""
+        method = self.config.speculation_method
+        if method == "off":
+            return common_pb2.SpeculationPlan(method=common_pb2.SPECULATION_METHOD_OFF)
+        return common_pb2.SpeculationPlan(
+            method=common_pb2.SpeculationMethod.Value(f"SPECULATION_METHOD_{method.upper()}"),
+            max_depth=self.config.speculation_depth,
+            max_nodes=max(self.config.speculation_nodes, self.config.speculation_depth))
 
     async def drain(self) -> None:
         self._draining = True

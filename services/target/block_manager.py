@@ -121,6 +121,10 @@ class BlockManager:
         table, bs = self._seqs[seq_id].table, self.block_size
         return [table[i // bs] * bs + i % bs for i in range(start, end)]
 
+    def slots_at(self, seq_id: str, indices: list[int]) -> list[int]:
+        table, bs = self._seqs[seq_id].table, self.block_size
+        return [table[i // bs] * bs + i % bs for i in indices]
+
     def can_reserve(self, seq_id: str, num_tokens: int) -> bool:
         return self._missing(seq_id, num_tokens) <= self.num_free
 
@@ -215,6 +219,20 @@ class BlockManager:
                 self.events.append(KVEvent("stored", h, parent, bs, _scope(extra_key)))
             entry.hashes.append(h)
 
+    def truncate(self, seq_id: str, num_tokens: int) -> int:
+        """Frees the sequence's trailing blocks beyond `num_tokens` (e.g. rejected draft slots).
+
+        Only blocks that hold no committed token go; returns how many were freed.
+        """
+        entry = self._seqs[seq_id]
+        keep = self.blocks_for(num_tokens)
+        extra = entry.table[keep:]
+        del entry.table[keep:]
+        entry.reserved_tokens = min(entry.reserved_tokens, num_tokens)
+        for block_id in reversed(extra):
+            self._decref(block_id)
+        return len(extra)
+
     def release(self, seq_id: str) -> int:
         """Drops the sequence's table. Blocks reaching ref 0 become free (or evictable when cached).
 
@@ -224,13 +242,7 @@ class BlockManager:
         if entry is None:
             return 0
         for block_id in reversed(entry.table):
-            block = self._blocks[block_id]
-            block.ref_count -= 1
-            if block.ref_count == 0:
-                if block.hash is not None:
-                    self._evictable[block_id] = None
-                else:
-                    self._free.append(block_id)
+            self._decref(block_id)
         return len(entry.table)
 
     # ---- helpers -------------------------------------------------------
@@ -238,6 +250,15 @@ class BlockManager:
         entry = self._seqs.get(seq_id)
         have = len(entry.table) if entry else 0
         return max(0, self.blocks_for(num_tokens) - have)
+
+    def _decref(self, block_id: int) -> None:
+        block = self._blocks[block_id]
+        block.ref_count -= 1
+        if block.ref_count == 0:
+            if block.hash is not None:
+                self._evictable[block_id] = None
+            else:
+                self._free.append(block_id)
 
     def _acquire(self, block_id: int) -> None:
         block = self._blocks[block_id]

@@ -28,6 +28,8 @@ class EngineConfig:
     enable_prefix_caching: bool = True
     kernels: str = "auto"
     name: str = ""  # model id in prefix-cache keys and metrics; "" = the model directory's name
+    draft_address: str = ""  # draft service for speculative decoding; "" = never speculate
+    draft_timeout_s: float = 0.5  # per-step deadline of a draft call; past it the step decodes normally
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -40,6 +42,8 @@ class EngineConfig:
                      "max_queued_tokens"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.draft_timeout_s <= 60:
+            raise ValueError(f"draft_timeout_s must be in (0, 60], got {self.draft_timeout_s}")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
 

@@ -7,6 +7,7 @@ frees a request's blocks at the next step boundary.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -14,6 +15,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
+from opentelemetry import trace
+from opentelemetry.trace import Link
 
 from services.target import metrics
 from services.target.block_manager import BlockManager
@@ -24,9 +27,27 @@ from services.target.model_runner import ModelRunner, load_model
 from services.common.sampling_params import SamplingConfig
 from services.target.sampler import make_generator, sample
 from services.target.scheduler import Scheduler
-from services.target.sequence import FinishReason, Sequence, StepOutput
+from services.target.draft_client import DraftClient
+from services.target.model_runner_inputs import StepInput
+from services.target.sequence import FinishReason, Sequence, SpeculationPlan, StepOutput
+from services.target.speculator import Speculator
 
 log = logging.getLogger(__name__)
+tracer = trace.get_tracer("specmesh.target")
+
+
+@contextlib.contextmanager
+def _verify_span(trees: dict, batch):
+    """A `verify` span for steps that check draft trees (one per step, never per token)."""
+    if not trees:
+        yield
+        return
+    links = [Link(i.seq.span_context) for i in batch
+             if i.seq.seq_id in trees and i.seq.span_context is not None]
+    with tracer.start_as_current_span("verify", links=links) as span:
+        span.set_attribute("specmesh.num_sequences", len(trees))
+        span.set_attribute("specmesh.proposed_tokens", sum(len(p.token_ids) for p in trees.values()))
+        yield
 
 
 class InvalidRequest(ValueError):
@@ -75,6 +96,10 @@ class Engine:
         self._stopped = False
         self._thread = threading.Thread(target=self._loop, name="specmesh-engine", daemon=True)
         self._histograms = metrics.register_engine(self)
+        self.speculator: Speculator | None = None
+        if config.draft_address:
+            client = DraftClient(config.draft_address, config.draft_timeout_s, spec.vocab_size)
+            self.speculator = Speculator(client, self.runner.kernels, spec.max_context, self._histograms)
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
@@ -96,12 +121,19 @@ class Engine:
         return self.tokenizer(prompt).input_ids
 
     def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingConfig,
-               emit: Callable[[StepOutput], None], tenant_salt: str = "") -> None:
-        """Queues a request; raises InvalidRequest or Overloaded without queueing anything."""
+               emit: Callable[[StepOutput], None], tenant_salt: str = "",
+               plan: SpeculationPlan | None = None, bucket: str = "",
+               span_context=None) -> None:
+        """Queues a request; raises InvalidRequest or Overloaded without queueing anything.
+
+        `plan` asks for speculative decoding; it is ignored when no draft service is configured.
+        """
         self.validate(prompt_ids, sampling)
         seq = Sequence(request_id, list(prompt_ids), sampling, make_generator(sampling.seed),
                        IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling.stop), emit,
-                       extra_key=f"{self.name}\x00{tenant_salt}")
+                       extra_key=f"{self.name}\x00{tenant_salt}",
+                       plan=plan if self.speculator is not None else None,
+                       tenant_salt=tenant_salt, bucket=bucket, span_context=span_context)
         with self._lock:
             if self._stopped:
                 raise Overloaded("engine is shutting down")
@@ -202,50 +234,103 @@ class Engine:
         self._aborts.clear()
 
     def _run_step(self, batch) -> None:
+        proposals = self.speculator.propose(batch) if self.speculator else {}
+        with self._lock:
+            inputs, trees = self._step_inputs(batch, proposals)
         try:
-            logits = self.runner.forward(batch)  # [num_sampling, vocab]
+            with _verify_span(trees, batch):
+                logits = self.runner.forward(inputs)  # [num_rows, vocab]
         except Exception as exc:  # a failing step must not take the engine down
             log.exception("engine step failed")
             with self._lock:
                 for item in batch:
                     self._finish(item.seq, error=exc)
             return
-        sampling = [item for item in batch if item.samples]
-        tokens = sample(logits, [i.seq.sampling for i in sampling], [i.seq.generator for i in sampling])
+        plain, plain_rows, accepted = [], [], {}
+        offset = 0
+        for item, inp in zip(batch, inputs):
+            rows = logits[offset:offset + inp.num_logits]
+            offset += inp.num_logits
+            if item.seq.seq_id in trees:
+                accepted[item.seq.seq_id] = self.speculator.accept(item.seq, rows, trees[item.seq.seq_id])
+            elif item.samples:
+                plain.append(item)
+                plain_rows.append(rows)
+        sampled = sample(torch.cat(plain_rows), [i.seq.sampling for i in plain],
+                         [i.seq.generator for i in plain]) if plain else []
+        new_tokens = {item.seq.seq_id: [t] for item, t in zip(plain, sampled)}
         now = time.monotonic()
         with self._lock:
             for item in batch:
                 seq = item.seq
                 seq.num_computed = item.start + item.num_tokens
+                if seq.seq_id in accepted:
+                    path, bonus = accepted[seq.seq_id]
+                    new_tokens[seq.seq_id] = self._commit_tree(seq, item.start, trees[seq.seq_id], path, bonus)
                 if seq.seq_id in self._live:
                     self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed, seq.extra_key)
-            for item, token in zip(sampling, tokens):
+            for item in batch:
                 seq = item.seq
-                if seq.seq_id not in self._live:
+                tokens = new_tokens.get(seq.seq_id)
+                if not tokens or seq.seq_id not in self._live:
                     continue
                 if seq.first_token_time is None:
                     seq.first_token_time = now
                     self._histograms["ttft"].record(now - seq.arrival)
                 elif seq.last_token_time is not None:
-                    self._histograms["tpot"].record(now - seq.last_token_time)
+                    self._histograms["tpot"].record((now - seq.last_token_time) / len(tokens))
                 seq.last_token_time = now
-                self._commit(seq, token)
+                self._commit(seq, tokens)
             self.kv_events.append(self.blocks.events)
             self.blocks.events = []
 
-    def _commit(self, seq: Sequence, token: int) -> None:
-        seq.output_ids.append(token)
-        text = seq.detokenizer.add([token])
-        reason = None
-        if seq.detokenizer.stopped:
-            reason = FinishReason.STOP_SEQUENCE
-        elif token in self.spec.eos_token_ids:
-            reason = FinishReason.STOP
-        elif len(seq.output_ids) >= seq.sampling.max_tokens:
-            reason = FinishReason.LENGTH
+    def _step_inputs(self, batch, proposals) -> tuple[list[StepInput], dict]:
+        """One StepInput per scheduled sequence; a tree where a proposal fits in the pool (lock held)."""
+        inputs, trees = [], {}
+        for item in batch:
+            seq = item.seq
+            proposal = proposals.get(seq.seq_id)
+            if proposal is not None and self.blocks.can_reserve(
+                    seq.seq_id, item.start + 1 + len(proposal.token_ids)):
+                self.blocks.reserve(seq.seq_id, item.start + 1 + len(proposal.token_ids))
+                inputs.append(StepInput.tree(seq.seq_id, seq.token_ids[-1], item.start,
+                                             proposal.token_ids, proposal.parents, proposal.depths))
+                trees[seq.seq_id] = proposal
+            else:
+                tokens = seq.token_ids[item.start:item.start + item.num_tokens]
+                inputs.append(StepInput.chunk(seq.seq_id, tokens, item.start, item.samples))
+        return inputs, trees
+
+    def _commit_tree(self, seq: Sequence, context_len: int, proposal, path: list[int],
+                     bonus: int) -> list[int]:
+        """Moves the accepted path's KV into place, frees rejected slots; returns new tokens."""
+        src = [context_len + 1 + node for node in path]
+        dst = [context_len + 1 + j for j in range(len(path))]
+        moves = [(a, b) for a, b in zip(src, dst) if a != b]
+        if moves:
+            self.runner.move_kv(seq.seq_id, [a for a, _ in moves], [b for _, b in moves])
+        seq.num_computed = context_len + 1 + len(path)  # root + accepted nodes have KV
+        self.blocks.truncate(seq.seq_id, seq.num_computed)
+        return [proposal.token_ids[node] for node in path] + [bonus]
+
+    def _commit(self, seq: Sequence, tokens: list[int]) -> None:
+        """Appends committed tokens until one finishes the request; emits them once."""
+        committed, text, reason = [], "", None
+        for token in tokens:
+            seq.output_ids.append(token)
+            committed.append(token)
+            text += seq.detokenizer.add([token])
+            if seq.detokenizer.stopped:
+                reason = FinishReason.STOP_SEQUENCE
+            elif token in self.spec.eos_token_ids:
+                reason = FinishReason.STOP
+            elif len(seq.output_ids) >= seq.sampling.max_tokens:
+                reason = FinishReason.LENGTH
+            if reason is not None:
+                break
         if reason is not None and reason is not FinishReason.STOP_SEQUENCE:
             text += seq.detokenizer.flush()
-        seq.emit(StepOutput([token], text))
+        seq.emit(StepOutput(committed, text))
         if reason is not None:
             self._finish(seq, reason)
 
@@ -261,8 +346,11 @@ class Engine:
             self._queued_tokens -= len(seq.prompt_ids)
         self.kv_events.append(self.blocks.events)
         self.blocks.events = []
+        if self.speculator is not None:
+            self.speculator.release(seq)
         if reason is FinishReason.ABORTED:
             return  # nobody is listening
         seq.emit(StepOutput([], "", finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
                             cached_prompt_tokens=seq.num_cached_prompt,
-                            completion_tokens=len(seq.output_ids), error=error))
+                            completion_tokens=len(seq.output_ids), error=error,
+                            speculation=seq.spec if seq.plan is not None else None))

@@ -58,6 +58,12 @@ def _create() -> dict:
                                        description="time per output token after the first"),
         "batch_size": meter.create_histogram("specmesh.batch.size", unit="{sequence}",
                                              description="sequences per engine step"),
+        "acceptance_length": meter.create_histogram(
+            "specmesh.speculation.acceptance_length", unit="{token}",
+            description="accepted + bonus tokens per verify pass, per bucket"),
+        "fallbacks": meter.create_counter(
+            "specmesh.speculation.fallbacks", unit="{step}",
+            description="sequence steps that decoded normally because the draft failed"),
         "batch_tokens": meter.create_histogram("specmesh.batch.tokens", unit="{token}",
                                                description="tokens per engine step"),
     }

@@ -10,7 +10,7 @@ import torch
 from services.target.attention import AttentionMetadata, KVPool, register_paged_attention
 from services.target.block_manager import BlockManager
 from services.target.kernels.select import get_kernels
-from services.target.scheduler import ScheduledSeq
+from services.target.model_runner_inputs import StepInput
 
 
 @dataclass(frozen=True)
@@ -40,21 +40,20 @@ class ModelRunner:
                                        kv_dtype, self.device)
 
     @torch.inference_mode()
-    def forward(self, batch: list[ScheduledSeq]) -> torch.Tensor:
-        """Computes KV for every scheduled token; returns logits [num_sampling_seqs, vocab]
-        for the sequences whose last token was computed, in batch order."""
+    def forward(self, inputs: list[StepInput]) -> torch.Tensor:
+        """Computes and stores KV for every input token; returns logits [num_rows, vocab]
+        (float32): each input's `num_logits` last rows, inputs in order."""
         ids, positions, slots, logit_rows, q_lens, ctx_lens, tables = [], [], [], [], [], [], []
-        for item in batch:
-            seq, start, n = item.seq, item.start, item.num_tokens
-            ids.extend(seq.token_ids[start:start + n])
-            positions.extend(range(start, start + n))
-            slots.extend(self.blocks.slots(seq.seq_id, start, start + n))
-            if item.samples:
-                logit_rows.append(len(ids) - 1)
+        for inp in inputs:
+            n = len(inp.token_ids)
+            ids.extend(inp.token_ids)
+            positions.extend(inp.positions)
+            slots.extend(self.blocks.slots(inp.seq_id, inp.context_len, inp.context_len + n))
+            logit_rows.extend(range(len(ids) - inp.num_logits, len(ids)))
             q_lens.append(n)
-            ctx_lens.append(start)
-            tables.append(self.blocks.block_table(seq.seq_id))
-        meta = self._metadata(slots, positions, q_lens, ctx_lens, tables)
+            ctx_lens.append(inp.context_len)
+            tables.append(self.blocks.block_table(inp.seq_id))
+        meta = self._metadata(slots, positions, q_lens, ctx_lens, tables, _tree_mask(inputs))
         dev = self.device
         out = self.model(
             input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
@@ -63,10 +62,24 @@ class ModelRunner:
             logits_to_keep=torch.tensor(logit_rows, dtype=torch.long, device=dev),
             specmesh_meta=meta,
         )
-        return out.logits[0].float()  # [num_sampling_seqs, vocab]
+        return out.logits[0].float()  # [num_rows, vocab]
+
+    def move_kv(self, seq_id: str, src: list[int], dst: list[int]) -> None:
+        """Copies the KV of sequence indices `src` to indices `dst` in every layer (accepted tree paths)."""
+        if not src:
+            return
+        dev = self.device
+        src_slots = torch.tensor(self.blocks.slots_at(seq_id, src), dtype=torch.long, device=dev)
+        dst_slots = torch.tensor(self.blocks.slots_at(seq_id, dst), dtype=torch.long, device=dev)
+        pool = self.kv_pool
+        caches = [*pool.k_caches, *pool.v_caches, *(pool.k_scales or []), *(pool.v_scales or [])]
+        for cache in caches:
+            flat = cache.view(-1, *cache.shape[2:])  # [num_slots, ...]
+            flat[dst_slots] = flat[src_slots]
 
     def _metadata(self, slots: list[int], positions: list[int], q_lens: list[int],
-                  ctx_lens: list[int], tables: list[list[int]]) -> AttentionMetadata:
+                  ctx_lens: list[int], tables: list[list[int]],
+                  tree_mask: torch.Tensor | None) -> AttentionMetadata:
         dev = self.device
         width = max(len(t) for t in tables)
         block_tables = torch.full((len(tables), width), -1, dtype=torch.int32)
@@ -82,7 +95,28 @@ class ModelRunner:
             context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
             query_start_loc=query_start_loc.to(dev),
             query_positions=torch.tensor(positions, dtype=torch.int32, device=dev),
+            tree_mask=None if tree_mask is None else tree_mask.to(dev),
         )
+
+
+def _tree_mask(inputs: list[StepInput]) -> torch.Tensor | None:
+    """[num_tokens, max_q_len] bool: ancestors-and-self for tree rows, causal for the rest."""
+    if not any(inp.parents is not None for inp in inputs):
+        return None
+    width = max(len(inp.token_ids) for inp in inputs)
+    rows = []
+    for inp in inputs:
+        n = len(inp.token_ids)
+        if inp.parents is None:
+            mask = torch.ones(n, n, dtype=torch.bool).tril()
+        else:
+            mask = torch.zeros(n, n, dtype=torch.bool)
+            for i, parent in enumerate(inp.parents):
+                if parent >= 0:
+                    mask[i] = mask[parent]
+                mask[i, i] = True
+        rows.append(torch.nn.functional.pad(mask, (0, width - n)))
+    return torch.cat(rows)
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu"):

@@ -37,6 +37,35 @@ class StepOutput:
     cached_prompt_tokens: int = 0
     completion_tokens: int = 0
     error: Exception | None = None
+    speculation: "SpeculationStats | None" = None
+
+
+@dataclass(frozen=True)
+class SpeculationPlan:
+    """Per-request plan from the router: method (common_pb2.SpeculationMethod) and limits."""
+
+    method: int
+    max_depth: int
+    max_nodes: int
+
+
+@dataclass
+class SpeculationStats:
+    """Per-request speculation counters (DESIGN section 5 words)."""
+
+    proposed: int = 0  # draft tokens sent to verification
+    accepted: int = 0  # draft tokens on accepted paths
+    verify_passes: int = 0
+    fallback_steps: int = 0  # steps that decoded normally because the draft failed
+
+    @property
+    def rejected(self) -> int:
+        return self.proposed - self.accepted
+
+    @property
+    def acceptance_length(self) -> float:
+        """Accepted + bonus tokens per verify pass (0 when no pass ran)."""
+        return (self.accepted + self.verify_passes) / self.verify_passes if self.verify_passes else 0.0
 
 
 @dataclass
@@ -57,6 +86,12 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     admitted: bool = False  # left the waiting queue at least once
+    plan: SpeculationPlan | None = None  # None = no speculation
+    spec: SpeculationStats = field(default_factory=SpeculationStats)
+    draft_synced: int = 0  # committed tokens the draft service has seen
+    tenant_salt: str = ""  # sent to the draft service only (scopes suffix trees); never traced
+    bucket: str = ""
+    span_context: object = None  # the request's span context, linked from engine-step spans
     counted_admission: bool = False  # its prompt tokens were taken off the queued-token count
 
     @property

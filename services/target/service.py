@@ -11,7 +11,7 @@ from opentelemetry import trace
 from services.common.proto.specmesh.v1 import common_pb2, target_service_pb2, target_service_pb2_grpc
 from services.common.sampling_params import sampling_from_proto
 from services.target.engine import Engine, InvalidRequest, Overloaded
-from services.target.sequence import FinishReason, StepOutput
+from services.target.sequence import FinishReason, SpeculationPlan, StepOutput
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("specmesh.target")
@@ -54,9 +54,12 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
         with tracer.start_as_current_span("target.generate") as span:
             span.set_attribute("gen_ai.request.model", self.model_name)
             span.set_attribute("gen_ai.request.max_tokens", sampling.max_tokens)
+            span.set_attribute("specmesh.bucket", request.bucket)
             try:
                 try:
-                    self.engine.submit(request_id, prompt_ids, sampling, emit, request.tenant_salt)
+                    self.engine.submit(request_id, prompt_ids, sampling, emit, request.tenant_salt,
+                                       plan=_plan(request.speculation), bucket=request.bucket,
+                                       span_context=span.get_span_context())
                 except InvalidRequest as exc:
                     await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
                 except Overloaded as exc:
@@ -133,12 +136,26 @@ def _event_proto(sequence: int, event) -> target_service_pb2.KVEvent:
         parent_hash=event.parent_hash or 0, num_tokens=event.num_tokens, scope=event.scope)
 
 
+def _plan(message: common_pb2.SpeculationPlan) -> SpeculationPlan | None:
+    """The router's plan, or None for off / unspecified / empty limits."""
+    if message.method in (common_pb2.SPECULATION_METHOD_UNSPECIFIED, common_pb2.SPECULATION_METHOD_OFF):
+        return None
+    if message.max_depth <= 0:
+        return None
+    return SpeculationPlan(message.method, message.max_depth, max(message.max_nodes, message.max_depth))
+
+
 def _final_chunk(out: StepOutput) -> common_pb2.GenerateChunk:
-    return common_pb2.GenerateChunk(
-        text=out.text, token_ids=out.token_ids, finish_reason=_FINISH[out.finish_reason],
-        usage=common_pb2.Usage(prompt_tokens=out.prompt_tokens,
-                               cached_prompt_tokens=out.cached_prompt_tokens,
-                               completion_tokens=out.completion_tokens))
+    usage = common_pb2.Usage(prompt_tokens=out.prompt_tokens,
+                             cached_prompt_tokens=out.cached_prompt_tokens,
+                             completion_tokens=out.completion_tokens)
+    if out.speculation is not None:
+        usage.proposed_tokens = out.speculation.proposed
+        usage.accepted_tokens = out.speculation.accepted
+        usage.rejected_tokens = out.speculation.rejected
+        usage.acceptance_length = out.speculation.acceptance_length
+    return common_pb2.GenerateChunk(text=out.text, token_ids=out.token_ids,
+                                    finish_reason=_FINISH[out.finish_reason], usage=usage)
 
 
 def _record_usage(span, out: StepOutput) -> None:
@@ -146,6 +163,14 @@ def _record_usage(span, out: StepOutput) -> None:
     span.set_attribute("gen_ai.usage.output_tokens", out.completion_tokens)
     span.set_attribute("gen_ai.usage.cached_input_tokens", out.cached_prompt_tokens)
     span.set_attribute("gen_ai.response.finish_reasons", [out.finish_reason.value])
+    spec = out.speculation
+    if spec is not None:
+        span.set_attribute("specmesh.proposed_tokens", spec.proposed)
+        span.set_attribute("specmesh.accepted_tokens", spec.accepted)
+        span.set_attribute("specmesh.rejected_tokens", spec.rejected)
+        span.set_attribute("specmesh.acceptance_length", spec.acceptance_length)
+        span.set_attribute("specmesh.verify_passes", spec.verify_passes)
+        span.set_attribute("specmesh.fallback_steps", spec.fallback_steps)
 
 
 def add_to_server(server: grpc.aio.Server, service: TargetService) -> None:

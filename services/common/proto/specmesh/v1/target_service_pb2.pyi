@@ -18,18 +18,20 @@ KV_EVENT_KIND_BLOCK_STORED: KVEventKind
 KV_EVENT_KIND_BLOCK_REMOVED: KVEventKind
 
 class TargetGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "sampling", "tenant_salt", "speculation")
+    __slots__ = ("request_id", "prompt", "sampling", "tenant_salt", "speculation", "bucket")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     sampling: _common_pb2.SamplingParams
     tenant_salt: str
     speculation: _common_pb2.SpeculationPlan
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant_salt: _Optional[str] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPlan, _Mapping]] = ...) -> None: ...
+    bucket: str
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant_salt: _Optional[str] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPlan, _Mapping]] = ..., bucket: _Optional[str] = ...) -> None: ...
 
 class TargetGenerateResponse(_message.Message):
     __slots__ = ("chunk",)

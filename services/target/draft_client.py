@@ -1,0 +1,186 @@
+"""The target's side of the draft service: one long-lived ProposeStream, used from the
+engine thread with a per-step deadline.
+
+Every failure is a fallback, never an error: when the draft service is down, slow past
+the deadline, or answers with invalid trees, the affected sequences decode normally for
+that step. A sequence whose draft state may be out of step with ours (a failed or late
+step, a reconnect) is released on the draft side and re-sent with its full history.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.proto.specmesh.v1 import draft_service_pb2, draft_service_pb2_grpc
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class DraftRequest:
+    seq_id: str
+    new_token_ids: list[int]  # committed tokens the draft has not seen (all of them when new)
+    method: int  # common_pb2.SpeculationMethod
+    max_depth: int
+    max_nodes: int
+    tenant_salt: str
+
+
+@dataclass(frozen=True)
+class Proposal:
+    token_ids: list[int]  # [num_nodes]
+    parents: list[int]  # [num_nodes], -1 = child of the last committed token
+    depths: list[int]  # [num_nodes], >= 1
+
+
+class DraftClient:
+    def __init__(self, address: str, timeout_s: float, vocab_size: int,
+                 reconnect_interval_s: float = 1.0) -> None:
+        self.address = address
+        self.timeout_s = timeout_s
+        self.vocab_size = vocab_size
+        self.reconnect_interval_s = reconnect_interval_s
+        self._channel: grpc.Channel | None = None
+        self._requests: queue.Queue | None = None
+        self._responses: queue.Queue = queue.Queue()
+        self._step = 0
+        self._last_attempt = 0.0
+        self._stale: set[str] = set()  # sequences to release and re-send in full
+        self.connected = False
+
+    # ---- engine thread API --------------------------------------------------
+    def needs_resync(self, seq_id: str) -> bool:
+        return seq_id in self._stale
+
+    def propose(self, requests: list[DraftRequest]) -> dict[str, Proposal | None] | None:
+        """One batched proposal. None = the whole step falls back (service down or late).
+
+        In the returned dict a None value means that sequence's tree was invalid.
+        """
+        if not requests or not self._ensure_stream():
+            self._mark_stale(r.seq_id for r in requests)
+            return None
+        stale = [r.seq_id for r in requests if r.seq_id in self._stale]
+        if stale and not self._release_now(stale):
+            return None
+        self._step += 1
+        message = draft_service_pb2.ProposeRequest(step=self._step, sequences=[
+            draft_service_pb2.DraftSequence(
+                sequence_id=r.seq_id, new_token_ids=r.new_token_ids, method=r.method,
+                max_depth=r.max_depth, max_nodes=r.max_nodes, tenant_salt=r.tenant_salt)
+            for r in requests])
+        self._requests.put(message)
+        deadline = time.monotonic() + self.timeout_s
+        while True:
+            remaining = deadline - time.monotonic()
+            try:
+                response = self._responses.get(timeout=max(remaining, 0.0))
+            except queue.Empty:
+                log.warning("draft step %d missed its %.0f ms deadline", self._step, self.timeout_s * 1000)
+                self._mark_stale(r.seq_id for r in requests)
+                return None
+            if isinstance(response, Exception):
+                self._drop_stream(response)
+                self._mark_stale(r.seq_id for r in requests)
+                return None
+            if response.step == self._step:
+                break  # older answers arrived after their deadline: skip them
+        return self._check(requests, response)
+
+    def release(self, seq_ids: list[str]) -> None:
+        """Drops draft state for finished sequences (best effort, no deadline wait)."""
+        self._stale.difference_update(seq_ids)
+        if self._channel is None or not seq_ids:
+            return
+        stub = draft_service_pb2_grpc.DraftServiceStub(self._channel)
+        future = stub.Release.future(draft_service_pb2.ReleaseRequest(sequence_ids=seq_ids),
+                                     timeout=self.timeout_s)
+        future.add_done_callback(lambda f: f.exception())  # swallow: release is best effort
+
+    def close(self) -> None:
+        self._drop_stream(None)
+
+    # ---- helpers ----------------------------------------------------------
+    def _ensure_stream(self) -> bool:
+        if self.connected:
+            return True
+        now = time.monotonic()
+        if now - self._last_attempt < self.reconnect_interval_s:
+            return False
+        self._last_attempt = now
+        try:
+            channel = grpc.insecure_channel(self.address)
+            grpc.channel_ready_future(channel).result(timeout=self.timeout_s)
+        except grpc.FutureTimeoutError:
+            channel.close()
+            return False
+        requests: queue.Queue = queue.Queue()
+        self._responses = queue.Queue()
+        stub = draft_service_pb2_grpc.DraftServiceStub(channel)
+        stream = stub.ProposeStream(iter(requests.get, None))
+        threading.Thread(target=self._read, args=(stream, self._responses), daemon=True,
+                         name="specmesh-draft-reader").start()
+        self._channel, self._requests, self.connected = channel, requests, True
+        log.info("draft stream connected to %s", self.address)
+        return True
+
+    @staticmethod
+    def _read(stream, responses: queue.Queue) -> None:
+        try:
+            for response in stream:
+                responses.put(response)
+            responses.put(ConnectionError("draft stream ended"))
+        except grpc.RpcError as exc:
+            responses.put(exc)
+
+    def _drop_stream(self, reason: Exception | None) -> None:
+        if reason is not None:
+            log.warning("draft stream lost: %s", getattr(reason, "details", lambda: reason)())
+        if self._requests is not None:
+            self._requests.put(None)  # ends the request iterator
+        if self._channel is not None:
+            self._channel.close()
+        self._channel, self._requests, self.connected = None, None, False
+
+    def _release_now(self, seq_ids: list[str]) -> bool:
+        """Releases out-of-step sequences before their full history is sent again."""
+        stub = draft_service_pb2_grpc.DraftServiceStub(self._channel)
+        try:
+            stub.Release(draft_service_pb2.ReleaseRequest(sequence_ids=seq_ids), timeout=self.timeout_s)
+        except grpc.RpcError as exc:
+            self._drop_stream(exc)
+            return False
+        self._stale.difference_update(seq_ids)
+        return True
+
+    def _mark_stale(self, seq_ids) -> None:
+        self._stale.update(seq_ids)
+
+    def _check(self, requests: list[DraftRequest], response) -> dict[str, Proposal | None]:
+        wanted = {r.seq_id: r for r in requests}
+        out: dict[str, Proposal | None] = {seq_id: None for seq_id in wanted}
+        for tree in response.trees:
+            request = wanted.get(tree.sequence_id)
+            if request is None:
+                continue
+            out[tree.sequence_id] = self._valid(tree, request)
+        return out
+
+    def _valid(self, tree, request: DraftRequest) -> Proposal | None:
+        tokens, parents = list(tree.token_ids), list(tree.parents)
+        if len(tokens) != len(parents) or len(tokens) > max(request.max_nodes, request.max_depth):
+            return None
+        depths: list[int] = []
+        for i, (token, parent) in enumerate(zip(tokens, parents)):
+            if not 0 <= token < self.vocab_size or not -1 <= parent < i:
+                return None
+            depths.append(1 if parent == -1 else depths[parent] + 1)
+            if depths[-1] > request.max_depth:
+                return None
+        return Proposal(tokens, parents, depths)

@@ -1,0 +1,100 @@
+"""Speculation inside the engine step: ask the draft service for trees, accept after verify.
+
+The engine owns the loop; this module decides which sequences speculate this step,
+turns the draft's trees into verify inputs, and walks the target's outputs over each
+tree (greedy match, or lossless rejection sampling when temperature > 0).
+"""
+
+from __future__ import annotations
+
+import logging
+
+import torch
+from opentelemetry import trace
+from opentelemetry.trace import Link
+
+from services.target.draft_client import DraftClient, DraftRequest, Proposal
+from services.target.sampler import target_probs
+from services.target.scheduler import ScheduledSeq
+from services.target.sequence import Sequence
+
+log = logging.getLogger(__name__)
+tracer = trace.get_tracer("specmesh.target")
+
+
+class Speculator:
+    def __init__(self, client: DraftClient, kernels, max_context: int, histograms: dict) -> None:
+        self.client = client
+        self.kernels = kernels
+        self.max_context = max_context
+        self._histograms = histograms
+
+    def propose(self, batch: list[ScheduledSeq]) -> dict[str, Proposal]:
+        """One batched draft call for every decoding sequence with a plan; {} on fallback."""
+        seqs, requests = [], []
+        for item in batch:
+            seq = item.seq
+            depth = self._depth(seq)
+            if seq.plan is None or not item.samples or item.num_tokens != 1 or depth < 1:
+                continue
+            full = seq.draft_synced == 0 or self.client.needs_resync(seq.seq_id)
+            new = seq.token_ids if full else seq.token_ids[seq.draft_synced:]
+            seqs.append(seq)
+            requests.append(DraftRequest(seq.seq_id, new, seq.plan.method, depth,
+                                         max(seq.plan.max_nodes, depth), seq.tenant_salt))
+        if not requests:
+            return {}
+        links = [Link(s.span_context) for s in seqs if s.span_context is not None]
+        with tracer.start_as_current_span("draft.propose", links=links) as span:
+            span.set_attribute("specmesh.num_sequences", len(requests))
+            result = self.client.propose(requests)
+            fallback = result is None
+            proposals = {} if fallback else {k: v for k, v in result.items() if v is not None and v.token_ids}
+            span.set_attribute("specmesh.fallback", fallback)
+            span.set_attribute("specmesh.proposed_tokens", sum(len(p.token_ids) for p in proposals.values()))
+        for seq in seqs:
+            if fallback or result.get(seq.seq_id) is None:
+                seq.spec.fallback_steps += 1
+                self._histograms["fallbacks"].add(1, {"specmesh.bucket": seq.bucket})
+            if not fallback:
+                seq.draft_synced = seq.num_tokens
+        return proposals
+
+    def accept(self, seq: Sequence, rows: torch.Tensor, proposal: Proposal) -> tuple[list[int], int]:
+        """rows: [1 + num_nodes, vocab] target logits for root + draft nodes.
+
+        Returns (accepted draft node indices along the path, bonus token).
+        """
+        n = len(proposal.token_ids)
+        draft_tokens = torch.tensor([[seq.token_ids[-1], *proposal.token_ids]], dtype=torch.int64)
+        parents = torch.tensor([[-1, *(p + 1 for p in proposal.parents)]], dtype=torch.int64)
+        num_nodes = torch.tensor([n + 1], dtype=torch.int64)
+        if seq.sampling.greedy:
+            argmax = rows.argmax(dim=-1).unsqueeze(0)  # [1, n + 1]
+            nodes, num_accepted, bonus = self.kernels.accept_tree_greedy(
+                draft_tokens, parents, num_nodes, argmax)
+        else:
+            probs = target_probs(rows, seq.sampling).unsqueeze(0).contiguous()  # [1, n + 1, vocab]
+            # Proposers here are deterministic: zero draft rows mean q = one-hot(proposed token).
+            draft_probs = torch.zeros_like(probs)
+            uniforms = torch.rand(1, n + 2, generator=seq.generator)  # [1, n + 2]
+            nodes, num_accepted, bonus = self.kernels.accept_tree_sampling(
+                draft_tokens, parents, num_nodes, probs, draft_probs, uniforms)
+        a = int(num_accepted[0])
+        path = [int(x) - 1 for x in nodes[0, 1:1 + a]]  # draft indices
+        seq.spec.proposed += n
+        seq.spec.accepted += a
+        seq.spec.verify_passes += 1
+        self._histograms["acceptance_length"].record(a + 1, {"specmesh.bucket": seq.bucket})
+        return path, int(bonus[0])
+
+    def release(self, seq: Sequence) -> None:
+        if seq.plan is not None and seq.draft_synced:
+            self.client.release([seq.seq_id])
+
+    def _depth(self, seq: Sequence) -> int:
+        """Deepest useful draft: leaves room for the bonus token within max_tokens and the context."""
+        if seq.plan is None:
+            return 0
+        remaining = seq.sampling.max_tokens - len(seq.output_ids)
+        return min(seq.plan.max_depth, remaining - 1, self.max_context - seq.num_tokens - 1)
