@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -49,6 +50,11 @@ async def start_mesh(model_dir: Path, speculation: dict | None = None, **engine_
     engine = Engine.load(replace(config, **engine_overrides))
     target = build_target_server(ServerConfig(port=0), engine, "tiny")
     await target.start()
+    if engine.speculator is not None:  # so that the first decode steps already speculate
+        for _ in range(250):
+            if engine.speculator.client.connected:
+                break
+            await asyncio.sleep(0.02)
     plan = {"speculation_method": "off", **(speculation or {})}
     router = build_router_server(ServerConfig(port=0), RouterConfig(
         target_address=target.address, tokens={TOKEN_A: "tenant-a", TOKEN_B: "tenant-b"},
@@ -70,3 +76,13 @@ async def collect(stub, req, metadata=AUTH_A) -> tuple[list[int], str, common_pb
         text += response.chunk.text
         last = response.chunk
     return ids, text, last
+
+
+async def start_draft(draft_model_dir: Path | None = None, **overrides) -> GrpcServer:
+    from services.draft.app import build_draft_server
+    from services.draft.config import DraftConfig
+    config = DraftConfig(server=ServerConfig(port=0), draft_model_dir=draft_model_dir,
+                         draft_model_dtype="float32", **overrides)
+    server = build_draft_server(config)
+    await server.start()
+    return server

@@ -52,7 +52,13 @@ class DraftClient:
         self._step = 0
         self._last_attempt = 0.0
         self._stale: set[str] = set()  # sequences to release and re-send in full
+        self._connect_lock = threading.Lock()
+        self._connecting = False
         self.connected = False
+
+    def connect(self) -> None:
+        """Starts connecting in the background (the engine calls this when it starts)."""
+        self._ensure_stream()
 
     # ---- engine thread API --------------------------------------------------
     def needs_resync(self, seq_id: str) -> bool:
@@ -108,27 +114,39 @@ class DraftClient:
 
     # ---- helpers ----------------------------------------------------------
     def _ensure_stream(self) -> bool:
-        if self.connected:
-            return True
-        now = time.monotonic()
-        if now - self._last_attempt < self.reconnect_interval_s:
-            return False
-        self._last_attempt = now
+        """True when the stream is up; otherwise starts a background (re)connect and returns False.
+
+        The engine thread never waits for a connection: steps fall back until it is ready.
+        """
+        with self._connect_lock:
+            if self.connected:
+                return True
+            now = time.monotonic()
+            if self._connecting or now - self._last_attempt < self.reconnect_interval_s:
+                return False
+            self._last_attempt, self._connecting = now, True
+        threading.Thread(target=self._connect, daemon=True, name="specmesh-draft-connect").start()
+        return False
+
+    def _connect(self) -> None:
+        channel = grpc.insecure_channel(self.address)
         try:
-            channel = grpc.insecure_channel(self.address)
-            grpc.channel_ready_future(channel).result(timeout=self.timeout_s)
+            grpc.channel_ready_future(channel).result(timeout=max(self.reconnect_interval_s, 1.0))
         except grpc.FutureTimeoutError:
             channel.close()
-            return False
+            with self._connect_lock:
+                self._connecting = False
+            return
         requests: queue.Queue = queue.Queue()
-        self._responses = queue.Queue()
+        responses: queue.Queue = queue.Queue()
         stub = draft_service_pb2_grpc.DraftServiceStub(channel)
         stream = stub.ProposeStream(iter(requests.get, None))
-        threading.Thread(target=self._read, args=(stream, self._responses), daemon=True,
+        threading.Thread(target=self._read, args=(stream, responses), daemon=True,
                          name="specmesh-draft-reader").start()
-        self._channel, self._requests, self.connected = channel, requests, True
+        with self._connect_lock:
+            self._channel, self._requests, self._responses = channel, requests, responses
+            self.connected, self._connecting = True, False
         log.info("draft stream connected to %s", self.address)
-        return True
 
     @staticmethod
     def _read(stream, responses: queue.Queue) -> None:
@@ -142,11 +160,14 @@ class DraftClient:
     def _drop_stream(self, reason: Exception | None) -> None:
         if reason is not None:
             log.warning("draft stream lost: %s", getattr(reason, "details", lambda: reason)())
-        if self._requests is not None:
-            self._requests.put(None)  # ends the request iterator
-        if self._channel is not None:
-            self._channel.close()
-        self._channel, self._requests, self.connected = None, None, False
+        with self._connect_lock:
+            requests, channel = self._requests, self._channel
+            self._channel, self._requests, self.connected = None, None, False
+            self._last_attempt = time.monotonic()
+        if requests is not None:
+            requests.put(None)  # ends the request iterator
+        if channel is not None:
+            channel.close()
 
     def _release_now(self, seq_ids: list[str]) -> bool:
         """Releases out-of-step sequences before their full history is sent again."""

@@ -108,6 +108,8 @@ class Engine:
 
     # ---- public API (any thread) ----------------------------------------
     def start(self) -> None:
+        if self.speculator is not None:
+            self.speculator.client.connect()
         self._thread.start()
 
     def shutdown(self, timeout: float = 10.0) -> None:
@@ -116,6 +118,8 @@ class Engine:
             self._lock.notify_all()
         if self._thread.is_alive():
             self._thread.join(timeout)
+        if self.speculator is not None:
+            self.speculator.client.close()
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt).input_ids
