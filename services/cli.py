@@ -78,6 +78,12 @@ def _common_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _engine_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--speculation", dest="speculation_method",
+                   choices=("off", "prompt_lookup", "suffix", "draft_model", "dynamic_tree"),
+                   help="speculative decoding method the router plans (default prompt_lookup)")
+    p.add_argument("--speculation-depth", dest="speculation_depth", type=int)
+    p.add_argument("--draft-model", dest="draft_model",
+                   help="draft LM for draft_model / dynamic_tree ('default' or a local HF directory)")
     p.add_argument("--dtype", choices=("bfloat16", "float32", "float16"))
     p.add_argument("--kv-dtype", dest="kv_dtype", help="auto | bfloat16 | float32 | fp8")
     p.add_argument("--kernels", choices=("auto", "triton", "reference"))
@@ -86,7 +92,8 @@ def _engine_flags(p: argparse.ArgumentParser) -> None:
 
 def _overrides(args: argparse.Namespace) -> dict:
     names = {"host", "port", "model", "model_cache", "dtype", "kv_dtype", "kernels", "num_blocks",
-             "target_address", "cache_backend", "redis_url", "router_address", "token"}
+             "target_address", "cache_backend", "redis_url", "router_address", "token",
+             "speculation_method", "speculation_depth", "draft_model"}
     return {k: v for k, v in vars(args).items() if k in names and v is not None}
 
 

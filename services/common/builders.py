@@ -29,7 +29,9 @@ def engine_config(settings: Settings, model_dir: Path):
                         num_blocks=settings.num_blocks, max_num_seqs=settings.max_num_seqs,
                         max_batched_tokens=settings.max_batched_tokens,
                         max_queued_requests=settings.max_queued_requests,
-                        max_tokens_limit=settings.max_tokens_limit, kernels=settings.kernels)
+                        max_tokens_limit=settings.max_tokens_limit, kernels=settings.kernels,
+                        draft_address="" if settings.speculation_method == "off" else settings.draft_address,
+                        draft_timeout_s=settings.draft_timeout_ms / 1000)
 
 
 def build_server(service: str, settings: Settings, config: ServerConfig | None = None) -> GrpcServer:
@@ -40,7 +42,9 @@ def build_server(service: str, settings: Settings, config: ServerConfig | None =
         from services.router.config import RouterConfig, parse_tokens
         return build_router_server(config, RouterConfig(
             target_address=settings.target_address, tokens=parse_tokens(settings.tokens),
-            salt_secret=settings.salt_secret, max_tokens_limit=settings.max_tokens_limit))
+            salt_secret=settings.salt_secret, max_tokens_limit=settings.max_tokens_limit,
+            speculation_method=settings.speculation_method, speculation_depth=settings.speculation_depth,
+            speculation_nodes=settings.speculation_nodes))
     if service == "target":
         from services.target.app import build_target_server, load_engine
         model_dir = resolve_model(settings)
@@ -49,7 +53,12 @@ def build_server(service: str, settings: Settings, config: ServerConfig | None =
     if service == "draft":
         from services.draft.app import build_draft_server
         from services.draft.config import DraftConfig
-        return build_draft_server(DraftConfig(server=config))
+        draft_dir = None
+        if settings.draft_model:
+            from services.common.models.loading import resolve_model_dir
+            draft_dir = resolve_model_dir(settings.draft_model, Path(settings.model_cache).expanduser())
+        return build_draft_server(DraftConfig(server=config, draft_model_dir=draft_dir,
+                                              draft_model_dtype=settings.dtype))
     if service == "cache":
         from services.cache.app import build_cache_server
         from services.cache.config import CacheConfig

@@ -42,6 +42,11 @@ class Settings:
     redis_url: str = ""
     otlp_endpoint: str = ""  # OTEL_EXPORTER_OTLP_ENDPOINT
     grace_seconds: float = 10.0
+    speculation_method: str = "prompt_lookup"  # off | prompt_lookup | suffix | draft_model | dynamic_tree
+    speculation_depth: int = 5
+    speculation_nodes: int = 0  # tree node budget; 0 = a chain
+    draft_model: str = ""  # local HF causal LM directory for the draft service (draft_model / dynamic_tree)
+    draft_timeout_ms: int = 500  # per-step deadline of the target's draft call
 
 
 def read_settings(environ: dict[str, str] | None = None, **overrides) -> Settings:
