@@ -1,12 +1,19 @@
 from __future__ import annotations
 
 import pytest
+from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.common.telemetry import TelemetryConfig, setup_telemetry
 
 _SPANS = InMemorySpanExporter()
-setup_telemetry(TelemetryConfig("specmesh-tests"), span_exporter=_SPANS)
+_METRICS = InMemoryMetricReader()
+setup_telemetry(TelemetryConfig("specmesh-tests"), span_exporter=_SPANS, metric_reader=_METRICS)
+
+
+@pytest.fixture
+def metric_reader() -> InMemoryMetricReader:
+    return _METRICS
 
 
 @pytest.fixture

@@ -11,4 +11,7 @@ def build_cache_server(config: CacheConfig) -> GrpcServer:
     """The backend connection is closed after the server stops."""
     service = CacheService(config)
     return GrpcServer(config.server, lambda grpc_server: add_to_server(grpc_server, service),
-                      [SERVICE_NAME], on_stopped=service.close)
+                      [SERVICE_NAME], on_stopped=service.close,
+                      # Room for the largest allowed value plus the key and framing, so an
+                      # oversized value gets our INVALID_ARGUMENT, not gRPC's size error.
+                      max_message_bytes=config.max_value_bytes + config.max_key_bytes + 64 * 1024)

@@ -44,12 +44,16 @@ class GrpcServer:
     def __init__(self, config: ServerConfig, register: Callable[[grpc.aio.Server], None],
                  service_names: Sequence[str],
                  on_drain: Callable[[], Awaitable[None]] | None = None,
-                 on_stopped: Callable[[], Awaitable[None]] | None = None) -> None:
+                 on_stopped: Callable[[], Awaitable[None]] | None = None,
+                 max_message_bytes: int | None = None) -> None:
         self.config = config
         self._service_names = list(service_names)
         self._on_drain = on_drain
         self._on_stopped = on_stopped
-        self._server = grpc.aio.server(interceptors=server_interceptors())
+        options = []
+        if max_message_bytes is not None:  # gRPC's default limit on received messages is 4 MiB
+            options.append(("grpc.max_receive_message_length", max_message_bytes))
+        self._server = grpc.aio.server(interceptors=server_interceptors(), options=options)
         self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         register(self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)

@@ -106,6 +106,9 @@ class BlockManager:
     def has(self, seq_id: str) -> bool:
         return seq_id in self._seqs
 
+    def seq_ids(self) -> set[str]:
+        return set(self._seqs)
+
     def block_table(self, seq_id: str) -> list[int]:
         entry = self._seqs.get(seq_id)
         return list(entry.table) if entry else []

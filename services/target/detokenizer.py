@@ -2,17 +2,25 @@
 
 from __future__ import annotations
 
+# Tokens decoded again before the newest ones, so that merges across token boundaries
+# (leading spaces, multi-byte characters) come out right without decoding everything.
+_CONTEXT_TOKENS = 6
+
 
 class IncrementalDetokenizer:
     """Turns committed token ids into text pieces as they arrive.
 
     Text is held back while it may still be (a) an incomplete UTF-8 character or
     (b) the start of a stop sequence, so no stop text ever reaches the client.
+    Each call decodes only a few tokens (a sliding window), not the whole output.
     """
 
     def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...]) -> None:
         self._tokenizer = tokenizer
+        # The streamed text equals decode(output ids), as transformers' streamers produce it.
         self._ids: list[int] = []
+        self._prefix_offset = 0  # window start
+        self._read_offset = 0  # tokens before this are already in _text
         self._text = ""  # decoded text of all output tokens so far
         self._emitted = 0  # characters of _text already returned
         self._stop = stop
@@ -24,10 +32,7 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self._ids.extend(token_ids)
-        text = self._tokenizer.decode(self._ids, skip_special_tokens=True)
-        if text.endswith("\ufffd"):
-            return ""  # wait for the rest of a multi-byte character
-        self._text = text
+        self._text += self._decode_new()
         for stop in self._stop:
             index = self._text.find(stop, max(0, self._emitted - len(stop)))
             if index != -1:
@@ -36,8 +41,26 @@ class IncrementalDetokenizer:
         return self._take(max(self._emitted, len(self._text) - self._holdback))
 
     def flush(self) -> str:
-        """Returns the held-back text at the end of generation."""
-        return "" if self.stopped else self._take(len(self._text))
+        """Returns the held-back text at the end of generation (an incomplete character too)."""
+        if self.stopped:
+            return ""
+        if self._read_offset < len(self._ids):
+            decode = lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+            before = decode(self._ids[self._prefix_offset:self._read_offset])
+            self._text += decode(self._ids[self._prefix_offset:])[len(before):]
+            self._read_offset = len(self._ids)
+        return self._take(len(self._text))
+
+    def _decode_new(self) -> str:
+        decode = lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+        before = decode(self._ids[self._prefix_offset:self._read_offset])
+        after = decode(self._ids[self._prefix_offset:])
+        if after.endswith("\ufffd") or len(after) <= len(before) or not after.startswith(before):
+            return ""  # an incomplete multi-byte character: wait for the next token
+        delta = after[len(before):]
+        self._prefix_offset = max(self._read_offset - _CONTEXT_TOKENS, 0)
+        self._read_offset = len(self._ids)
+        return delta
 
     def _take(self, end: int) -> str:
         piece = self._text[self._emitted:end]

@@ -191,7 +191,7 @@ class Engine:
         """Requests the engine holds any state for (queued, running or holding blocks)."""
         with self._lock:
             return ({*self._live, *(s.seq_id for s in self._incoming)}
-                    | set(self.blocks._seqs))
+                    | self.blocks.seq_ids())
 
     def kv_snapshot(self):
         """(sequence number, cached blocks) taken together, so events after the number apply on top."""
