@@ -72,7 +72,7 @@ def _engine_greedy(engine: Engine, prompt_ids: list[int]) -> tuple[list[int], li
         if out.finish_reason is not None:
             done.set()
     try:
-        engine.start() if not engine._thread.is_alive() else None
+        engine.start()
         engine.submit("r", prompt_ids, SamplingConfig(max_tokens=NEW_TOKENS), emit)
         assert done.wait(300)
     finally:

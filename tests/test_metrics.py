@@ -25,7 +25,7 @@ async def test_kv_queue_and_latency_metrics_are_exported(tiny_llama_dir, metric_
         stats = await mesh.target_stub().GetStats(target_service_pb2.GetStatsRequest())
         points = _points(metric_reader)
         mine = lambda name: [p for p in points[name]  # noqa: E731
-                             if p.attributes.get("specmesh.engine") == mesh.engine.name]
+                             if p.attributes.get("specmesh.engine") == mesh.engine.instance_id]
         assert mine("specmesh.kv.bytes")[-1].value == stats.kv_bytes > 0
         assert mine("specmesh.kv.blocks.cached")[-1].value == stats.cached_blocks > 0
         assert mine("specmesh.kv.blocks.free")[-1].value == stats.free_blocks

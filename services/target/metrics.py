@@ -1,7 +1,7 @@
 """OpenTelemetry metrics of the target engines in this process.
 
 Instruments are created once per process; observable callbacks read every live
-engine's stats and tag them with `specmesh.engine`.
+engine's stats and tag them with `specmesh.model` and a per-process `specmesh.engine` id.
 """
 
 from __future__ import annotations
@@ -73,5 +73,6 @@ def _observer(field: str):
     def observe(options: CallbackOptions):
         for engine in list(_engines):
             stats = engine.stats()
-            yield Observation(getattr(stats, field), {"specmesh.engine": engine.name})
+            yield Observation(getattr(stats, field), {"specmesh.model": engine.name,
+                                                      "specmesh.engine": engine.instance_id})
     return observe
