@@ -8,12 +8,14 @@ The per-step `AttentionMetadata` travels through the model's forward kwargs.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
+
+from services.target.kernels.paged_attention import paged_attention_planned, plan_paged_attention
 
 ATTN_IMPLEMENTATION = "specmesh_paged"
 
@@ -56,6 +58,7 @@ class AttentionMetadata:
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     query_positions: torch.Tensor  # [num_tokens] int32
     tree_mask: torch.Tensor | None = None  # [num_tokens, max_q_len] bool (verify passes)
+    plans: dict = field(default_factory=dict)  # sliding window -> AttentionPlan (reference path)
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -81,6 +84,16 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     meta.kernels.store_kv(k.to(q.dtype), v.to(q.dtype), pool.k_caches[layer], pool.v_caches[layer],
                           meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    if meta.kernels.backend == "reference":
+        # Index and mask tensors depend only on the step, not the layer: build them once.
+        plan = meta.plans.get(sliding_window)
+        if plan is None:
+            plan = meta.plans[sliding_window] = plan_paged_attention(
+                pool.k_caches[layer].shape[1], meta.block_tables, meta.context_lens,
+                meta.query_start_loc, meta.query_positions, sliding_window, meta.tree_mask)
+        out = paged_attention_planned(q, pool.k_caches[layer], pool.v_caches[layer], plan, scale,
+                                      k_scale=k_scale, v_scale=v_scale)
+        return out.unsqueeze(0), None
     out = meta.kernels.paged_attention(
         q, pool.k_caches[layer], pool.v_caches[layer], meta.block_tables, meta.context_lens,
         meta.query_start_loc, meta.query_positions, scale, sliding_window=sliding_window,

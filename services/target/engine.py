@@ -124,6 +124,14 @@ class Engine:
         return torch_thread.submit(build).result()
 
     # ---- public API (any thread) ----------------------------------------
+    def run_on_engine_thread(self, fn, *args):
+        """Runs `fn(*args)` on the engine's torch thread and returns its result.
+
+        For side-by-side benchmarks: a baseline run here shares the engine's OpenMP team
+        instead of contending with it (see `load`).
+        """
+        return self._torch_thread.submit(fn, *args).result()
+
     def start(self) -> None:
         """Starts the decode loop (idempotent)."""
         if self._loop_future is not None:

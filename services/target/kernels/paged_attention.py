@@ -21,6 +21,8 @@ The keys/values of the new tokens must already be in the cache (store_kv first).
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 
 from ._validate import FLOAT_DTYPES, check_kv_cache, check_tensor
@@ -47,45 +49,84 @@ def paged_attention_reference(
         query, k_cache, v_cache, block_tables, context_lens, query_start_loc, query_positions,
         scale, sliding_window, tree_mask, k_scale, v_scale,
     )
-    num_tokens, num_heads, head_dim = query.shape
-    _, block_size, nkv, _ = k_cache.shape
-    group = num_heads // nkv
+    plan = plan_paged_attention(k_cache.shape[1], block_tables, context_lens, query_start_loc,
+                                query_positions, sliding_window, tree_mask)
+    return paged_attention_planned(query, k_cache, v_cache, plan, scale, k_scale, v_scale)
+
+
+@dataclass(frozen=True)
+class AttentionPlan:
+    """Index and mask tensors of one step's attention, the same for every layer that
+    shares a sliding window: the engine builds it once per step and window, not per layer."""
+
+    rows: torch.Tensor  # [num_seqs, max_q] global token index of new token i of s (0 if padding)
+    q_valid: torch.Tensor  # [num_seqs, max_q] bool
+    slots: torch.Tensor  # [num_seqs, max_kv] cache slot of kv entry j of s (0 if padding)
+    mask: torch.Tensor  # [num_seqs, max_q, max_kv] bool visibility
+
+    @property
+    def empty(self) -> bool:
+        return self.rows.numel() == 0
+
+
+def plan_paged_attention(
+    block_size: int,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq] int32
+    context_lens: torch.Tensor,  # [num_seqs] int32
+    query_start_loc: torch.Tensor,  # [num_seqs + 1] int32
+    query_positions: torch.Tensor,  # [num_tokens] int32
+    sliding_window: int | None = None,
+    tree_mask: torch.Tensor | None = None,  # [num_tokens, max_q_len] bool
+) -> AttentionPlan:
+    dev = block_tables.device
     num_seqs = block_tables.shape[0]
-    out = torch.zeros_like(query)
-    if num_tokens == 0 or num_seqs == 0:
-        return out
-    dev = query.device
     starts = query_start_loc[:-1].long()  # [num_seqs]
     q_lens = query_start_loc[1:].long() - starts  # [num_seqs]
     ctx = context_lens.long()  # [num_seqs]
-    max_q = int(q_lens.max())
-    max_kv = int((ctx + q_lens).max())
+    max_q = int(q_lens.max()) if num_seqs else 0
     if max_q == 0:
-        return out
-
+        z = torch.zeros(num_seqs, 0, dtype=torch.long, device=dev)
+        return AttentionPlan(z, z.bool(), z, torch.zeros(num_seqs, 0, 0, dtype=torch.bool, device=dev))
+    max_kv = int((ctx + q_lens).max())
     # Pad queries per sequence: rows[s, i] = global token index of new token i of s.
     i_idx = torch.arange(max_q, device=dev)  # [max_q]
     q_valid = i_idx[None, :] < q_lens[:, None]  # [num_seqs, max_q]
     rows = torch.where(q_valid, starts[:, None] + i_idx[None, :], 0)  # [num_seqs, max_q]
-    q = query.float()[rows]  # [num_seqs, max_q, num_heads, head_dim]
-    q = q.view(num_seqs, max_q, nkv, group, head_dim)
-
-    # Gather each sequence's kv entries 0 .. ctx + q_len - 1 through its block table.
+    # Each sequence's kv entries 0 .. ctx + q_len - 1 through its block table.
     j_idx = torch.arange(max_kv, device=dev)  # [max_kv]
     kv_valid = j_idx[None, :] < (ctx + q_lens)[:, None]  # [num_seqs, max_kv]
     blk_col = (j_idx // block_size).clamp(max=block_tables.shape[1] - 1)  # [max_kv]
     blocks = block_tables.long()[:, blk_col]  # [num_seqs, max_kv]
     slots = torch.where(kv_valid, blocks * block_size + j_idx % block_size, 0)  # [num_seqs, max_kv]
-    k = _gather_kv(k_cache, k_scale, slots)  # [num_seqs, max_kv, nkv, head_dim] f32
-    v = _gather_kv(v_cache, v_scale, slots)  # [num_seqs, max_kv, nkv, head_dim] f32
-
     mask = _visibility(ctx, q_lens, q_valid, kv_valid, rows, query_positions, sliding_window, tree_mask)
-    scores = torch.einsum("sqngd,sknd->sngqk", q, k) * scale  # [num_seqs, nkv, group, max_q, max_kv]
-    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
-    probs = torch.softmax(scores, dim=-1).nan_to_num(0.0)  # fully masked rows -> zeros
-    o = torch.einsum("sngqk,sknd->sqngd", probs, v)  # [num_seqs, max_q, nkv, group, head_dim]
-    o = o.reshape(num_seqs, max_q, num_heads, head_dim)
-    out[rows[q_valid]] = o[q_valid].to(query.dtype)
+    return AttentionPlan(rows, q_valid, slots, mask)
+
+
+def paged_attention_planned(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    v_cache: torch.Tensor,  # [num_blocks, block_size, num_kv_heads, head_dim]
+    plan: AttentionPlan,
+    scale: float,
+    k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] f32, FP8 only
+    v_scale: torch.Tensor | None = None,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query.dtype
+    """The reference attention given a plan (no argument checks: the plan was built from checked ones)."""
+    num_tokens, num_heads, head_dim = query.shape
+    nkv = k_cache.shape[2]
+    group = num_heads // nkv
+    out = torch.zeros_like(query)
+    if num_tokens == 0 or plan.empty:
+        return out
+    num_seqs, max_q = plan.rows.shape
+    q = query.float()[plan.rows].transpose(1, 2)  # [num_seqs, num_heads, max_q, head_dim]
+    k = _gather_kv(k_cache, k_scale, plan.slots).transpose(1, 2)  # [num_seqs, nkv, max_kv, head_dim] f32
+    v = _gather_kv(v_cache, v_scale, plan.slots).transpose(1, 2)  # [num_seqs, nkv, max_kv, head_dim] f32
+    # Query head h reads kv head h // group (enable_gqa); padding rows may come out NaN and are dropped.
+    o = torch.nn.functional.scaled_dot_product_attention(
+        q, k, v, attn_mask=plan.mask[:, None], scale=scale, enable_gqa=group > 1)
+    o = o.transpose(1, 2)  # [num_seqs, max_q, num_heads, head_dim]
+    out[plan.rows[plan.q_valid]] = o[plan.q_valid].to(query.dtype)
     return out
 
 
