@@ -219,3 +219,15 @@ async def test_fragmentation_stays_below_4_percent_in_a_mixed_workload(tiny_llam
         assert max(samples) < 0.04, max(samples)
     finally:
         await mesh.stop()
+
+
+def test_run_on_engine_thread_runs_between_steps_while_the_loop_runs(tiny_llama_dir):
+    import threading
+    engine = _engine(tiny_llama_dir)
+    try:
+        main = threading.get_ident()
+        loop_thread = engine.run_on_engine_thread(threading.get_ident)
+        assert loop_thread != main
+        assert _next_tokens(engine, [engine.tokenize("hello")])  # still serving afterwards
+    finally:
+        engine.shutdown()

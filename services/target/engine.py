@@ -13,7 +13,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import torch
@@ -51,6 +51,13 @@ def _verify_span(trees: dict, batch):
         span.set_attribute("specmesh.num_sequences", len(trees))
         span.set_attribute("specmesh.proposed_tokens", sum(len(p.token_ids) for p in trees.values()))
         yield
+
+
+def _run_task(fn, args, future: Future) -> None:
+    try:
+        future.set_result(fn(*args))
+    except BaseException as exc:  # handed to the caller
+        future.set_exception(exc)
 
 
 class InvalidRequest(ValueError):
@@ -102,6 +109,7 @@ class Engine:
         # All torch work of the engine runs on this one thread (see `load`).
         self._torch_thread = torch_thread or ThreadPoolExecutor(1, thread_name_prefix="specmesh-engine")
         self._loop_future = None
+        self._tasks: list[tuple] = []  # (fn, args, future) to run on the engine thread between steps
         self._histograms = metrics.register_engine(self)
         self.speculator: Speculator | None = None
         if config.draft_address:
@@ -130,7 +138,13 @@ class Engine:
         For side-by-side benchmarks: a baseline run here shares the engine's OpenMP team
         instead of contending with it (see `load`).
         """
-        return self._torch_thread.submit(fn, *args).result()
+        if self._loop_future is None:
+            return self._torch_thread.submit(fn, *args).result()
+        future: Future = Future()
+        with self._lock:  # the loop runs it between two steps
+            self._tasks.append((fn, args, future))
+            self._lock.notify_all()
+        return future.result()
 
     def start(self) -> None:
         """Starts the decode loop (idempotent)."""
@@ -240,10 +254,15 @@ class Engine:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                while not (self._stopped or self._incoming or self._aborts or self.scheduler.has_work):
+                while not (self._stopped or self._incoming or self._aborts or self._tasks
+                           or self.scheduler.has_work):
                     self._lock.wait()
                 if self._stopped:
                     break
+                tasks, self._tasks = self._tasks, []
+            for fn, args, future in tasks:
+                _run_task(fn, args, future)
+            with self._lock:
                 self._take_incoming()
                 batch = self.scheduler.schedule()
                 for item in batch:
@@ -257,6 +276,9 @@ class Engine:
         with self._lock:
             for seq in list(self._live.values()):
                 self._finish(seq, error=Overloaded("engine shut down"))
+            for _, _, future in self._tasks:
+                future.set_exception(RuntimeError("engine shut down"))
+            self._tasks.clear()
 
     def _take_incoming(self) -> None:
         for seq in self._incoming:
