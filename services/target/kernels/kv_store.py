@@ -38,19 +38,20 @@ def store_kv_reference(
     num_tokens, is_fp8 = validate_store_kv_args(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
     if num_tokens == 0:
         return
-    valid = slot_mapping >= 0  # [num_tokens]
-    slots = slot_mapping[valid]  # [num_valid]
+    slots = slot_mapping.long()  # [num_tokens]
+    if bool((slots < 0).any()):  # skip entries marked < 0
+        valid = slots >= 0  # [num_tokens]
+        slots, key, value = slots[valid], key[valid], value[valid]
     _, _, nkv, hd = k_cache.shape
     for new, cache, scale in ((key, k_cache, k_scale), (value, v_cache, v_scale)):
-        rows = new[valid]  # [num_valid, num_kv_heads, head_dim]
         flat = cache.view(-1, nkv, hd)  # [num_slots, num_kv_heads, head_dim]
         if is_fp8:
             assert scale is not None
-            quant, row_scale = quantize_fp8(rows)
-            flat[slots] = quant
-            scale.view(-1, nkv)[slots] = row_scale
+            quant, row_scale = quantize_fp8(new)
+            flat.view(torch.uint8).index_copy_(0, slots, quant.view(torch.uint8))  # no fp8 index_copy on CPU
+            scale.view(-1, nkv).index_copy_(0, slots, row_scale)
         else:
-            flat[slots] = rows.to(cache.dtype)  # round to nearest even
+            flat.index_copy_(0, slots, new.to(cache.dtype))  # round to nearest even
 
 
 def quantize_fp8(rows: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:

@@ -63,6 +63,8 @@ class AttentionPlan:
     q_valid: torch.Tensor  # [num_seqs, max_q] bool
     slots: torch.Tensor  # [num_seqs, max_kv] cache slot of kv entry j of s (0 if padding)
     mask: torch.Tensor  # [num_seqs, max_q, max_kv] bool visibility
+    valid_flat: torch.Tensor | None = None  # [num_valid] indices into num_seqs * max_q (None: all, in order)
+    dest_rows: torch.Tensor | None = None  # [num_valid] global token index of each valid row
 
     @property
     def empty(self) -> bool:
@@ -99,7 +101,11 @@ def plan_paged_attention(
     blocks = block_tables.long()[:, blk_col]  # [num_seqs, max_kv]
     slots = torch.where(kv_valid, blocks * block_size + j_idx % block_size, 0)  # [num_seqs, max_kv]
     mask = _visibility(ctx, q_lens, q_valid, kv_valid, rows, query_positions, sliding_window, tree_mask)
-    return AttentionPlan(rows, q_valid, slots, mask)
+    num_tokens = query_positions.shape[0]
+    if num_seqs * max_q == num_tokens and bool(q_valid.all()):
+        return AttentionPlan(rows, q_valid, slots, mask)  # padded order == token order
+    valid_flat = q_valid.flatten().nonzero().squeeze(1)  # [num_valid]
+    return AttentionPlan(rows, q_valid, slots, mask, valid_flat, rows.flatten()[valid_flat])
 
 
 def paged_attention_planned(
@@ -119,27 +125,30 @@ def paged_attention_planned(
     if num_tokens == 0 or plan.empty:
         return out
     num_seqs, max_q = plan.rows.shape
-    q = query.float()[plan.rows].transpose(1, 2)  # [num_seqs, num_heads, max_q, head_dim]
+    # Float32 math (CPU SDPA in bf16 measured 3.6x slower than in f32 here).
+    q = query[plan.rows].float().transpose(1, 2)  # [num_seqs, num_heads, max_q, head_dim]
     k = _gather_kv(k_cache, k_scale, plan.slots).transpose(1, 2)  # [num_seqs, nkv, max_kv, head_dim] f32
     v = _gather_kv(v_cache, v_scale, plan.slots).transpose(1, 2)  # [num_seqs, nkv, max_kv, head_dim] f32
     # Query head h reads kv head h // group (enable_gqa); padding rows may come out NaN and are dropped.
     o = torch.nn.functional.scaled_dot_product_attention(
         q, k, v, attn_mask=plan.mask[:, None], scale=scale, enable_gqa=group > 1)
-    o = o.transpose(1, 2)  # [num_seqs, max_q, num_heads, head_dim]
-    out[plan.rows[plan.q_valid]] = o[plan.q_valid].to(query.dtype)
-    return out
+    o = o.transpose(1, 2).reshape(num_seqs * max_q, num_heads, head_dim)  # padded rows
+    if plan.valid_flat is None:
+        return o.to(query.dtype)
+    return out.index_copy_(0, plan.dest_rows, o.index_select(0, plan.valid_flat).to(query.dtype))
 
 
 def _gather_kv(
     cache: torch.Tensor,  # [num_blocks, block_size, nkv, head_dim]
     scale: torch.Tensor | None,  # [num_blocks, block_size, nkv] f32, FP8 only
     slots: torch.Tensor,  # [num_seqs, max_kv] int64
-) -> torch.Tensor:  # [num_seqs, max_kv, nkv, head_dim] f32
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:  # [num_seqs, max_kv, nkv, head_dim] in `dtype`
     nkv, head_dim = cache.shape[2], cache.shape[3]
-    x = cache.view(-1, nkv, head_dim)[slots].float()
+    x = cache.view(-1, nkv, head_dim)[slots]
     if scale is not None:
-        x = x * scale.view(-1, nkv)[slots].unsqueeze(-1)
-    return x
+        x = x.float() * scale.view(-1, nkv)[slots].unsqueeze(-1)
+    return x.to(dtype)
 
 
 def _visibility(
