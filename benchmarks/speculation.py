@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import sys
 import time
 from dataclasses import dataclass
 from pathlib import Path
@@ -23,6 +24,8 @@ import grpc
 import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.mesh helpers
 
 from services.common.env import read_settings
 from services.common.models.loading import resolve_model_dir
@@ -33,7 +36,7 @@ from services.router.config import RouterConfig
 from services.target.app import build_target_server
 from services.target.config import EngineConfig
 from services.target.engine import Engine
-from tests.mesh import AUTH_A, TOKEN_A, collect, request, start_draft
+from tests.mesh import AUTH_A, TOKEN_A, collect, request, start_draft  # noqa: E402
 
 _CODE = '''def parse_config(path):
     """Read a key=value config file into a dict."""
@@ -106,6 +109,8 @@ async def run_mesh(model_dir: Path, tokens: int, repeats: int) -> list[Row]:
                     rows.append(Row(bucket, method, len(ids), elapsed, u.proposed_tokens,
                                     u.accepted_tokens, u.acceptance_length))
         await router.stop(grace=1)
+    # Hugging Face on the engine's thread (one OpenMP team), while the mesh is idle.
+    rows += engine.run_on_engine_thread(run_hf, model_dir, tokens, repeats)
     await target.stop(grace=1)
     await draft.stop(grace=1)
     return rows
@@ -161,7 +166,6 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = resolve_model_dir(args.model, Path(read_settings().model_cache).expanduser())
     rows = asyncio.run(run_mesh(model_dir, args.tokens, args.repeats))
-    rows += run_hf(model_dir, args.tokens, args.repeats)
     print(f"model={args.model} bf16, max_tokens={args.tokens}, repeats={args.repeats}, "
           f"threads={torch.get_num_threads()}")
     report(rows)

@@ -7,23 +7,20 @@ frees a request's blocks at the next step boundary.
 
 from __future__ import annotations
 
-import contextlib
 import itertools
 import logging
 import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
 
 import torch
-from opentelemetry import trace
-from opentelemetry.trace import Link
 
 from services.target import metrics
 from services.target.block_manager import BlockManager
 from services.target.config import EngineConfig
 from services.target.detokenizer import IncrementalDetokenizer
+from services.target.engine_types import EngineStats, InvalidRequest, Overloaded
 from services.target.kv_events import KVEventLog
 from services.target.model_runner import ModelRunner, load_model
 from services.common.sampling_params import SamplingConfig
@@ -32,25 +29,10 @@ from services.target.scheduler import Scheduler
 from services.target.draft_client import DraftClient
 from services.target.model_runner_inputs import StepInput
 from services.target.sequence import FinishReason, Sequence, SpeculationPlan, StepOutput
-from services.target.speculator import Speculator
+from services.target.speculator import Speculator, verify_span
 
 log = logging.getLogger(__name__)
 _ENGINE_IDS = itertools.count()
-tracer = trace.get_tracer("specmesh.target")
-
-
-@contextlib.contextmanager
-def _verify_span(trees: dict, batch):
-    """A `verify` span for steps that check draft trees (one per step, never per token)."""
-    if not trees:
-        yield
-        return
-    links = [Link(i.seq.span_context) for i in batch
-             if i.seq.seq_id in trees and i.seq.span_context is not None]
-    with tracer.start_as_current_span("verify", links=links) as span:
-        span.set_attribute("specmesh.num_sequences", len(trees))
-        span.set_attribute("specmesh.proposed_tokens", sum(len(p.token_ids) for p in trees.values()))
-        yield
 
 
 def _run_task(fn, args, future: Future) -> None:
@@ -58,33 +40,6 @@ def _run_task(fn, args, future: Future) -> None:
         future.set_result(fn(*args))
     except BaseException as exc:  # handed to the caller
         future.set_exception(exc)
-
-
-class InvalidRequest(ValueError):
-    """The request can never be served as given (maps to INVALID_ARGUMENT)."""
-
-
-class Overloaded(RuntimeError):
-    """Admission limits are reached (maps to RESOURCE_EXHAUSTED)."""
-
-
-@dataclass(frozen=True)
-class EngineStats:
-    num_blocks: int
-    free_blocks: int
-    used_blocks: int
-    cached_blocks: int
-    block_size: int
-    running: int
-    waiting: int
-    queued_tokens: int
-    num_preemptions: int
-    evictions: int
-    prefix_queries: int
-    prefix_query_tokens: int
-    prefix_hit_tokens: int
-    kv_bytes: int
-    fragmentation: float  # allocated-but-unused slots / allocated slots
 
 
 class Engine:
@@ -296,7 +251,7 @@ class Engine:
         with self._lock:
             inputs, trees = self._step_inputs(batch, proposals)
         try:
-            with _verify_span(trees, batch):
+            with verify_span(trees, batch):
                 logits = self.runner.forward(inputs)  # [num_rows, vocab]
         except Exception as exc:  # a failing step must not take the engine down
             log.exception("engine step failed")

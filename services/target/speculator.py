@@ -7,6 +7,7 @@ tree (greedy match, or lossless rejection sampling when temperature > 0).
 
 from __future__ import annotations
 
+import contextlib
 import logging
 
 import torch
@@ -20,6 +21,20 @@ from services.target.sequence import Sequence
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("specmesh.target")
+
+
+@contextlib.contextmanager
+def verify_span(trees: dict, batch):
+    """A `verify` span for steps that check draft trees (one per step, never per token)."""
+    if not trees:
+        yield
+        return
+    links = [Link(i.seq.span_context) for i in batch
+             if i.seq.seq_id in trees and i.seq.span_context is not None]
+    with tracer.start_as_current_span("verify", links=links) as span:
+        span.set_attribute("specmesh.num_sequences", len(trees))
+        span.set_attribute("specmesh.proposed_tokens", sum(len(p.token_ids) for p in trees.values()))
+        yield
 
 
 class Speculator:

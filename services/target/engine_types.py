@@ -1,0 +1,32 @@
+"""Errors and statistics the engine hands to its callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+
+class InvalidRequest(ValueError):
+    """The request can never be served as given (maps to INVALID_ARGUMENT)."""
+
+
+class Overloaded(RuntimeError):
+    """Admission limits are reached (maps to RESOURCE_EXHAUSTED)."""
+
+
+@dataclass(frozen=True)
+class EngineStats:
+    num_blocks: int
+    free_blocks: int
+    used_blocks: int
+    cached_blocks: int
+    block_size: int
+    running: int
+    waiting: int
+    queued_tokens: int
+    num_preemptions: int
+    evictions: int
+    prefix_queries: int
+    prefix_query_tokens: int
+    prefix_hit_tokens: int
+    kv_bytes: int
+    fragmentation: float  # allocated-but-unused slots / allocated slots
