@@ -66,7 +66,17 @@ BUCKETS = {
     "open-ended chat": ("What are some good ways to spend a rainy weekend at home?", 0.0),
     "creative (temperature 1)": ("Write a short poem about the sea at night.", 1.0),
 }
-METHODS = [("off", 0, 0), ("prompt_lookup", 5, 0), ("suffix", 5, 12)]
+DEFAULT_PLANS = ["off", "prompt_lookup:5", "suffix:5:12"]
+
+
+def parse_plan(text: str) -> tuple[str, int, int]:
+    """"method[:depth[:nodes]]" -> (method, depth, nodes)."""
+    parts = text.split(":")
+    return parts[0], int(parts[1]) if len(parts) > 1 else 0, int(parts[2]) if len(parts) > 2 else 0
+
+
+def plan_label(method: str, depth: int, nodes: int) -> str:
+    return method if method == "off" else f"{method} d{depth}" + (f" n{nodes}" if nodes else "")
 
 
 @dataclass
@@ -80,14 +90,15 @@ class Row:
     tau: float = 0.0
 
 
-async def run_mesh(model_dir: Path, tokens: int, repeats: int) -> list[Row]:
+async def run_mesh(model_dir: Path, tokens: int, repeats: int, plans: list[tuple]) -> list[Row]:
     draft = await start_draft(None)
     engine = Engine.load(EngineConfig(model_dir=model_dir, dtype="bfloat16", num_blocks=1024,
                                       draft_address=draft.address))
     target = build_target_server(ServerConfig(port=0), engine, "default")
     await target.start()
     rows = []
-    for method, depth, nodes in tqdm(METHODS, desc="methods"):
+    for method, depth, nodes in tqdm(plans, desc="plans"):
+        label = plan_label(method, depth, nodes)
         router = build_router_server(ServerConfig(port=0), RouterConfig(
             target_address=target.address, tokens={TOKEN_A: "bench"},
             speculation_method=method, speculation_depth=max(depth, 1), speculation_nodes=nodes))
@@ -99,14 +110,14 @@ async def run_mesh(model_dir: Path, tokens: int, repeats: int) -> list[Row]:
                     break
                 await asyncio.sleep(0.05)
             await collect(stub, request("warm up", 4))
-            for bucket, (prompt, temperature) in tqdm(BUCKETS.items(), desc=method, leave=False):
+            for bucket, (prompt, temperature) in tqdm(BUCKETS.items(), desc=label, leave=False):
                 for r in range(repeats):
                     extra = {"temperature": temperature, "seed": r, "has_seed": True} if temperature else {}
                     start = time.perf_counter()
                     ids, _, last = await collect(stub, request(prompt, tokens, **extra), AUTH_A)
                     elapsed = time.perf_counter() - start
                     u = last.usage
-                    rows.append(Row(bucket, method, len(ids), elapsed, u.proposed_tokens,
+                    rows.append(Row(bucket, label, len(ids), elapsed, u.proposed_tokens,
                                     u.accepted_tokens, u.acceptance_length))
         await router.stop(grace=1)
     # Hugging Face on the engine's thread (one OpenMP team), while the mesh is idle.
@@ -134,7 +145,7 @@ def run_hf(model_dir: Path, tokens: int, repeats: int) -> list[Row]:
     return rows
 
 
-def report(rows: list[Row]) -> None:
+def report(rows: list[Row], plans: list[tuple]) -> None:
     by = {}
     for row in rows:
         agg = by.setdefault((row.bucket, row.method), [0, 0.0, 0, 0, 0.0, 0])
@@ -144,7 +155,7 @@ def report(rows: list[Row]) -> None:
         agg[3] += row.accepted
         agg[4] += row.tau
         agg[5] += 1
-    methods = [m for m, _, _ in METHODS] + ["HF generate", "HF prompt lookup 10"]
+    methods = [plan_label(*p) for p in plans] + ["HF generate", "HF prompt lookup 10"]
     print(f"\n{'bucket':<26} {'method':<20} {'tok/s':>7} {'vs off':>7} {'vs HF PL':>8} {'tau':>5} {'accept%':>8}")
     for bucket in BUCKETS:
         off = by[(bucket, "off")][0] / by[(bucket, "off")][1]
@@ -163,12 +174,17 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--plans", nargs="+", default=DEFAULT_PLANS,
+                        help="speculation plans as method[:depth[:nodes]], 'off' first")
     args = parser.parse_args()
     model_dir = resolve_model_dir(args.model, Path(read_settings().model_cache).expanduser())
-    rows = asyncio.run(run_mesh(model_dir, args.tokens, args.repeats))
+    plans = [parse_plan(p) for p in args.plans]
+    if plans[0][0] != "off":
+        plans.insert(0, ("off", 0, 0))
+    rows = asyncio.run(run_mesh(model_dir, args.tokens, args.repeats, plans))
     print(f"model={args.model} bf16, max_tokens={args.tokens}, repeats={args.repeats}, "
           f"threads={torch.get_num_threads()}")
-    report(rows)
+    report(rows, plans)
 
 
 if __name__ == "__main__":

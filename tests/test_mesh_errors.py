@@ -69,3 +69,26 @@ async def test_target_down_is_unavailable(tiny_llama_dir):
         assert info.value.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         await mesh.stop()
+
+
+async def test_expired_deadline_is_deadline_exceeded_and_frees_the_request(tiny_llama_dir):
+    import asyncio
+
+    from services.common.proto.specmesh.v1 import target_service_pb2
+    mesh = await start_mesh(tiny_llama_dir)
+    try:
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in mesh.router_stub.Generate(request("a long story " * 5, max_tokens=250),
+                                                     metadata=AUTH_A, timeout=0.05):
+                pass
+        assert info.value.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+        for _ in range(100):
+            stats = await mesh.target_stub().GetStats(target_service_pb2.GetStatsRequest())
+            if stats.used_blocks == 0 and stats.running_requests == 0:
+                break
+            await asyncio.sleep(0.05)
+        assert stats.used_blocks == 0 and stats.running_requests == 0
+        ids, _, _ = await collect(mesh.router_stub, request("hello", max_tokens=4))
+        assert len(ids) == 4
+    finally:
+        await mesh.stop()

@@ -59,7 +59,11 @@ class DraftServiceServicer:
     def Propose(self, request, context):
         """Proposes draft tokens for a batch of sequences in one call.
         Errors: INVALID_ARGUMENT (no sequences, max_depth out of range, empty
-        token list on a new sequence, unknown method).
+        token list on a new sequence, unknown method, token id out of the draft
+        model's vocabulary), PERMISSION_DENIED (a sequence of another tenant),
+        FAILED_PRECONDITION (draft_model / dynamic_tree without a draft model
+        configured), RESOURCE_EXHAUSTED (too many open sequences), UNAVAILABLE
+        (shutting down).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
