@@ -50,6 +50,7 @@ def engine(default_dir):
     engine = Engine.load(EngineConfig(model_dir=default_dir, dtype="float32", num_blocks=160,
                                       block_size=16, max_batched_tokens=256, kernels="reference"))
     yield engine
+    engine.shutdown()
 
 
 def _engine_greedy(engine: Engine, prompt_ids: list[int]) -> tuple[list[int], list[torch.Tensor]]:

@@ -12,7 +12,7 @@ import logging
 import threading
 import time
 from collections.abc import Callable
-from concurrent.futures import Future, ThreadPoolExecutor
+from concurrent.futures import Future
 
 import torch
 
@@ -30,21 +30,15 @@ from services.target.draft_client import DraftClient
 from services.target.model_runner_inputs import StepInput
 from services.target.sequence import FinishReason, Sequence, SpeculationPlan, StepOutput
 from services.target.speculator import Speculator, verify_span
+from services.target.torch_thread import TorchThread, run_task
 
 log = logging.getLogger(__name__)
 _ENGINE_IDS = itertools.count()
 
 
-def _run_task(fn, args, future: Future) -> None:
-    try:
-        future.set_result(fn(*args))
-    except BaseException as exc:  # handed to the caller
-        future.set_exception(exc)
-
-
 class Engine:
     def __init__(self, config: EngineConfig, model, tokenizer, spec,
-                 torch_thread: ThreadPoolExecutor | None = None) -> None:
+                 torch_thread: TorchThread | None = None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.spec = spec
@@ -62,7 +56,7 @@ class Engine:
         self._queued_tokens = 0  # prompt tokens of requests not yet admitted; guarded by _lock
         self._stopped = False
         # All torch work of the engine runs on this one thread (see `load`).
-        self._torch_thread = torch_thread or ThreadPoolExecutor(1, thread_name_prefix="specmesh-engine")
+        self._torch_thread = torch_thread or TorchThread()
         self._loop_future = None
         self._tasks: list[tuple] = []  # (fn, args, future) to run on the engine thread between steps
         self._histograms = metrics.register_engine(self)
@@ -73,13 +67,9 @@ class Engine:
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
-        """Loads the model on the engine's own thread, where every later step runs too.
-
-        Why: each thread that runs torch ops gets its own OpenMP worker team; two teams on
-        few cores slow each other's matmuls down (measured here: 30-60% slower decode
-        steps when the model was loaded on the main thread and stepped on another).
-        """
-        torch_thread = ThreadPoolExecutor(1, thread_name_prefix="specmesh-engine")
+        """Loads the model on the engine's own thread, where every later step runs too
+        (see services/target/torch_thread.py for why)."""
+        torch_thread = TorchThread()
 
         def build() -> "Engine":
             model, tokenizer, spec = load_model(config.model_dir, config.torch_dtype, config.device)
@@ -118,7 +108,7 @@ class Engine:
                 self._loop_future.result(timeout)
             except Exception:
                 log.exception("engine loop ended with an error")
-        self._torch_thread.shutdown(wait=False)
+        self._torch_thread.shutdown()
         if self.speculator is not None:
             self.speculator.client.close()
 
@@ -216,7 +206,7 @@ class Engine:
                     break
                 tasks, self._tasks = self._tasks, []
             for fn, args, future in tasks:
-                _run_task(fn, args, future)
+                run_task(fn, args, future)
             with self._lock:
                 self._take_incoming()
                 batch = self.scheduler.schedule()
