@@ -43,7 +43,12 @@ def prompts_for(n: int) -> list[str]:
     return [PROMPTS[i % len(PROMPTS)] for i in range(n)]
 
 
-def run_engine(engine: Engine, tokenizer, prompts: list[str], max_tokens: int) -> tuple[int, float]:
+def limits_for(n: int, max_tokens: int, mixed: bool) -> list[int]:
+    """Per-request max_tokens: all equal, or (--mixed) a quarter, half, three quarters, all."""
+    return [max_tokens * (1 + i % 4) // 4 if mixed else max_tokens for i in range(n)]
+
+
+def run_engine(engine: Engine, tokenizer, prompts: list[str], max_tokens: list[int]) -> tuple[int, float]:
     done = threading.Semaphore(0)
     counts = [0] * len(prompts)
 
@@ -56,30 +61,32 @@ def run_engine(engine: Engine, tokenizer, prompts: list[str], max_tokens: int) -
     start = time.perf_counter()
     for i, prompt in enumerate(prompts):
         engine.submit(f"bench-{time.monotonic_ns()}-{i}", tokenizer(prompt).input_ids,
-                      SamplingConfig(max_tokens=max_tokens), emitter(i))
+                      SamplingConfig(max_tokens=max_tokens[i]), emitter(i))
     for _ in prompts:
         done.acquire()
     return sum(counts), time.perf_counter() - start
 
 
-def run_hf_sequential(model, tokenizer, prompts: list[str], max_tokens: int) -> tuple[int, float]:
+def run_hf_sequential(model, tokenizer, prompts: list[str], max_tokens: list[int]) -> tuple[int, float]:
     total, start = 0, time.perf_counter()
-    for prompt in prompts:
+    for prompt, limit in zip(prompts, max_tokens):
         ids = tokenizer(prompt, return_tensors="pt")
-        out = model.generate(**ids, max_new_tokens=max_tokens, do_sample=False)
+        out = model.generate(**ids, max_new_tokens=limit, do_sample=False)
         total += out.shape[1] - ids.input_ids.shape[1]
     return total, time.perf_counter() - start
 
 
-def run_hf_batch(model, tokenizer, prompts: list[str], max_tokens: int) -> tuple[int, float]:
+def run_hf_batch(model, tokenizer, prompts: list[str], max_tokens: list[int]) -> tuple[int, float]:
+    """One padded batch runs to the largest limit; only each request's own tokens count."""
     tokenizer.padding_side = "left"
     batch = tokenizer(prompts, return_tensors="pt", padding=True)
     start = time.perf_counter()
-    out = model.generate(**batch, max_new_tokens=max_tokens, do_sample=False)
+    out = model.generate(**batch, max_new_tokens=max(max_tokens), do_sample=False)
     elapsed = time.perf_counter() - start
     new = out[:, batch.input_ids.shape[1]:]
     pad = tokenizer.pad_token_id
-    return int((new != pad).sum()), elapsed
+    useful = sum(min(int((row != pad).sum()), limit) for row, limit in zip(new, max_tokens))
+    return useful, elapsed
 
 
 def main() -> None:
@@ -89,6 +96,8 @@ def main() -> None:
     parser.add_argument("--streams", type=int, nargs="+", default=[1])
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--no-hf-batch", action="store_true")
+    parser.add_argument("--mixed", action="store_true",
+                        help="requests ask for 1/4, 1/2, 3/4 and all of --tokens (a ragged workload)")
     args = parser.parse_args()
     settings = read_settings()
     model_dir = resolve_model_dir(args.model, Path(settings.model_cache).expanduser())
@@ -100,18 +109,19 @@ def main() -> None:
     on_thread = engine.run_on_engine_thread
     hf = on_thread(lambda: AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval())
     engine.start()
-    run_engine(engine, tokenizer, prompts_for(1), 4)  # warm-up
-    on_thread(run_hf_sequential, hf, tokenizer, prompts_for(1), 4)
+    run_engine(engine, tokenizer, prompts_for(1), [4])  # warm-up
+    on_thread(run_hf_sequential, hf, tokenizer, prompts_for(1), [4])
     rows = []
     for n in tqdm(args.streams, desc="concurrency levels"):
-        prompts = prompts_for(n)
-        e_tok, e_s = run_engine(engine, tokenizer, prompts, args.tokens)
-        s_tok, s_s = on_thread(run_hf_sequential, hf, tokenizer, prompts, args.tokens)
+        prompts, limits = prompts_for(n), limits_for(n, args.tokens, args.mixed)
+        e_tok, e_s = run_engine(engine, tokenizer, prompts, limits)
+        s_tok, s_s = on_thread(run_hf_sequential, hf, tokenizer, prompts, limits)
         b_tok, b_s = ((0, float("nan")) if args.no_hf_batch or n == 1
-                      else on_thread(run_hf_batch, hf, tokenizer, prompts, args.tokens))
+                      else on_thread(run_hf_batch, hf, tokenizer, prompts, limits))
         rows.append((n, e_tok / e_s, s_tok / s_s, b_tok / b_s if b_tok else float("nan")))
     engine.shutdown()
-    print(f"\nmodel={args.model} dtype={args.dtype} max_tokens={args.tokens} threads={torch.get_num_threads()}")
+    print(f"\nmodel={args.model} dtype={args.dtype} max_tokens={args.tokens} mixed={args.mixed} "
+          f"threads={torch.get_num_threads()}")
     print(f"{'streams':>7} {'engine tok/s':>12} {'HF seq tok/s':>12} {'HF batch tok/s':>14} "
           f"{'vs seq':>7} {'vs batch':>8}")
     for n, e, s, b in rows:

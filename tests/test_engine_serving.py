@@ -231,3 +231,22 @@ def test_run_on_engine_thread_runs_between_steps_while_the_loop_runs(tiny_llama_
         assert _next_tokens(engine, [engine.tokenize("hello")])  # still serving afterwards
     finally:
         engine.shutdown()
+
+
+def test_a_request_id_already_in_flight_is_rejected_and_changes_nothing(tiny_llama_dir):
+    import threading
+
+    from services.common.sampling_params import SamplingConfig
+    from services.target.engine import InvalidRequest
+    engine = _engine(tiny_llama_dir)
+    done = threading.Event()
+    try:
+        ids = engine.tokenize("hello there")
+        engine.submit("same", ids, SamplingConfig(max_tokens=50),
+                      lambda out: done.set() if out.finish_reason is not None else None)
+        with pytest.raises(InvalidRequest):
+            engine.submit("same", ids, SamplingConfig(max_tokens=5), lambda out: None)
+        assert done.wait(30)
+        engine.submit("same", ids, SamplingConfig(max_tokens=2), lambda out: None)  # free again
+    finally:
+        engine.shutdown()

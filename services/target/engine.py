@@ -53,6 +53,7 @@ class Engine:
         self._aborts: set[str] = set()
         self._live: dict[str, Sequence] = {}  # engine thread only
         self._num_pending = 0  # submitted and not finished; guarded by _lock
+        self._ids: set[str] = set()  # ids of those requests; guarded by _lock
         self._queued_tokens = 0  # prompt tokens of requests not yet admitted; guarded by _lock
         self._stopped = False
         # All torch work of the engine runs on this one thread (see `load`).
@@ -132,12 +133,15 @@ class Engine:
         with self._lock:
             if self._stopped:
                 raise Overloaded("engine is shutting down")
+            if request_id in self._ids:
+                raise InvalidRequest(f"request id {request_id!r} is already in flight; use a unique id")
             if self._num_pending >= self.config.max_num_seqs + self.config.max_queued_requests:
                 raise Overloaded(f"{self._num_pending} requests in flight; queue limit reached")
             if self._queued_tokens + len(prompt_ids) > self.config.max_queued_tokens:
                 raise Overloaded(f"{self._queued_tokens} prompt tokens already queued; "
                                  f"limit {self.config.max_queued_tokens}")
             self._num_pending += 1
+            self._ids.add(request_id)
             self._queued_tokens += len(prompt_ids)
             self._incoming.append(seq)
             self._lock.notify_all()
@@ -344,6 +348,7 @@ class Engine:
             return
         self.scheduler.remove(seq)
         self._num_pending -= 1
+        self._ids.discard(seq.seq_id)
         if not seq.counted_admission:
             seq.counted_admission = True
             self._queued_tokens -= len(seq.prompt_ids)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import uuid
 
 import grpc
 from opentelemetry import trace
@@ -41,7 +42,7 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         if not request.prompt:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
-        request_id = request.request_id or f"target-{id(request)}"
+        request_id = request.request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
 
