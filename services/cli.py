@@ -6,10 +6,9 @@ import argparse
 import asyncio
 import logging
 import sys
-import time
 from pathlib import Path
 
-from services.common.env import DEFAULT_PORTS, Settings, read_settings
+from services.common.env import Settings, read_settings
 
 SERVICES = ("router", "target", "draft", "cache")
 

@@ -8,8 +8,12 @@ from pathlib import Path
 
 import grpc
 
-from services.common.proto.specmesh.v1 import (common_pb2, router_service_pb2, router_service_pb2_grpc,
-                                                target_service_pb2, target_service_pb2_grpc)
+from services.common.proto.specmesh.v1 import (
+    common_pb2,
+    router_service_pb2,
+    router_service_pb2_grpc,
+    target_service_pb2_grpc,
+)
 from services.common.server import GrpcServer, ServerConfig
 from services.router.app import build_router_server
 from services.router.config import RouterConfig

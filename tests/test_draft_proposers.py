@@ -9,7 +9,12 @@ import pytest
 import torch
 
 from services.common.proto.specmesh.v1 import common_pb2
-from services.draft.proposers import DraftModel, DraftModelProposer, DynamicTreeProposer, SuffixProposer
+from services.draft.proposers import (
+    DraftModel,
+    DraftModelProposer,
+    DynamicTreeProposer,
+    SuffixProposer,
+)
 from services.draft.state import DraftStateStore
 
 SUFFIX = common_pb2.SPECULATION_METHOD_SUFFIX

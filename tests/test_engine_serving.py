@@ -157,6 +157,7 @@ def _engine(model_dir, **overrides):
 def _next_tokens(engine, contexts: list[list[int]]) -> list[int]:
     """Greedy next token after each context (one request each, run concurrently)."""
     import threading
+
     from services.common.sampling_params import SamplingConfig
     out, done = {}, threading.Semaphore(0)
     for i, ids in enumerate(contexts):

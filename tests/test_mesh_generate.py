@@ -8,7 +8,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from tests.mesh import AUTH_A, collect, request, start_mesh
+from tests.mesh import collect, request, start_mesh
 
 PROMPTS = ["The quick brown fox", "Once upon a time there was", "a", "1 2 3 4 5 6 7 8 9 10 11 12 13 14 15 16"]
 

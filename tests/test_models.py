@@ -233,8 +233,8 @@ def test_prepare_removes_temp_dirs_of_killed_runs(tmp_path, monkeypatch):
 
 @pytest.mark.slow
 def test_prepared_default_model_loads_plainly(monkeypatch):
-    from transformers import AutoModelForCausalLM, AutoTokenizer
     import transformers.modeling_gguf_pytorch_utils as gguf_utils
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     model_dir = prepare_default_model(default_model_dir(), progress=False)  # reuses the cache
     assert is_prepared(model_dir)

@@ -142,6 +142,7 @@ async def test_target_reconnects_when_the_draft_service_returns(tiny_llama_dir):
 
 def test_rejection_sampler_with_a_fixed_seed_reproduces_exactly():
     import torch
+
     from services.target.kernels.select import get_kernels
     kernels = get_kernels("reference")
     vocab, nodes = 16, 4

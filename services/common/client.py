@@ -7,7 +7,11 @@ import time
 
 import grpc
 
-from services.common.proto.specmesh.v1 import common_pb2, router_service_pb2, router_service_pb2_grpc
+from services.common.proto.specmesh.v1 import (
+    common_pb2,
+    router_service_pb2,
+    router_service_pb2_grpc,
+)
 
 
 async def stream_generate(settings, args) -> int:

@@ -11,12 +11,20 @@ from dataclasses import dataclass
 
 import grpc
 from opentelemetry import metrics, trace
-from opentelemetry.instrumentation.grpc import aio_client_interceptors, aio_server_interceptor, filters
+from opentelemetry.instrumentation.grpc import (
+    aio_client_interceptors,
+    aio_server_interceptor,
+    filters,
+)
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import Resource
 from opentelemetry.sdk.trace import TracerProvider
-from opentelemetry.sdk.trace.export import BatchSpanProcessor, SimpleSpanProcessor, SpanExporter
+from opentelemetry.sdk.trace.export import (
+    BatchSpanProcessor,
+    SimpleSpanProcessor,
+    SpanExporter,
+)
 
 _lock = threading.Lock()
 _configured = False
@@ -78,6 +86,8 @@ def _otlp_span_exporter(endpoint: str) -> SpanExporter:
 
 
 def _otlp_metric_reader(endpoint: str) -> MetricReader:
-    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import OTLPMetricExporter
+    from opentelemetry.exporter.otlp.proto.grpc.metric_exporter import (
+        OTLPMetricExporter,
+    )
     from opentelemetry.sdk.metrics.export import PeriodicExportingMetricReader
     return PeriodicExportingMetricReader(OTLPMetricExporter(endpoint=endpoint, insecure=True))

@@ -27,9 +27,18 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import trace
 
-from services.common.proto.specmesh.v1 import common_pb2, draft_service_pb2, draft_service_pb2_grpc
+from services.common.proto.specmesh.v1 import (
+    common_pb2,
+    draft_service_pb2,
+    draft_service_pb2_grpc,
+)
 from services.draft.config import DraftConfig
-from services.draft.proposers import DraftTree, PromptLookupProposer, Proposer, SuffixProposer
+from services.draft.proposers import (
+    DraftTree,
+    PromptLookupProposer,
+    Proposer,
+    SuffixProposer,
+)
 from services.draft.state import DraftStateStore
 
 log = logging.getLogger(__name__)

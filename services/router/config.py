@@ -4,7 +4,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-
 SPECULATION_METHODS = ("off", "prompt_lookup", "suffix", "draft_model", "dynamic_tree")
 
 

@@ -8,8 +8,13 @@ import uuid
 import grpc
 from opentelemetry import trace
 
-from services.common.proto.specmesh.v1 import (common_pb2, router_service_pb2, router_service_pb2_grpc,
-                                                target_service_pb2, target_service_pb2_grpc)
+from services.common.proto.specmesh.v1 import (
+    common_pb2,
+    router_service_pb2,
+    router_service_pb2_grpc,
+    target_service_pb2,
+    target_service_pb2_grpc,
+)
 from services.common.sampling_params import SamplingConfig, sampling_from_proto
 from services.common.server import insecure_channel
 from services.router.auth import TenantAuth, Unauthenticated

@@ -15,7 +15,10 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from services.target.kernels.paged_attention import paged_attention_planned, plan_paged_attention
+from services.target.kernels.paged_attention import (
+    paged_attention_planned,
+    plan_paged_attention,
+)
 
 ATTN_IMPLEMENTATION = "specmesh_paged"
 

@@ -16,18 +16,18 @@ from concurrent.futures import Future
 
 import torch
 
+from services.common.sampling_params import SamplingConfig
 from services.target import metrics
 from services.target.block_manager import BlockManager
 from services.target.config import EngineConfig
 from services.target.detokenizer import IncrementalDetokenizer
+from services.target.draft_client import DraftClient
 from services.target.engine_types import EngineStats, InvalidRequest, Overloaded
 from services.target.kv_events import KVEventLog
 from services.target.model_runner import ModelRunner, load_model
-from services.common.sampling_params import SamplingConfig
+from services.target.model_runner_inputs import StepInput
 from services.target.sampler import make_generator, sample
 from services.target.scheduler import Scheduler
-from services.target.draft_client import DraftClient
-from services.target.model_runner_inputs import StepInput
 from services.target.sequence import FinishReason, Sequence, SpeculationPlan, StepOutput
 from services.target.speculator import Speculator, verify_span
 from services.target.torch_thread import TorchThread, run_task

@@ -7,7 +7,11 @@ from pathlib import Path
 
 import torch
 
-from services.target.attention import AttentionMetadata, KVPool, register_paged_attention
+from services.target.attention import (
+    AttentionMetadata,
+    KVPool,
+    register_paged_attention,
+)
 from services.target.block_manager import BlockManager
 from services.target.kernels.select import get_kernels
 from services.target.model_runner_inputs import StepInput

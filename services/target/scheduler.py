@@ -11,7 +11,7 @@ from collections import deque
 from dataclasses import dataclass
 
 from services.target.block_manager import BlockManager
-from services.target.sequence import Sequence, SeqStatus
+from services.target.sequence import SeqStatus, Sequence
 
 
 @dataclass(frozen=True)

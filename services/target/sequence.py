@@ -9,8 +9,8 @@ from dataclasses import dataclass, field
 
 import torch
 
-from services.target.detokenizer import IncrementalDetokenizer
 from services.common.sampling_params import SamplingConfig
+from services.target.detokenizer import IncrementalDetokenizer
 
 
 class SeqStatus(enum.Enum):

@@ -9,7 +9,11 @@ import uuid
 import grpc
 from opentelemetry import trace
 
-from services.common.proto.specmesh.v1 import common_pb2, target_service_pb2, target_service_pb2_grpc
+from services.common.proto.specmesh.v1 import (
+    common_pb2,
+    target_service_pb2,
+    target_service_pb2_grpc,
+)
 from services.common.sampling_params import sampling_from_proto
 from services.target.engine import Engine, InvalidRequest, Overloaded
 from services.target.sequence import FinishReason, SpeculationPlan, StepOutput

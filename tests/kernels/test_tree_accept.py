@@ -5,7 +5,10 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.target.kernels import accept_tree_greedy_reference, accept_tree_sampling_reference
+from services.target.kernels import (
+    accept_tree_greedy_reference,
+    accept_tree_sampling_reference,
+)
 
 from .conftest import DEVICE
 from .helpers import binary_tree, chain_tree, random_tree, unbalanced_tree, wide_tree

@@ -5,7 +5,11 @@
 - `build_tiny_model` / `tiny_model_dir`: tiny seeded models with an offline tokenizer.
 """
 
-from services.common.models.loading import check_causal_lm_dir, load_causal_lm, resolve_model_dir
+from services.common.models.loading import (
+    check_causal_lm_dir,
+    load_causal_lm,
+    resolve_model_dir,
+)
 from services.common.models.prepare import (
     DEFAULT_MODEL_ALIASES,
     DEFAULT_MODEL_NAME,
@@ -14,7 +18,13 @@ from services.common.models.prepare import (
     is_prepared,
     prepare_default_model,
 )
-from services.common.models.tiny import TINY_ARCHS, build_tiny_model, build_tiny_tokenizer, tiny_config, tiny_model_dir
+from services.common.models.tiny import (
+    TINY_ARCHS,
+    build_tiny_model,
+    build_tiny_tokenizer,
+    tiny_config,
+    tiny_model_dir,
+)
 
 __all__ = [
     "DEFAULT_MODEL_ALIASES",

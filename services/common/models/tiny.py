@@ -161,7 +161,14 @@ def _seed_weights(model: torch.nn.Module, seed: int, std: float) -> None:
 
 @lru_cache(maxsize=1)
 def _trained_tokenizer_json() -> str:
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+    from tokenizers import (
+        Tokenizer,
+        decoders,
+        models,
+        pre_tokenizers,
+        processors,
+        trainers,
+    )
 
     tok = Tokenizer(models.BPE(unk_token="<unk>"))
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)

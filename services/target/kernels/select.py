@@ -65,7 +65,10 @@ def _triton_kernels() -> Kernels:
         )
     from .kv_store_triton import store_kv_triton
     from .paged_attention_triton import paged_attention_triton
-    from .tree_accept_triton import accept_tree_greedy_triton, accept_tree_sampling_triton
+    from .tree_accept_triton import (
+        accept_tree_greedy_triton,
+        accept_tree_sampling_triton,
+    )
 
     return Kernels(
         backend="triton",
