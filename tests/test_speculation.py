@@ -158,3 +158,19 @@ def test_rejection_sampler_with_a_fixed_seed_reproduces_exactly():
         return [t.tolist() for t in out]
     assert run(123) == run(123)
     assert len({str(run(s)) for s in range(20)}) > 1  # and the seed matters
+
+
+async def test_adaptive_policy_deepens_a_bucket_that_accepts_everything(tiny_llama_dir):
+    draft = await start_draft(tiny_llama_dir)  # draft = target: every proposal is accepted
+    mesh = await start_mesh(tiny_llama_dir, draft_address=draft.address, speculation={
+        "speculation_method": "draft_model", "speculation_depth": 2, "speculation_policy": "adaptive"})
+    try:
+        first = await collect(mesh.router_stub, request(PROMPTS[3], 34))
+        assert first[2].usage.acceptance_length == pytest.approx(3)  # the configured depth 2
+        later = await collect(mesh.router_stub, request(PROMPTS[3], 34))
+        # 1 token from prefill, then 3 passes of depth 10 + bonus = 34 tokens.
+        assert later[2].usage.acceptance_length == pytest.approx(11)
+        assert later[0] == first[0] == hf_greedy(tiny_llama_dir, PROMPTS[3], 34)
+    finally:
+        await mesh.stop()
+        await draft.stop(grace=0.5)

@@ -44,7 +44,8 @@ def build_server(service: str, settings: Settings, config: ServerConfig | None =
             target_address=settings.target_address, tokens=parse_tokens(settings.tokens),
             salt_secret=settings.salt_secret, max_tokens_limit=settings.max_tokens_limit,
             speculation_method=settings.speculation_method, speculation_depth=settings.speculation_depth,
-            speculation_nodes=settings.speculation_nodes))
+            speculation_nodes=settings.speculation_nodes,
+            speculation_policy=settings.speculation_policy))
     if service == "target":
         from services.target.app import build_target_server, load_engine
         model_dir = resolve_model(settings)

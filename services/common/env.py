@@ -45,6 +45,7 @@ class Settings:
     speculation_method: str = "prompt_lookup"  # off | prompt_lookup | suffix | draft_model | dynamic_tree
     speculation_depth: int = 5
     speculation_nodes: int = 0  # tree node budget; 0 = a chain
+    speculation_policy: str = "fixed"  # fixed | adaptive (depth per bucket from measured acceptance)
     draft_model: str = ""  # local HF causal LM directory for the draft service (draft_model / dynamic_tree)
     draft_timeout_ms: int = 500  # per-step deadline of the target's draft call
 

@@ -20,6 +20,9 @@ class RouterConfig:
     speculation_method: str = "prompt_lookup"
     speculation_depth: int = 5
     speculation_nodes: int = 0  # tree node budget; 0 = a chain of `speculation_depth` nodes
+    # "fixed": every bucket gets the plan above; "adaptive": depth per bucket from measured
+    # acceptance, off where it does not pay (services/router/speculation_policy.py).
+    speculation_policy: str = "fixed"
 
     def __post_init__(self) -> None:
         if not self.target_address:
@@ -38,6 +41,8 @@ class RouterConfig:
             raise ValueError(f"speculation_depth must be in [1, 16], got {self.speculation_depth}")
         if not 0 <= self.speculation_nodes <= 64:
             raise ValueError(f"speculation_nodes must be in [0, 64], got {self.speculation_nodes}")
+        if self.speculation_policy not in ("fixed", "adaptive"):
+            raise ValueError(f"speculation_policy must be 'fixed' or 'adaptive', got {self.speculation_policy!r}")
         if self.default_timeout_s <= 0:
             raise ValueError(f"default_timeout_s must be > 0, got {self.default_timeout_s}")
 

@@ -19,6 +19,7 @@ from services.common.sampling_params import SamplingConfig, sampling_from_proto
 from services.common.server import insecure_channel
 from services.router.auth import TenantAuth, Unauthenticated
 from services.router.config import RouterConfig
+from services.router.speculation_policy import PolicyConfig, SpeculationPolicy
 
 tracer = trace.get_tracer("specmesh.router")
 SERVICE_NAME = router_service_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
@@ -36,6 +37,8 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
         self._target = target_service_pb2_grpc.TargetServiceStub(self._channel)
         self._in_flight = 0
         self._draining = False
+        self.policy = SpeculationPolicy(PolicyConfig(mode=config.speculation_policy),
+                                        default_depth=config.speculation_depth)
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         if self._draining:
@@ -61,6 +64,9 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
         call = self._target.Generate(target_request, timeout=timeout)
         try:
             async for response in call:
+                if response.chunk.HasField("usage"):
+                    usage = response.chunk.usage
+                    self.policy.observe(bucket, usage.proposed_tokens, usage.accepted_tokens)
                 yield router_service_pb2.GenerateResponse(chunk=response.chunk)
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
@@ -93,14 +99,14 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
         return sampling
 
     def _plan(self, bucket: str) -> common_pb2.SpeculationPlan:
-        """The speculation plan for a bucket (one configured plan for all buckets for now)."""
+        """The speculation plan for a bucket: the configured method, depth from the policy."""
         method = self.config.speculation_method
-        if method == "off":
+        depth = 0 if method == "off" else self.policy.depth(bucket)
+        if depth == 0:
             return common_pb2.SpeculationPlan(method=common_pb2.SPECULATION_METHOD_OFF)
         return common_pb2.SpeculationPlan(
             method=common_pb2.SpeculationMethod.Value(f"SPECULATION_METHOD_{method.upper()}"),
-            max_depth=self.config.speculation_depth,
-            max_nodes=max(self.config.speculation_nodes, self.config.speculation_depth))
+            max_depth=depth, max_nodes=max(self.config.speculation_nodes, depth))
 
     async def drain(self) -> None:
         self._draining = True
