@@ -69,14 +69,19 @@ BUCKETS = {
 DEFAULT_PLANS = ["off", "prompt_lookup:5", "suffix:5:12"]
 
 
-def parse_plan(text: str) -> tuple[str, int, int]:
-    """"method[:depth[:nodes]]" -> (method, depth, nodes)."""
-    parts = text.split(":")
-    return parts[0], int(parts[1]) if len(parts) > 1 else 0, int(parts[2]) if len(parts) > 2 else 0
+def parse_plan(text: str) -> tuple[str, int, int, str]:
+    """"[adaptive/]method[:depth[:nodes]]" -> (method, depth, nodes, policy)."""
+    policy, _, spec = text.rpartition("/")
+    parts = spec.split(":")
+    return (parts[0], int(parts[1]) if len(parts) > 1 else 0, int(parts[2]) if len(parts) > 2 else 0,
+            policy or "fixed")
 
 
-def plan_label(method: str, depth: int, nodes: int) -> str:
-    return method if method == "off" else f"{method} d{depth}" + (f" n{nodes}" if nodes else "")
+def plan_label(method: str, depth: int, nodes: int, policy: str = "fixed") -> str:
+    if method == "off":
+        return method
+    label = f"{method} d{depth}" + (f" n{nodes}" if nodes else "")
+    return f"adaptive {label}" if policy == "adaptive" else label
 
 
 @dataclass
@@ -97,11 +102,11 @@ async def run_mesh(model_dir: Path, tokens: int, repeats: int, plans: list[tuple
     target = build_target_server(ServerConfig(port=0), engine, "default")
     await target.start()
     rows = []
-    for method, depth, nodes in tqdm(plans, desc="plans"):
-        label = plan_label(method, depth, nodes)
+    for method, depth, nodes, policy in tqdm(plans, desc="plans"):
+        label = plan_label(method, depth, nodes, policy)
         router = build_router_server(ServerConfig(port=0), RouterConfig(
-            target_address=target.address, tokens={TOKEN_A: "bench"},
-            speculation_method=method, speculation_depth=max(depth, 1), speculation_nodes=nodes))
+            target_address=target.address, tokens={TOKEN_A: "bench"}, speculation_method=method,
+            speculation_depth=max(depth, 1), speculation_nodes=nodes, speculation_policy=policy))
         await router.start()
         async with grpc.aio.insecure_channel(router.address) as channel:
             stub = router_service_pb2_grpc.RouterServiceStub(channel)
@@ -156,7 +161,7 @@ def report(rows: list[Row], plans: list[tuple]) -> None:
         agg[4] += row.tau
         agg[5] += 1
     methods = [plan_label(*p) for p in plans] + ["HF generate", "HF prompt lookup 10"]
-    print(f"\n{'bucket':<26} {'method':<20} {'tok/s':>7} {'vs off':>7} {'vs HF PL':>8} {'tau':>5} {'accept%':>8}")
+    print(f"\n{'bucket':<26} {'method':<28} {'tok/s':>7} {'vs off':>7} {'vs HF PL':>8} {'tau':>5} {'accept%':>8}")
     for bucket in BUCKETS:
         off = by[(bucket, "off")][0] / by[(bucket, "off")][1]
         hf_pl = by[(bucket, "HF prompt lookup 10")][0] / by[(bucket, "HF prompt lookup 10")][1]
@@ -165,7 +170,7 @@ def report(rows: list[Row], plans: list[tuple]) -> None:
             rate = tok / sec
             accept = f"{100 * acc / prop:.0f}%" if prop else "-"
             tau_s = f"{tau / n:.2f}" if prop else "-"
-            print(f"{bucket:<26} {method:<20} {rate:>7.1f} {rate / off:>6.2f}x {rate / hf_pl:>7.2f}x "
+            print(f"{bucket:<26} {method:<28} {rate:>7.1f} {rate / off:>6.2f}x {rate / hf_pl:>7.2f}x "
                   f"{tau_s:>5} {accept:>8}")
 
 
@@ -180,7 +185,7 @@ def main() -> None:
     model_dir = resolve_model_dir(args.model, Path(read_settings().model_cache).expanduser())
     plans = [parse_plan(p) for p in args.plans]
     if plans[0][0] != "off":
-        plans.insert(0, ("off", 0, 0))
+        plans.insert(0, ("off", 0, 0, "fixed"))
     rows = asyncio.run(run_mesh(model_dir, args.tokens, args.repeats, plans))
     print(f"model={args.model} bf16, max_tokens={args.tokens}, repeats={args.repeats}, "
           f"threads={torch.get_num_threads()}")

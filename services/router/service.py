@@ -18,6 +18,7 @@ from services.common.proto.specmesh.v1 import (
 from services.common.sampling_params import SamplingConfig, sampling_from_proto
 from services.common.server import insecure_channel
 from services.router.auth import TenantAuth, Unauthenticated
+from services.router.buckets import bucket_of
 from services.router.config import RouterConfig
 from services.router.speculation_policy import PolicyConfig, SpeculationPolicy
 
@@ -115,13 +116,6 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
 
     async def close(self) -> None:
         await self._channel.close()
-
-
-def bucket_of(prompt: str, sampling: SamplingConfig) -> str:
-    """A coarse request bucket: prompt length class and sampling mode."""
-    length = "short" if len(prompt) < 2000 else "long"
-    mode = "greedy" if sampling.greedy else "sampled"
-    return f"{length}-{mode}"
 
 
 def add_to_server(server: grpc.aio.Server, service: RouterService) -> None:
