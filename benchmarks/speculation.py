@@ -180,7 +180,8 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=96)
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--plans", nargs="+", default=DEFAULT_PLANS,
-                        help="speculation plans as method[:depth[:nodes]], 'off' first")
+                        help="speculation plans as [adaptive/]method[:depth[:nodes]]")
+    parser.add_argument("--plot", type=Path, help="also draw tokens/s per bucket and method to this PNG")
     args = parser.parse_args()
     model_dir = resolve_model_dir(args.model, Path(read_settings().model_cache).expanduser())
     plans = [parse_plan(p) for p in args.plans]
@@ -190,6 +191,33 @@ def main() -> None:
     print(f"model={args.model} bf16, max_tokens={args.tokens}, repeats={args.repeats}, "
           f"threads={torch.get_num_threads()}")
     report(rows, plans)
+    if args.plot:
+        plot(rows, [plan_label(*p) for p in plans] + ["HF generate", "HF prompt lookup 10"], args.plot)
+        print(f"plot written to {args.plot}")
+
+
+def plot(rows: list[Row], methods: list[str], path: Path) -> None:
+    """Grouped bars: tokens/s per bucket, one bar per method (needs matplotlib: `.[bench]`)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rate = {}
+    for row in rows:
+        tok, sec = rate.get((row.bucket, row.method), (0, 0.0))
+        rate[(row.bucket, row.method)] = (tok + row.tokens, sec + row.seconds)
+    buckets = list(BUCKETS)
+    width = 0.8 / len(methods)
+    fig, ax = plt.subplots(figsize=(13, 5))
+    for i, method in enumerate(methods):
+        values = [rate[(b, method)][0] / rate[(b, method)][1] for b in buckets]
+        ax.bar([x + i * width for x in range(len(buckets))], values, width, label=method)
+    ax.set_xticks([x + 0.4 - width / 2 for x in range(len(buckets))], buckets, rotation=10)
+    ax.set_ylabel("tokens/s (end to end through the mesh)")
+    ax.set_title("Speculative decoding per bucket (default model, bf16, 2 CPU cores)")
+    ax.legend(fontsize=8, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    fig.tight_layout()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, dpi=110)
 
 
 if __name__ == "__main__":
