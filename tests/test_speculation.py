@@ -174,3 +174,36 @@ async def test_adaptive_policy_deepens_a_bucket_that_accepts_everything(tiny_lla
     finally:
         await mesh.stop()
         await draft.stop(grace=0.5)
+
+
+async def test_draft_restart_mid_stream_resends_history_and_output_is_unchanged(tiny_llama_dir):
+    from services.common.server import ServerConfig
+    from services.draft.app import build_draft_server
+    from services.draft.config import DraftConfig
+    draft = await start_draft(None)
+    port = draft.port
+    mesh = await start_mesh(tiny_llama_dir, draft_address=draft.address, draft_timeout_s=0.3,
+                            speculation={"speculation_method": "prompt_lookup", "speculation_depth": 4})
+    client = mesh.engine.speculator.client
+    try:
+        call = mesh.router_stub.Generate(request(PROMPTS[0], 200),
+                                         metadata=(("authorization", "Bearer token-a"),))
+        ids, restarted = [], False
+        async for response in call:
+            ids.extend(response.chunk.token_ids)
+            if len(ids) >= 20 and not restarted:
+                await draft.stop(grace=0)
+                draft = build_draft_server(DraftConfig(server=ServerConfig(port=port)))  # empty state
+                await draft.start()
+                restarted = True
+        assert ids == hf_greedy(tiny_llama_dir, PROMPTS[0], 200)
+        assert restarted
+        for _ in range(100):
+            if client.connected:
+                break
+            await asyncio.sleep(0.05)
+        after = await collect(mesh.router_stub, request(PROMPTS[0], 16))
+        assert after[0] == ids[:16] and after[2].usage.proposed_tokens > 0
+    finally:
+        await mesh.stop()
+        await draft.stop(grace=0.5)

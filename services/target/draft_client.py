@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.common.draft_tree import DraftTree
 from services.common.proto.specmesh.v1 import draft_service_pb2, draft_service_pb2_grpc
 
 log = logging.getLogger(__name__)
@@ -32,13 +33,6 @@ class DraftRequest:
     tenant_salt: str
 
 
-@dataclass(frozen=True)
-class Proposal:
-    token_ids: list[int]  # [num_nodes]
-    parents: list[int]  # [num_nodes], -1 = child of the last committed token
-    depths: list[int]  # [num_nodes], >= 1
-
-
 class DraftClient:
     def __init__(self, address: str, timeout_s: float, vocab_size: int,
                  reconnect_interval_s: float = 1.0) -> None:
@@ -51,7 +45,8 @@ class DraftClient:
         self._responses: queue.Queue = queue.Queue()
         self._step = 0
         self._last_attempt = 0.0
-        self._stale: set[str] = set()  # sequences to release and re-send in full
+        self._synced: set[str] = set()  # sequences whose whole history the draft holds on this stream
+        self._sent: set[str] = set()  # sequences sent at least once (may hold draft state somewhere)
         self._connect_lock = threading.Lock()
         self._connecting = False
         self.connected = False
@@ -62,18 +57,22 @@ class DraftClient:
 
     # ---- engine thread API --------------------------------------------------
     def needs_resync(self, seq_id: str) -> bool:
-        return seq_id in self._stale
+        """True when the next request for this sequence must carry its whole history."""
+        return seq_id not in self._synced
 
-    def propose(self, requests: list[DraftRequest]) -> dict[str, Proposal | None] | None:
+    def propose(self, requests: list[DraftRequest]) -> dict[str, DraftTree | None] | None:
         """One batched proposal. None = the whole step falls back (service down or late).
 
         In the returned dict a None value means that sequence's tree was invalid.
         """
+        ids = [r.seq_id for r in requests]
         if not requests or not self._ensure_stream():
-            self._mark_stale(r.seq_id for r in requests)
+            self._unsync(ids)
             return None
-        stale = [r.seq_id for r in requests if r.seq_id in self._stale]
+        # Out of step (a failed step, a new stream): drop what the draft may hold, then resend all.
+        stale = [i for i in ids if i not in self._synced and i in self._sent]
         if stale and not self._release_now(stale):
+            self._unsync(ids)
             return None
         self._step += 1
         message = draft_service_pb2.ProposeRequest(step=self._step, sequences=[
@@ -89,19 +88,23 @@ class DraftClient:
                 response = self._responses.get(timeout=max(remaining, 0.0))
             except queue.Empty:
                 log.warning("draft step %d missed its %.0f ms deadline", self._step, self.timeout_s * 1000)
-                self._mark_stale(r.seq_id for r in requests)
+                self._unsync(ids)
                 return None
             if isinstance(response, Exception):
                 self._drop_stream(response)
-                self._mark_stale(r.seq_id for r in requests)
+                self._unsync(ids)
                 return None
             if response.step == self._step:
                 break  # older answers arrived after their deadline: skip them
+        self._synced.update(ids)
+        self._sent.update(ids)
         return self._check(requests, response)
 
     def release(self, seq_ids: list[str]) -> None:
         """Drops draft state for finished sequences (best effort, no deadline wait)."""
-        self._stale.difference_update(seq_ids)
+        seq_ids = [i for i in seq_ids if i in self._sent]
+        self._synced.difference_update(seq_ids)
+        self._sent.difference_update(seq_ids)
         if self._channel is None or not seq_ids:
             return
         stub = draft_service_pb2_grpc.DraftServiceStub(self._channel)
@@ -164,6 +167,7 @@ class DraftClient:
             requests, channel = self._requests, self._channel
             self._channel, self._requests, self.connected = None, None, False
             self._last_attempt = time.monotonic()
+        self._synced.clear()  # a new stream may reach a new draft server: resend everything
         if requests is not None:
             requests.put(None)  # ends the request iterator
         if channel is not None:
@@ -177,15 +181,17 @@ class DraftClient:
         except grpc.RpcError as exc:
             self._drop_stream(exc)
             return False
-        self._stale.difference_update(seq_ids)
+        self._sent.difference_update(seq_ids)
         return True
 
-    def _mark_stale(self, seq_ids) -> None:
-        self._stale.update(seq_ids)
+    def _unsync(self, seq_ids: list[str]) -> None:
+        """The draft's state for these may be partial: resend in full (after a Release) next time."""
+        self._synced.difference_update(seq_ids)
+        self._sent.update(seq_ids)
 
-    def _check(self, requests: list[DraftRequest], response) -> dict[str, Proposal | None]:
+    def _check(self, requests: list[DraftRequest], response) -> dict[str, DraftTree | None]:
         wanted = {r.seq_id: r for r in requests}
-        out: dict[str, Proposal | None] = {seq_id: None for seq_id in wanted}
+        out: dict[str, DraftTree | None] = {seq_id: None for seq_id in wanted}
         for tree in response.trees:
             request = wanted.get(tree.sequence_id)
             if request is None:
@@ -193,15 +199,16 @@ class DraftClient:
             out[tree.sequence_id] = self._valid(tree, request)
         return out
 
-    def _valid(self, tree, request: DraftRequest) -> Proposal | None:
-        tokens, parents = list(tree.token_ids), list(tree.parents)
-        if len(tokens) != len(parents) or len(tokens) > max(request.max_nodes, request.max_depth):
+    def _valid(self, message, request: DraftRequest) -> DraftTree | None:
+        """The tree if it is usable for this request: in the vocabulary and within the limits."""
+        try:
+            tree = DraftTree.from_proto(message)  # checks parents come before children
+        except ValueError:
             return None
-        depths: list[int] = []
-        for i, (token, parent) in enumerate(zip(tokens, parents)):
-            if not 0 <= token < self.vocab_size or not -1 <= parent < i:
-                return None
-            depths.append(1 if parent == -1 else depths[parent] + 1)
-            if depths[-1] > request.max_depth:
-                return None
-        return Proposal(tokens, parents, depths)
+        if tree.num_nodes > max(request.max_nodes, request.max_depth):
+            return None
+        if any(not 0 <= t < self.vocab_size for t in tree.token_ids):
+            return None
+        if tree.num_nodes and max(tree.depths) > request.max_depth:
+            return None
+        return tree

@@ -56,44 +56,48 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
         prompt_ids = self.engine.tokenize(request.prompt)
         finished = False
         self._in_flight += 1
-        with tracer.start_as_current_span("target.generate") as span:
-            span.set_attribute("gen_ai.request.model", self.model_name)
-            span.set_attribute("gen_ai.request.max_tokens", sampling.max_tokens)
-            span.set_attribute("specmesh.bucket", request.bucket)
+        # Spans are started without attaching them to the context: this is an async generator,
+        # and a context attached across a `yield` cannot be detached when gRPC closes it.
+        span = tracer.start_span("target.generate")
+        in_span = trace.set_span_in_context(span)
+        span.set_attribute("gen_ai.request.model", self.model_name)
+        span.set_attribute("gen_ai.request.max_tokens", sampling.max_tokens)
+        span.set_attribute("specmesh.bucket", request.bucket)
+        phase = None
+        try:
             try:
-                try:
-                    self.engine.submit(request_id, prompt_ids, sampling, emit, request.tenant_salt,
-                                       plan=_plan(request.speculation), bucket=request.bucket,
-                                       span_context=span.get_span_context())
-                except InvalidRequest as exc:
-                    await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-                except Overloaded as exc:
-                    # gRPC's standard retry hint; clients with a retry policy honour it.
-                    context.set_trailing_metadata((("grpc-retry-pushback-ms", str(RETRY_PUSHBACK_MS)),))
-                    await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later")
-                with tracer.start_as_current_span("prefill") as phase:
-                    phase.set_attribute("specmesh.prompt_tokens", len(prompt_ids))
-                    out = await queue.get()
-                phase = tracer.start_span("decode")
-                try:
-                    while True:
-                        if out.error is not None:
-                            await context.abort(grpc.StatusCode.INTERNAL,
-                                                f"generation failed: {out.error}")
-                        if out.finish_reason is not None:
-                            finished = True
-                            _record_usage(span, out)
-                            yield target_service_pb2.TargetGenerateResponse(chunk=_final_chunk(out))
-                            return
-                        yield target_service_pb2.TargetGenerateResponse(
-                            chunk=common_pb2.GenerateChunk(text=out.text, token_ids=out.token_ids))
-                        out = await queue.get()
-                finally:
-                    phase.end()
-            finally:
-                self._in_flight -= 1
-                if not finished:
-                    self.engine.abort(request_id)  # cancelled or failed: free its blocks now
+                self.engine.submit(request_id, prompt_ids, sampling, emit, request.tenant_salt,
+                                   plan=_plan(request.speculation), bucket=request.bucket,
+                                   span_context=span.get_span_context())
+            except InvalidRequest as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            except Overloaded as exc:
+                # gRPC's standard retry hint; clients with a retry policy honour it.
+                context.set_trailing_metadata((("grpc-retry-pushback-ms", str(RETRY_PUSHBACK_MS)),))
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later")
+            phase = tracer.start_span("prefill", context=in_span)
+            phase.set_attribute("specmesh.prompt_tokens", len(prompt_ids))
+            out = await queue.get()
+            phase.end()
+            phase = tracer.start_span("decode", context=in_span)
+            while True:
+                if out.error is not None:
+                    await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {out.error}")
+                if out.finish_reason is not None:
+                    finished = True
+                    _record_usage(span, out)
+                    yield target_service_pb2.TargetGenerateResponse(chunk=_final_chunk(out))
+                    return
+                yield target_service_pb2.TargetGenerateResponse(
+                    chunk=common_pb2.GenerateChunk(text=out.text, token_ids=out.token_ids))
+                out = await queue.get()
+        finally:
+            self._in_flight -= 1
+            if not finished:
+                self.engine.abort(request_id)  # cancelled or failed: free its blocks now
+            if phase is not None:
+                phase.end()
+            span.end()
 
     async def GetStats(self, request, context):
         s = self.engine.stats()

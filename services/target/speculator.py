@@ -14,7 +14,8 @@ import torch
 from opentelemetry import trace
 from opentelemetry.trace import Link
 
-from services.target.draft_client import DraftClient, DraftRequest, Proposal
+from services.common.draft_tree import DraftTree
+from services.target.draft_client import DraftClient, DraftRequest
 from services.target.sampler import target_probs
 from services.target.scheduler import ScheduledSeq
 from services.target.sequence import Sequence
@@ -44,7 +45,7 @@ class Speculator:
         self.max_context = max_context
         self._histograms = histograms
 
-    def propose(self, batch: list[ScheduledSeq]) -> dict[str, Proposal]:
+    def propose(self, batch: list[ScheduledSeq]) -> dict[str, DraftTree]:
         """One batched draft call for every decoding sequence with a plan; {} on fallback."""
         seqs, requests = [], []
         for item in batch:
@@ -52,7 +53,7 @@ class Speculator:
             depth = self._depth(seq)
             if seq.plan is None or not item.samples or item.num_tokens != 1 or depth < 1:
                 continue
-            full = seq.draft_synced == 0 or self.client.needs_resync(seq.seq_id)
+            full = self.client.needs_resync(seq.seq_id)
             new = seq.token_ids if full else seq.token_ids[seq.draft_synced:]
             seqs.append(seq)
             requests.append(DraftRequest(seq.seq_id, new, seq.plan.method, depth,
@@ -75,7 +76,7 @@ class Speculator:
                 seq.draft_synced = seq.num_tokens
         return proposals
 
-    def accept(self, seq: Sequence, rows: torch.Tensor, proposal: Proposal) -> tuple[list[int], int]:
+    def accept(self, seq: Sequence, rows: torch.Tensor, proposal: DraftTree) -> tuple[list[int], int]:
         """rows: [1 + num_nodes, vocab] target logits for root + draft nodes.
 
         Returns (accepted draft node indices along the path, bonus token).
@@ -104,8 +105,8 @@ class Speculator:
         return path, int(bonus[0])
 
     def release(self, seq: Sequence) -> None:
-        if seq.plan is not None and seq.draft_synced:
-            self.client.release([seq.seq_id])
+        if seq.plan is not None:
+            self.client.release([seq.seq_id])  # no-op for sequences never sent
 
     def _depth(self, seq: Sequence) -> int:
         """Deepest useful draft: leaves room for the bonus token within max_tokens and the context."""
