@@ -7,12 +7,14 @@ cd "$(dirname "$0")/.."
 PROMPT="${1:-Explain in two sentences why the sky is blue.}"
 bash scripts/setup.sh
 specmesh models prepare
-specmesh up &
+LOG="${TMPDIR:-/tmp}/specmesh-up.log"
+echo "starting the four services on loopback (log: $LOG)"
+specmesh up > "$LOG" 2>&1 &
 UP_PID=$!
 trap 'kill -INT $UP_PID 2>/dev/null; wait $UP_PID 2>/dev/null || true' EXIT
 for _ in $(seq 1 240); do
   if python -m services.common.healthcheck 127.0.0.1:50051 >/dev/null 2>&1; then break; fi
-  if ! kill -0 $UP_PID 2>/dev/null; then echo "specmesh up exited" >&2; exit 1; fi
+  if ! kill -0 $UP_PID 2>/dev/null; then echo "specmesh up exited; see $LOG" >&2; tail -20 "$LOG" >&2; exit 1; fi
   sleep 0.5
 done
 specmesh generate "$PROMPT" --max-tokens 64
