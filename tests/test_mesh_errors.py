@@ -92,3 +92,41 @@ async def test_expired_deadline_is_deadline_exceeded_and_frees_the_request(tiny_
         assert len(ids) == 4
     finally:
         await mesh.stop()
+
+
+async def test_target_dying_mid_stream_ends_the_stream_with_an_error_not_ok(tiny_llama_dir):
+    mesh = await start_mesh(tiny_llama_dir)
+    try:
+        call = mesh.router_stub.Generate(request("a long story " * 5, max_tokens=250), metadata=AUTH_A)
+        received = 0
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for response in call:
+                received += len(response.chunk.token_ids)
+                if received >= 3:
+                    await mesh.target.stop(grace=0)  # the target goes away with tokens streamed
+        assert received >= 3
+        assert info.value.code() == grpc.StatusCode.UNAVAILABLE, info.value.code()
+    finally:
+        await mesh.stop()
+
+
+@pytest.mark.parametrize("field,value", [
+    ("prompt", ""), ("max_tokens", 0), ("temperature", math.nan), ("top_p", 2.0), ("top_k", -2),
+])
+async def test_target_called_directly_validates_too(tiny_llama_dir, field, value):
+    from services.common.proto.specmesh.v1 import common_pb2, target_service_pb2
+    mesh = await start_mesh(tiny_llama_dir)
+    try:
+        sampling = common_pb2.SamplingParams(max_tokens=4)
+        prompt = "hello"
+        if field == "prompt":
+            prompt = value
+        else:
+            setattr(sampling, field, value)
+        req = target_service_pb2.TargetGenerateRequest(request_id="direct", prompt=prompt, sampling=sampling)
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            async for _ in mesh.target_stub().Generate(req):
+                pass
+        assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        await mesh.stop()

@@ -25,9 +25,9 @@ from services.router.speculation_policy import PolicyConfig, SpeculationPolicy
 tracer = trace.get_tracer("specmesh.router")
 SERVICE_NAME = router_service_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
 # Target errors the caller should see as they are; anything else becomes UNAVAILABLE.
+# (A target-side CANCELLED is not the caller's doing: it becomes UNAVAILABLE.)
 _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
-                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED,
-                 grpc.StatusCode.INTERNAL}
+                 grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.INTERNAL}
 
 
 class RouterService(router_service_pb2_grpc.RouterServiceServicer):
