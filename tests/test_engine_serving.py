@@ -251,3 +251,32 @@ def test_a_request_id_already_in_flight_is_rejected_and_changes_nothing(tiny_lla
         engine.submit("same", ids, SamplingConfig(max_tokens=2), lambda out: None)  # free again
     finally:
         engine.shutdown()
+
+
+def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny_llama_dir):
+    import threading
+
+    from services.common.sampling_params import SamplingConfig
+    engine = _engine(tiny_llama_dir)
+    forward = engine.runner.forward
+    calls = {"n": 0}
+
+    def failing_once(inputs):
+        calls["n"] += 1
+        if calls["n"] == 1:
+            raise RuntimeError("injected step failure")
+        return forward(inputs)
+    engine.runner.forward = failing_once
+    errors, done = [], threading.Event()
+    try:
+        def emit(out):
+            if out.finish_reason is not None or out.error is not None:
+                errors.append(out.error)
+                done.set()
+        engine.submit("doomed", engine.tokenize("hello"), SamplingConfig(max_tokens=4), emit)
+        assert done.wait(30)
+        assert isinstance(errors[0], RuntimeError)
+        assert engine.stats().used_blocks == 0 and engine.live_request_ids() == set()
+        assert _next_tokens(engine, [engine.tokenize("hello")])  # still serving
+    finally:
+        engine.shutdown()

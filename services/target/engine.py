@@ -221,7 +221,13 @@ class Engine:
             if batch:
                 self._histograms["batch_size"].record(len(batch))
                 self._histograms["batch_tokens"].record(sum(i.num_tokens for i in batch))
-                self._run_step(batch)
+                try:
+                    self._run_step(batch)
+                except Exception as exc:  # a failing step fails its requests, never the engine
+                    log.exception("engine step failed")
+                    with self._lock:
+                        for item in batch:
+                            self._finish(item.seq, error=exc)
         with self._lock:
             for seq in list(self._live.values()):
                 self._finish(seq, error=Overloaded("engine shut down"))
@@ -244,15 +250,8 @@ class Engine:
         proposals = self.speculator.propose(batch) if self.speculator else {}
         with self._lock:
             inputs, trees = self._step_inputs(batch, proposals)
-        try:
-            with verify_span(trees, batch):
-                logits = self.runner.forward(inputs)  # [num_rows, vocab]
-        except Exception as exc:  # a failing step must not take the engine down
-            log.exception("engine step failed")
-            with self._lock:
-                for item in batch:
-                    self._finish(item.seq, error=exc)
-            return
+        with verify_span(trees, batch):
+            logits = self.runner.forward(inputs)  # [num_rows, vocab]
         plain, plain_rows, accepted = [], [], {}
         offset = 0
         for item, inp in zip(batch, inputs):
