@@ -89,14 +89,14 @@ async def test_cancel_10_of_40_streams(tiny_llama_dir):
 async def test_overload_gets_resource_exhausted_at_once_and_admitted_calls_complete(tiny_llama_dir):
     mesh = await start_mesh(tiny_llama_dir, max_num_seqs=2, max_queued_requests=2)
     try:
-        results = await asyncio.gather(*(collect(mesh.router_stub, request(f"prompt {i}", 30))
+        results = await asyncio.gather(*(collect(mesh.router_stub, request(f"prompt {i}", 150))
                                          for i in range(12)), return_exceptions=True)
         rejected = [r for r in results if isinstance(r, grpc.aio.AioRpcError)]
         completed = [r for r in results if not isinstance(r, BaseException)]
         assert rejected and all(r.code() == grpc.StatusCode.RESOURCE_EXHAUSTED for r in rejected)
         assert all(dict(r.trailing_metadata() or ()).get("grpc-retry-pushback-ms") for r in rejected)
         assert len(completed) >= 4
-        assert all(len(r[0]) == 30 for r in completed)
+        assert all(len(r[0]) == 150 for r in completed)
         assert len(completed) + len(rejected) == 12
     finally:
         await mesh.stop()
