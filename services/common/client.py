@@ -14,6 +14,15 @@ from services.common.proto.specmesh.v1 import (
 )
 
 
+_HINTS = {
+    grpc.StatusCode.UNAVAILABLE: "no router answered at {address}: start one with `specmesh up`, "
+                                 "or pass --address HOST:PORT",
+    grpc.StatusCode.UNAUTHENTICATED: "pass a token the router knows with --token or SPECMESH_TOKEN "
+                                     "(the router's tokens come from SPECMESH_TOKENS)",
+    grpc.StatusCode.RESOURCE_EXHAUSTED: "the server is at its admission limit; retry in a moment",
+}
+
+
 async def stream_generate(settings, args) -> int:
     sampling = common_pb2.SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -40,6 +49,9 @@ async def stream_generate(settings, args) -> int:
                     usage = chunk.usage
         except grpc.aio.AioRpcError as exc:
             print(f"\nspecmesh: {exc.code().name}: {exc.details()}", file=sys.stderr)
+            hint = _HINTS.get(exc.code())
+            if hint:
+                print(f"specmesh: {hint.format(address=settings.router_address)}", file=sys.stderr)
             return 1
     end = time.perf_counter()
     sys.stdout.write("\n")
