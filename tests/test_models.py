@@ -296,3 +296,11 @@ def test_hf_generate_greedy_matches_argmax_loop(tiny_root, arch):
     assert 0 < run.ttft_s <= run.total_s
     assert run.text == tokenizer.decode(expected, skip_special_tokens=True)
 
+
+
+def test_a_model_with_attention_soft_capping_is_refused_at_load_with_a_clear_error(tmp_path):
+    from services.target.config import EngineConfig
+    from services.target.engine import Engine
+    model_dir = build_tiny_model(tmp_path / "softcap", arch="gemma3", seed=0, attn_logit_softcapping=50.0)
+    with pytest.raises(ValueError, match="soft-capping"):
+        Engine.load(EngineConfig(model_dir=model_dir, dtype="float32"))

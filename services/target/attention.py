@@ -75,8 +75,6 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if specmesh_meta is None:
         raise RuntimeError("paged attention called without AttentionMetadata; "
                            "run the model through services.target.model_runner")
-    if kwargs.get("softcap") is not None:
-        raise NotImplementedError("attention logit soft-capping is not supported by paged attention")
     meta, layer = specmesh_meta, module.layer_idx
     pool = meta.kv_pool
     q = query[0].transpose(0, 1).contiguous()  # [num_tokens, num_heads, head_dim]
@@ -84,7 +82,7 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     v = value[0].transpose(0, 1).contiguous()
     k_scale = pool.k_scales[layer] if pool.k_scales else None
     v_scale = pool.v_scales[layer] if pool.v_scales else None
-    meta.kernels.store_kv(k.to(q.dtype), v.to(q.dtype), pool.k_caches[layer], pool.v_caches[layer],
+    meta.kernels.store_kv(k, v, pool.k_caches[layer], pool.v_caches[layer],
                           meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     if meta.kernels.backend == "reference":

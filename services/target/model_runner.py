@@ -135,6 +135,11 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu"):
 
 def model_spec(model, tokenizer) -> ModelSpec:
     config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "attn_logit_softcapping", None):
+        # Checked once here so no request ever reaches a layer that would need it.
+        raise ValueError(f"{config.model_type} uses attention logit soft-capping "
+                         f"({config.attn_logit_softcapping}), which specmesh's paged attention does not "
+                         "implement; serve a model without it (e.g. Gemma 3 instead of Gemma 2)")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     eos: set[int] = set()
     # Same precedence as transformers' generate: generation config first.

@@ -35,7 +35,9 @@ def store_kv_triton(
         value,
         k_cache,
         v_cache,
-        k_scale if is_fp8 else k_cache,  # dummy pointer when unused
+        # Without FP8 the kernel never reads the scale pointers (USE_FP8 is a compile-time
+        # False); Triton still needs a tensor in each pointer slot, so pass the caches.
+        k_scale if is_fp8 else k_cache,
         v_scale if is_fp8 else v_cache,
         slot_mapping,
         NUM_KV_HEADS=nkv,

@@ -61,7 +61,9 @@ def paged_attention_triton(
         query,
         k_cache,
         v_cache,
-        k_scale if is_fp8 else query,  # dummy pointers when unused
+        # Without FP8 the kernel never reads the scale pointers (USE_FP8 is a compile-time
+        # False); Triton still needs a tensor in each pointer slot, so pass the query.
+        k_scale if is_fp8 else query,
         v_scale if is_fp8 else query,
         block_tables,
         context_lens,
