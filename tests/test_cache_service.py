@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import socket
 import uuid
 
 import grpc
@@ -15,6 +14,7 @@ from services.cache.app import build_cache_server
 from services.cache.config import CacheConfig, RedisEndpoint
 from services.common.proto.specmesh.v1 import cache_service_pb2 as pb
 from services.common.proto.specmesh.v1 import cache_service_pb2_grpc
+from tests.processes import free_port
 
 # aiocache 0.12.3 calls redis-py methods that redis-py 5+ marks deprecated (setex, close).
 pytestmark = pytest.mark.filterwarnings("ignore:Call to deprecated:DeprecationWarning")
@@ -153,14 +153,8 @@ async def test_two_servers_share_redis(redis_namespace):
         await client.aclose()
 
 
-def _closed_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 async def test_redis_down_is_unavailable():
-    config = CacheConfig(backend="redis", redis_url=f"redis://127.0.0.1:{_closed_port()}/0",
+    config = CacheConfig(backend="redis", redis_url=f"redis://127.0.0.1:{free_port()}/0",
                          backend_timeout_seconds=1.0)
     async with Client(config) as cache:
         await expect_status(cache.stub.Get(pb.CacheGetRequest(kind=TOOL, key="k")),

@@ -2,19 +2,14 @@
 
 from __future__ import annotations
 
-import socket
 import subprocess
 import sys
 
-
-def _closed_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+from tests.processes import free_port
 
 
 def test_generate_without_a_router_exits_1_with_a_hint():
-    port = _closed_port()
+    port = free_port()
     result = subprocess.run([sys.executable, "-m", "services.cli", "generate", "hi", "--address",
                              f"127.0.0.1:{port}"], capture_output=True, text=True, timeout=60)
     assert result.returncode == 1

@@ -13,7 +13,6 @@ from services.common.proto.specmesh.v1 import (
     router_service_pb2_grpc,
 )
 
-
 _HINTS = {
     grpc.StatusCode.UNAVAILABLE: "no router answered at {address}: start one with `specmesh up`, "
                                  "or pass --address HOST:PORT",

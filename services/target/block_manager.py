@@ -121,10 +121,10 @@ class BlockManager:
         return list(self._evictable)
 
     def slots(self, seq_id: str, start: int, end: int) -> list[int]:
-        table, bs = self._seqs[seq_id].table, self.block_size
-        return [table[i // bs] * bs + i % bs for i in range(start, end)]
+        return self.slots_at(seq_id, range(start, end))
 
-    def slots_at(self, seq_id: str, indices: list[int]) -> list[int]:
+    def slots_at(self, seq_id: str, indices) -> list[int]:
+        """Pool slots of the sequence's token indices."""
         table, bs = self._seqs[seq_id].table, self.block_size
         return [table[i // bs] * bs + i % bs for i in indices]
 
@@ -165,7 +165,7 @@ class BlockManager:
         return out
 
     def stats(self) -> BlockStats:
-        used = sum(1 for b in self._blocks if b.ref_count > 0)
+        used = self.num_blocks - self.num_free  # every block is free, evictable or referenced
         return BlockStats(self.num_blocks, self.num_free, used, len(self._cached), self._evictions,
                           self._queries, self._query_tokens, self._hit_tokens)
 

@@ -45,22 +45,26 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         if self._read_offset < len(self._ids):
-            decode = lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-            before = decode(self._ids[self._prefix_offset:self._read_offset])
-            self._text += decode(self._ids[self._prefix_offset:])[len(before):]
-            self._read_offset = len(self._ids)
+            self._text += self._decode_new(final=True)
         return self._take(len(self._text))
 
-    def _decode_new(self) -> str:
-        decode = lambda ids: self._tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
-        before = decode(self._ids[self._prefix_offset:self._read_offset])
-        after = decode(self._ids[self._prefix_offset:])
-        if after.endswith("\ufffd") or len(after) <= len(before) or not after.startswith(before):
+    def _decode_new(self, final: bool = False) -> str:
+        """Text of the tokens after the read offset, decoded with a few tokens of context.
+
+        Returns "" while the tail is an incomplete character, unless `final`.
+        """
+        before = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        after = self._decode(self._ids[self._prefix_offset:])
+        incomplete = after.endswith("\ufffd") or len(after) <= len(before) or not after.startswith(before)
+        if incomplete and not final:
             return ""  # an incomplete multi-byte character: wait for the next token
         delta = after[len(before):]
         self._prefix_offset = max(self._read_offset - _CONTEXT_TOKENS, 0)
         self._read_offset = len(self._ids)
         return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
 
     def _take(self, end: int) -> str:
         piece = self._text[self._emitted:end]

@@ -193,12 +193,6 @@ class Engine:
         with self._lock:
             return self.kv_events.last_sequence, self.blocks.cached_blocks()
 
-    def has_state(self, request_id: str) -> bool:
-        """Whether the engine still holds anything for this request (tests, debugging)."""
-        with self._lock:
-            return (request_id in self._live or self.blocks.has(request_id)
-                    or any(s.seq_id == request_id for s in self._incoming))
-
     # ---- engine thread ----------------------------------------------------
     def _loop(self) -> None:
         while True:

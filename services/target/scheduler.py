@@ -85,8 +85,9 @@ class Scheduler:
 
     def _reserve_or_preempt(self, seq: Sequence, num_tokens: int, batch: list[ScheduledSeq]) -> bool:
         """Reserves room for `seq`, preempting the youngest unscheduled running sequences if needed."""
-        scheduled = {id(item.seq) for item in batch}
+        scheduled = None  # built only when room must be made (rare), not on every decode
         while not self.blocks.can_reserve(seq.seq_id, num_tokens):
+            scheduled = scheduled or {id(item.seq) for item in batch}
             victim = max((s for s in self.running if id(s) not in scheduled), key=lambda s: s.arrival)
             self._preempt(victim)
             if victim is seq:
