@@ -211,7 +211,7 @@ class Engine:
                 for item in batch:
                     if item.seq.admitted and not item.seq.counted_admission:
                         item.seq.counted_admission = True
-                        self._queued_tokens -= len(item.seq.prompt_ids)
+                        self._queued_tokens -= item.seq.num_prompt_tokens
             if batch:
                 self._histograms["batch_size"].record(len(batch))
                 self._histograms["batch_tokens"].record(sum(i.num_tokens for i in batch))
@@ -317,14 +317,14 @@ class Engine:
         """Appends committed tokens until one finishes the request; emits them once."""
         committed, text, reason = [], "", None
         for token in tokens:
-            seq.output_ids.append(token)
+            seq.token_ids.append(token)
             committed.append(token)
             text += seq.detokenizer.add([token])
             if seq.detokenizer.stopped:
                 reason = FinishReason.STOP_SEQUENCE
             elif token in self.spec.eos_token_ids:
                 reason = FinishReason.STOP
-            elif len(seq.output_ids) >= seq.sampling.max_tokens:
+            elif seq.num_output_tokens >= seq.sampling.max_tokens:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 break
@@ -344,14 +344,14 @@ class Engine:
         self._ids.discard(seq.seq_id)
         if not seq.counted_admission:
             seq.counted_admission = True
-            self._queued_tokens -= len(seq.prompt_ids)
+            self._queued_tokens -= seq.num_prompt_tokens
         self.kv_events.append(self.blocks.events)
         self.blocks.events = []
         if self.speculator is not None:
             self.speculator.release(seq)
         if reason is FinishReason.ABORTED:
             return  # nobody is listening
-        seq.emit(StepOutput([], "", finish_reason=reason, prompt_tokens=len(seq.prompt_ids),
+        seq.emit(StepOutput([], "", finish_reason=reason, prompt_tokens=seq.num_prompt_tokens,
                             cached_prompt_tokens=seq.num_cached_prompt,
-                            completion_tokens=len(seq.output_ids), error=error,
+                            completion_tokens=seq.num_output_tokens, error=error,
                             speculation=seq.spec if seq.plan is not None else None))

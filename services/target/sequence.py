@@ -71,14 +71,15 @@ class SpeculationStats:
 @dataclass
 class Sequence:
     seq_id: str
-    prompt_ids: list[int]
+    # Prompt then committed output: one list, appended per token and never rebuilt (the
+    # engine reads it every step, so a prompt + output concatenation would cost O(length)).
+    token_ids: list[int]
     sampling: SamplingConfig
     generator: torch.Generator
     detokenizer: IncrementalDetokenizer
     emit: Callable[[StepOutput], None]  # thread-safe hand-off to the request's stream
     extra_key: str = ""  # model id + tenant salt: scopes this sequence's prefix-cache blocks
     arrival: float = field(default_factory=time.monotonic)
-    output_ids: list[int] = field(default_factory=list)
     num_computed: int = 0  # tokens whose KV is in the pool
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache
     status: SeqStatus = SeqStatus.WAITING
@@ -93,15 +94,15 @@ class Sequence:
     bucket: str = ""
     span_context: object = None  # the request's span context, linked from engine-step spans
     counted_admission: bool = False  # its prompt tokens were taken off the queued-token count
+    num_prompt_tokens: int = field(init=False)
 
-    @property
-    def token_ids(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+        return len(self.token_ids)
 
     @property
-    def max_total_tokens(self) -> int:
-        return len(self.prompt_ids) + self.sampling.max_tokens
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens

@@ -112,5 +112,5 @@ class Speculator:
         """Deepest useful draft: leaves room for the bonus token within max_tokens and the context."""
         if seq.plan is None:
             return 0
-        remaining = seq.sampling.max_tokens - len(seq.output_ids)
+        remaining = seq.sampling.max_tokens - seq.num_output_tokens
         return min(seq.plan.max_depth, remaining - 1, self.max_context - seq.num_tokens - 1)
