@@ -16,9 +16,10 @@ engine asks this module and never edits a table.
 from __future__ import annotations
 
 import hashlib
-import struct
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+
+from services.common.block_hash import block_hash  # shared with the router
 
 
 class OutOfBlocks(RuntimeError):
@@ -69,15 +70,6 @@ class _SeqBlocks:
     table: list[int] = field(default_factory=list)
     hashes: list[int] = field(default_factory=list)  # of the leading full committed blocks
     reserved_tokens: int = 0
-
-
-def block_hash(parent: int | None, tokens: tuple[int, ...], extra_key: str) -> int:
-    """Stable 64-bit chained hash (the same in every process, so events can be shared)."""
-    h = hashlib.blake2b(digest_size=8)
-    h.update(struct.pack("<Q", 0 if parent is None else parent))
-    h.update(struct.pack(f"<{len(tokens)}i", *tokens))
-    h.update(extra_key.encode())
-    return struct.unpack("<Q", h.digest())[0]
 
 
 class BlockManager:

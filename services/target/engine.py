@@ -16,6 +16,7 @@ from concurrent.futures import Future
 
 import torch
 
+from services.common.block_hash import extra_key
 from services.common.sampling_params import SamplingConfig
 from services.target import metrics
 from services.target.block_manager import BlockManager
@@ -127,7 +128,7 @@ class Engine:
         self.validate(prompt_ids, sampling)
         seq = Sequence(request_id, list(prompt_ids), sampling, make_generator(sampling.seed),
                        IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling.stop), emit,
-                       extra_key=f"{self.name}\x00{tenant_salt}",
+                       extra_key=extra_key(self.name, tenant_salt),
                        plan=plan if self.speculator is not None else None,
                        tenant_salt=tenant_salt, bucket=bucket, span_context=span_context)
         with self._lock:
