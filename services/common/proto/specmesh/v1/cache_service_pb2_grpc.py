@@ -26,7 +26,13 @@ if _version_not_supported:
 
 
 class CacheServiceStub:
-    """Retrieval and tool-result caches (and, later, the prefix index of all target replicas).
+    """The cache service: the prefix index of all target replicas, tenant-scoped
+    retrieval, and the tool-result cache with single-flight leases.
+
+    Callers are internal services (the router). The tenant and its access labels
+    travel in metadata set by the router after it authenticated the caller:
+    `specmesh-tenant: <tenant>` and `specmesh-labels: <label>,<label>`. Every key,
+    corpus and lease is namespaced by that tenant; a request field never names one.
     """
 
     def __init__(self, channel):
@@ -45,24 +51,127 @@ class CacheServiceStub:
                 request_serializer=specmesh_dot_v1_dot_cache__service__pb2.CachePutRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_cache__service__pb2.CachePutResponse.FromString,
                 _registered_method=True)
+        self.PrefixMatch = channel.unary_unary(
+                '/specmesh.v1.CacheService/PrefixMatch',
+                request_serializer=specmesh_dot_v1_dot_cache__service__pb2.PrefixMatchRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_cache__service__pb2.PrefixMatchResponse.FromString,
+                _registered_method=True)
+        self.ToolLookup = channel.unary_unary(
+                '/specmesh.v1.CacheService/ToolLookup',
+                request_serializer=specmesh_dot_v1_dot_cache__service__pb2.ToolLookupRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_cache__service__pb2.ToolLookupResponse.FromString,
+                _registered_method=True)
+        self.ToolStore = channel.unary_unary(
+                '/specmesh.v1.CacheService/ToolStore',
+                request_serializer=specmesh_dot_v1_dot_cache__service__pb2.ToolStoreRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_cache__service__pb2.ToolStoreResponse.FromString,
+                _registered_method=True)
+        self.Ingest = channel.unary_unary(
+                '/specmesh.v1.CacheService/Ingest',
+                request_serializer=specmesh_dot_v1_dot_cache__service__pb2.IngestRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_cache__service__pb2.IngestResponse.FromString,
+                _registered_method=True)
+        self.DeleteDocuments = channel.unary_unary(
+                '/specmesh.v1.CacheService/DeleteDocuments',
+                request_serializer=specmesh_dot_v1_dot_cache__service__pb2.DeleteDocumentsRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_cache__service__pb2.DeleteDocumentsResponse.FromString,
+                _registered_method=True)
+        self.Retrieve = channel.unary_unary(
+                '/specmesh.v1.CacheService/Retrieve',
+                request_serializer=specmesh_dot_v1_dot_cache__service__pb2.RetrieveRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_cache__service__pb2.RetrieveResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
-    """Retrieval and tool-result caches (and, later, the prefix index of all target replicas).
+    """The cache service: the prefix index of all target replicas, tenant-scoped
+    retrieval, and the tool-result cache with single-flight leases.
+
+    Callers are internal services (the router). The tenant and its access labels
+    travel in metadata set by the router after it authenticated the caller:
+    `specmesh-tenant: <tenant>` and `specmesh-labels: <label>,<label>`. Every key,
+    corpus and lease is namespaced by that tenant; a request field never names one.
     """
 
     def Get(self, request, context):
-        """Returns a cached result. `found` is false on a miss.
-        Errors: INVALID_ARGUMENT (empty namespace or key), UNAVAILABLE (backend down).
+        """Returns a cached result of the calling tenant. `found` is false on a miss.
+        Errors: UNAUTHENTICATED (no tenant metadata), INVALID_ARGUMENT (bad kind,
+        empty or oversized key), UNAVAILABLE (backend down).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
     def Put(self, request, context):
-        """Stores a result with a required time to live.
-        Errors: INVALID_ARGUMENT (empty namespace or key, ttl_seconds <= 0 or
-        above the limit, value over the size limit), UNAVAILABLE (backend down).
+        """Stores a result of the calling tenant with a required time to live.
+        Errors: UNAUTHENTICATED, INVALID_ARGUMENT (bad kind, empty or oversized
+        key, ttl_seconds <= 0 or above the limit, value over the size limit),
+        UNAVAILABLE (backend down).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PrefixMatch(self, request, context):
+        """For a prompt's chained block hashes, how many leading blocks each target
+        replica holds in its prefix cache (built from the replicas' KV events).
+        Needs no tenant: the hashes already carry the tenant salt.
+        Errors: INVALID_ARGUMENT (more hashes than the limit).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ToolLookup(self, request, context):
+        """Looks up a tool result by (tenant, tool, version, canonical JSON of the
+        arguments). On a miss the first caller gets a lease and must compute and
+        ToolStore the result; concurrent callers wait and receive the stored value
+        (or the lease, when the holder's lease expires).
+        Errors: UNAUTHENTICATED, INVALID_ARGUMENT (empty or oversized tool or
+        version, arguments not JSON or oversized, lease_ms out of range),
+        DEADLINE_EXCEEDED (still waiting when the caller's deadline passed),
+        UNAVAILABLE (backend down).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ToolStore(self, request, context):
+        """Stores a tool result (a value, or an error cached briefly) and releases
+        the caller's lease.
+        Errors: UNAUTHENTICATED, INVALID_ARGUMENT (as ToolLookup, value or error
+        over the limit, ttl out of range), FAILED_PRECONDITION (another caller
+        holds the lease now), UNAVAILABLE (backend down).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Ingest(self, request, context):
+        """Adds or replaces documents in one of the tenant's corpora (created on
+        first ingest) and bumps the corpus version.
+        Errors: UNAUTHENTICATED, INVALID_ARGUMENT (bad corpus name, empty or
+        duplicate id, empty or oversized text, too many documents), UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def DeleteDocuments(self, request, context):
+        """Deletes documents by id from one of the tenant's corpora and bumps the
+        corpus version. Unknown ids are ignored (reported in `deleted`).
+        Errors: UNAUTHENTICATED, INVALID_ARGUMENT (unknown corpus, empty ids), UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Retrieve(self, request, context):
+        """The top-k documents of the tenant's corpus for a query (BM25), among the
+        documents whose access labels the caller holds. Results are cached per
+        (tenant, corpus version, label set, normalized query, k).
+        Errors: UNAUTHENTICATED, INVALID_ARGUMENT (unknown corpus, empty or
+        oversized query, k out of range), UNAVAILABLE.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -81,6 +190,36 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     request_deserializer=specmesh_dot_v1_dot_cache__service__pb2.CachePutRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_cache__service__pb2.CachePutResponse.SerializeToString,
             ),
+            'PrefixMatch': grpc.unary_unary_rpc_method_handler(
+                    servicer.PrefixMatch,
+                    request_deserializer=specmesh_dot_v1_dot_cache__service__pb2.PrefixMatchRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_cache__service__pb2.PrefixMatchResponse.SerializeToString,
+            ),
+            'ToolLookup': grpc.unary_unary_rpc_method_handler(
+                    servicer.ToolLookup,
+                    request_deserializer=specmesh_dot_v1_dot_cache__service__pb2.ToolLookupRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_cache__service__pb2.ToolLookupResponse.SerializeToString,
+            ),
+            'ToolStore': grpc.unary_unary_rpc_method_handler(
+                    servicer.ToolStore,
+                    request_deserializer=specmesh_dot_v1_dot_cache__service__pb2.ToolStoreRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_cache__service__pb2.ToolStoreResponse.SerializeToString,
+            ),
+            'Ingest': grpc.unary_unary_rpc_method_handler(
+                    servicer.Ingest,
+                    request_deserializer=specmesh_dot_v1_dot_cache__service__pb2.IngestRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_cache__service__pb2.IngestResponse.SerializeToString,
+            ),
+            'DeleteDocuments': grpc.unary_unary_rpc_method_handler(
+                    servicer.DeleteDocuments,
+                    request_deserializer=specmesh_dot_v1_dot_cache__service__pb2.DeleteDocumentsRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_cache__service__pb2.DeleteDocumentsResponse.SerializeToString,
+            ),
+            'Retrieve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Retrieve,
+                    request_deserializer=specmesh_dot_v1_dot_cache__service__pb2.RetrieveRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_cache__service__pb2.RetrieveResponse.SerializeToString,
+            ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
             'specmesh.v1.CacheService', rpc_method_handlers)
@@ -90,7 +229,13 @@ def add_CacheServiceServicer_to_server(servicer, server):
 
  # This class is part of an EXPERIMENTAL API.
 class CacheService:
-    """Retrieval and tool-result caches (and, later, the prefix index of all target replicas).
+    """The cache service: the prefix index of all target replicas, tenant-scoped
+    retrieval, and the tool-result cache with single-flight leases.
+
+    Callers are internal services (the router). The tenant and its access labels
+    travel in metadata set by the router after it authenticated the caller:
+    `specmesh-tenant: <tenant>` and `specmesh-labels: <label>,<label>`. Every key,
+    corpus and lease is namespaced by that tenant; a request field never names one.
     """
 
     @staticmethod
@@ -137,6 +282,168 @@ class CacheService:
             '/specmesh.v1.CacheService/Put',
             specmesh_dot_v1_dot_cache__service__pb2.CachePutRequest.SerializeToString,
             specmesh_dot_v1_dot_cache__service__pb2.CachePutResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PrefixMatch(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.CacheService/PrefixMatch',
+            specmesh_dot_v1_dot_cache__service__pb2.PrefixMatchRequest.SerializeToString,
+            specmesh_dot_v1_dot_cache__service__pb2.PrefixMatchResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ToolLookup(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.CacheService/ToolLookup',
+            specmesh_dot_v1_dot_cache__service__pb2.ToolLookupRequest.SerializeToString,
+            specmesh_dot_v1_dot_cache__service__pb2.ToolLookupResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ToolStore(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.CacheService/ToolStore',
+            specmesh_dot_v1_dot_cache__service__pb2.ToolStoreRequest.SerializeToString,
+            specmesh_dot_v1_dot_cache__service__pb2.ToolStoreResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Ingest(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.CacheService/Ingest',
+            specmesh_dot_v1_dot_cache__service__pb2.IngestRequest.SerializeToString,
+            specmesh_dot_v1_dot_cache__service__pb2.IngestResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def DeleteDocuments(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.CacheService/DeleteDocuments',
+            specmesh_dot_v1_dot_cache__service__pb2.DeleteDocumentsRequest.SerializeToString,
+            specmesh_dot_v1_dot_cache__service__pb2.DeleteDocumentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Retrieve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.CacheService/Retrieve',
+            specmesh_dot_v1_dot_cache__service__pb2.RetrieveRequest.SerializeToString,
+            specmesh_dot_v1_dot_cache__service__pb2.RetrieveResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -25,17 +25,23 @@ _sym_db = _symbol_database.Default()
 from services.common.proto.specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n specmesh/v1/router_service.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"_\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\r\n\x05model\x18\x03 \x01(\t\"=\n\x10GenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1a.specmesh.v1.GenerateChunk2Z\n\rRouterService\x12I\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n specmesh/v1/router_service.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x8e\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\r\n\x05model\x18\x03 \x01(\t\x12-\n\tretrieval\x18\x04 \x01(\x0b\x32\x1a.specmesh.v1.RetrievalSpec\"9\n\rRetrievalSpec\x12\x0e\n\x06\x63orpus\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12\t\n\x01k\x18\x03 \x01(\x05\"\x90\x01\n\x0fRetrievalReport\x12\x34\n\tdocuments\x18\x01 \x03(\x0b\x32!.specmesh.v1.RetrievedDocumentRef\x12\x11\n\tcache_hit\x18\x02 \x01(\x08\x12\x16\n\x0e\x63orpus_version\x18\x03 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\x05\"3\n\x14RetrievedDocumentRef\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"n\n\x10GenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1a.specmesh.v1.GenerateChunk\x12/\n\tretrieval\x18\x02 \x01(\x0b\x32\x1c.specmesh.v1.RetrievalReport2Z\n\rRouterService\x12I\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.router_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_GENERATEREQUEST']._serialized_start=75
-  _globals['_GENERATEREQUEST']._serialized_end=170
-  _globals['_GENERATERESPONSE']._serialized_start=172
-  _globals['_GENERATERESPONSE']._serialized_end=233
-  _globals['_ROUTERSERVICE']._serialized_start=235
-  _globals['_ROUTERSERVICE']._serialized_end=325
+  _globals['_GENERATEREQUEST']._serialized_start=76
+  _globals['_GENERATEREQUEST']._serialized_end=218
+  _globals['_RETRIEVALSPEC']._serialized_start=220
+  _globals['_RETRIEVALSPEC']._serialized_end=277
+  _globals['_RETRIEVALREPORT']._serialized_start=280
+  _globals['_RETRIEVALREPORT']._serialized_end=424
+  _globals['_RETRIEVEDDOCUMENTREF']._serialized_start=426
+  _globals['_RETRIEVEDDOCUMENTREF']._serialized_end=477
+  _globals['_GENERATERESPONSE']._serialized_start=479
+  _globals['_GENERATERESPONSE']._serialized_end=589
+  _globals['_ROUTERSERVICE']._serialized_start=591
+  _globals['_ROUTERSERVICE']._serialized_end=681
 # @@protoc_insertion_point(module_scope)

@@ -1,23 +1,58 @@
 from services.common.proto.specmesh.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
-from collections.abc import Mapping as _Mapping
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "sampling", "model")
+    __slots__ = ("prompt", "sampling", "model", "retrieval")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
+    RETRIEVAL_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     sampling: _common_pb2.SamplingParams
     model: str
-    def __init__(self, prompt: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ...) -> None: ...
+    retrieval: RetrievalSpec
+    def __init__(self, prompt: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., retrieval: _Optional[_Union[RetrievalSpec, _Mapping]] = ...) -> None: ...
+
+class RetrievalSpec(_message.Message):
+    __slots__ = ("corpus", "query", "k")
+    CORPUS_FIELD_NUMBER: _ClassVar[int]
+    QUERY_FIELD_NUMBER: _ClassVar[int]
+    K_FIELD_NUMBER: _ClassVar[int]
+    corpus: str
+    query: str
+    k: int
+    def __init__(self, corpus: _Optional[str] = ..., query: _Optional[str] = ..., k: _Optional[int] = ...) -> None: ...
+
+class RetrievalReport(_message.Message):
+    __slots__ = ("documents", "cache_hit", "corpus_version", "cached_prompt_tokens")
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    CACHE_HIT_FIELD_NUMBER: _ClassVar[int]
+    CORPUS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    documents: _containers.RepeatedCompositeFieldContainer[RetrievedDocumentRef]
+    cache_hit: bool
+    corpus_version: int
+    cached_prompt_tokens: int
+    def __init__(self, documents: _Optional[_Iterable[_Union[RetrievedDocumentRef, _Mapping]]] = ..., cache_hit: _Optional[bool] = ..., corpus_version: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+
+class RetrievedDocumentRef(_message.Message):
+    __slots__ = ("id", "version")
+    ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    id: str
+    version: int
+    def __init__(self, id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("chunk",)
+    __slots__ = ("chunk", "retrieval")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    RETRIEVAL_FIELD_NUMBER: _ClassVar[int]
     chunk: _common_pb2.GenerateChunk
-    def __init__(self, chunk: _Optional[_Union[_common_pb2.GenerateChunk, _Mapping]] = ...) -> None: ...
+    retrieval: RetrievalReport
+    def __init__(self, chunk: _Optional[_Union[_common_pb2.GenerateChunk, _Mapping]] = ..., retrieval: _Optional[_Union[RetrievalReport, _Mapping]] = ...) -> None: ...
