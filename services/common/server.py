@@ -13,6 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.telemetry import client_interceptors, server_interceptors
+from services.common.tls import ServerTls
 
 log = logging.getLogger(__name__)
 
@@ -24,6 +25,9 @@ class ServerConfig:
     host: str = "127.0.0.1"
     port: int = 0  # 0 = any free port (tests)
     grace_seconds: float = 10.0
+    # None = plaintext (dev mode and tests). Internal services: mutual TLS with the mesh CA
+    # (`MeshTls.server_tls()`); the router's public port: `PublicTls.server_tls()`.
+    tls: ServerTls | None = None
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -53,13 +57,19 @@ class GrpcServer:
         options = []
         if max_message_bytes is not None:  # gRPC's default limit on received messages is 4 MiB
             options.append(("grpc.max_receive_message_length", max_message_bytes))
-        self._server = grpc.aio.server(interceptors=server_interceptors(), options=options)
+        tls_interceptors = config.tls.interceptors() if config.tls is not None else []
+        self._server = grpc.aio.server(interceptors=[*tls_interceptors, *server_interceptors()],
+                                       options=options)
         self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         register(self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
             [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server)
-        self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        if config.tls is None:
+            self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
+        else:
+            self.port = self._server.add_secure_port(f"{config.host}:{config.port}",
+                                                     config.tls.credentials())
         if self.port == 0:
             raise OSError(f"could not bind {config.host}:{config.port}")
         self._stopping = False
