@@ -50,9 +50,49 @@ class RetrievedDocumentRef(_message.Message):
     def __init__(self, id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class GenerateResponse(_message.Message):
-    __slots__ = ("chunk", "retrieval")
+    __slots__ = ("chunk", "retrieval", "route")
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     RETRIEVAL_FIELD_NUMBER: _ClassVar[int]
+    ROUTE_FIELD_NUMBER: _ClassVar[int]
     chunk: _common_pb2.GenerateChunk
     retrieval: RetrievalReport
-    def __init__(self, chunk: _Optional[_Union[_common_pb2.GenerateChunk, _Mapping]] = ..., retrieval: _Optional[_Union[RetrievalReport, _Mapping]] = ...) -> None: ...
+    route: RouteRecord
+    def __init__(self, chunk: _Optional[_Union[_common_pb2.GenerateChunk, _Mapping]] = ..., retrieval: _Optional[_Union[RetrievalReport, _Mapping]] = ..., route: _Optional[_Union[RouteRecord, _Mapping]] = ...) -> None: ...
+
+class RouteRecord(_message.Message):
+    __slots__ = ("bucket", "pool", "replica", "speculation", "escalated", "escalated_from", "reason", "score", "predicted_cached_tokens", "retried")
+    BUCKET_FIELD_NUMBER: _ClassVar[int]
+    POOL_FIELD_NUMBER: _ClassVar[int]
+    REPLICA_FIELD_NUMBER: _ClassVar[int]
+    SPECULATION_FIELD_NUMBER: _ClassVar[int]
+    ESCALATED_FIELD_NUMBER: _ClassVar[int]
+    ESCALATED_FROM_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    SCORE_FIELD_NUMBER: _ClassVar[int]
+    PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    RETRIED_FIELD_NUMBER: _ClassVar[int]
+    bucket: str
+    pool: str
+    replica: str
+    speculation: _common_pb2.SpeculationPlan
+    escalated: bool
+    escalated_from: str
+    reason: str
+    score: RouteScore
+    predicted_cached_tokens: int
+    retried: bool
+    def __init__(self, bucket: _Optional[str] = ..., pool: _Optional[str] = ..., replica: _Optional[str] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPlan, _Mapping]] = ..., escalated: _Optional[bool] = ..., escalated_from: _Optional[str] = ..., reason: _Optional[str] = ..., score: _Optional[_Union[RouteScore, _Mapping]] = ..., predicted_cached_tokens: _Optional[int] = ..., retried: _Optional[bool] = ...) -> None: ...
+
+class RouteScore(_message.Message):
+    __slots__ = ("cost", "latency_s", "quality", "risk", "total")
+    COST_FIELD_NUMBER: _ClassVar[int]
+    LATENCY_S_FIELD_NUMBER: _ClassVar[int]
+    QUALITY_FIELD_NUMBER: _ClassVar[int]
+    RISK_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_FIELD_NUMBER: _ClassVar[int]
+    cost: float
+    latency_s: float
+    quality: float
+    risk: float
+    total: float
+    def __init__(self, cost: _Optional[float] = ..., latency_s: _Optional[float] = ..., quality: _Optional[float] = ..., risk: _Optional[float] = ..., total: _Optional[float] = ...) -> None: ...
