@@ -7,8 +7,9 @@ import asyncio
 import logging
 import sys
 from pathlib import Path
+from typing import Literal, get_args, get_origin
 
-from services.common.env import Settings, read_settings
+from services.common.env import Settings, read_settings, setting_help
 
 SERVICES = ("router", "target", "draft", "cache")
 
@@ -18,7 +19,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
-        settings = read_settings(**_overrides(args))
+        settings = read_settings(**_flag_values(args))
         return args.func(args, settings)
     except (ValueError, FileNotFoundError) as exc:
         print(f"specmesh: error: {exc}", file=sys.stderr)
@@ -39,61 +40,63 @@ def _parser() -> argparse.ArgumentParser:
     _common_flags(prepare)
     prepare.set_defaults(func=_cmd_prepare)
 
-    up = sub.add_parser("up", help="start all four services on loopback")
-    up.add_argument("--base-port", dest="port", type=int,
-                    help="router port; target, draft and cache take the next three (default 50051..50054)")
-    _common_flags(up)
-    _engine_flags(up)
+    up = sub.add_parser("up", help="start all four services on loopback",
+                        usage="specmesh up [--port BASE] [--SETTING VALUE ...]")
+    _setting_flags(up)
     up.set_defaults(func=_cmd_up)
 
-    serve = sub.add_parser("serve", help="run one service (what compose.yaml uses)")
-    serve.add_argument("service", choices=SERVICES)
-    serve.add_argument("--host")
-    serve.add_argument("--port", type=int)
-    serve.add_argument("--target-address", dest="target_address")
-    serve.add_argument("--cache-backend", dest="cache_backend", choices=("memory", "redis"))
-    serve.add_argument("--redis-url", dest="redis_url")
-    _common_flags(serve)
-    _engine_flags(serve)
+    serve = sub.add_parser("serve", help="run one service (what compose.yaml uses)",
+                           usage="specmesh serve SERVICE [--SETTING VALUE ...]")
+    serve.add_argument("service", choices=SERVICES, help="which service to run")
+    _setting_flags(serve)
     serve.set_defaults(func=_cmd_serve)
 
     gen = sub.add_parser("generate", help="stream a completion from a running router")
-    gen.add_argument("prompt")
-    gen.add_argument("--address", dest="router_address", help="router address (host:port)")
-    gen.add_argument("--max-tokens", type=int, default=64)
-    gen.add_argument("--temperature", type=float, default=0.0)
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=0.0)
-    gen.add_argument("--seed", type=int)
-    gen.add_argument("--stop", action="append", default=[])
-    gen.add_argument("--token", help="bearer token (default: SPECMESH_TOKEN or the dev token)")
+    gen.add_argument("prompt", help="the question (sent as one user chat message) or, with --raw, "
+                     "the plain prompt")
+    gen.add_argument("--address", dest="router_address", help=setting_help("router_address"))
+    gen.add_argument("--max-tokens", type=int, default=64, help="most tokens to generate (default 64)")
+    gen.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default 0)")
+    gen.add_argument("--top-k", type=int, default=0, help="sample from the k most likely tokens; 0 = all")
+    gen.add_argument("--top-p", type=float, default=0.0, help="nucleus sampling mass; 0 = off")
+    gen.add_argument("--seed", type=int, help="sampling seed (default: random)")
+    gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
+    gen.add_argument("--token", help=setting_help("token"))
+    _setting_flags(gen, ("config",))
     gen.set_defaults(func=_cmd_generate)
     return parser
 
 
 def _common_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", help="'default' or a local Hugging Face model directory")
-    p.add_argument("--model-cache", dest="model_cache", help="where prepared models are cached")
+    _setting_flags(p, ("config", "model", "model_cache"))
 
 
-def _engine_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--speculation", dest="speculation_method",
-                   choices=("off", "prompt_lookup", "suffix", "draft_model", "dynamic_tree"),
-                   help="speculative decoding method the router plans (default prompt_lookup)")
-    p.add_argument("--speculation-depth", dest="speculation_depth", type=int)
-    p.add_argument("--draft-model", dest="draft_model",
-                   help="draft LM for draft_model / dynamic_tree ('default' or a local HF directory)")
-    p.add_argument("--dtype", choices=("bfloat16", "float32", "float16"))
-    p.add_argument("--kv-dtype", dest="kv_dtype", help="auto | bfloat16 | float32 | fp8")
-    p.add_argument("--kernels", choices=("auto", "triton", "reference"))
-    p.add_argument("--num-blocks", dest="num_blocks", type=int)
+# Extra spellings of a few generated flags (kept from earlier releases).
+_FLAG_ALIASES = {"port": ("--base-port",), "speculation_method": ("--speculation",)}
 
 
-def _overrides(args: argparse.Namespace) -> dict:
-    names = {"host", "port", "model", "model_cache", "dtype", "kv_dtype", "kernels", "num_blocks",
-             "target_address", "cache_backend", "redis_url", "router_address", "token",
-             "speculation_method", "speculation_depth", "draft_model"}
-    return {k: v for k, v in vars(args).items() if k in names and v is not None}
+def _setting_flags(p: argparse.ArgumentParser, names=None) -> None:
+    """One flag per setting, generated from its declaration in services/common/env.py.
+
+    Defaults stay None so that an absent flag leaves the environment and config file in force."""
+    for name in names or Settings.model_fields:
+        field = Settings.model_fields[name]
+        kind, choices = field.annotation, None
+        if get_origin(kind) is Literal:
+            kind, choices = type(get_args(kind)[0]), get_args(kind)
+        elif kind not in (int, float, bool):
+            kind = str  # str, paths, optional values: the model validates the text
+        flags = (f"--{name.replace('_', '-')}", *_FLAG_ALIASES.get(name, ()))
+        if kind is bool:
+            p.add_argument(*flags, dest=name, action=argparse.BooleanOptionalAction, default=None,
+                           help=setting_help(name))
+        else:
+            p.add_argument(*flags, dest=name, type=kind, choices=choices, default=None,
+                           metavar=name.upper() if choices is None else None, help=setting_help(name))
+
+
+def _flag_values(args: argparse.Namespace) -> dict:
+    return {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
 
 
 # ---- commands ---------------------------------------------------------------

@@ -1,74 +1,179 @@
-"""The one place that reads the environment. Everything else takes config dataclasses.
+"""The one place that reads settings: every setting is declared once, in `Settings` below.
 
-Every setting has an environment variable (SPECMESH_*) and a CLI flag; flags win.
+Each field carries its type, default, allowed values (Literal or constraints) and help text
+(`description`). The same declaration yields the CLI flag (`--num-blocks`, generated in
+services/cli.py), the environment variable (`SPECMESH_NUM_BLOCKS`) and the key under
+`settings:` in the mesh config file (YAML, given by `--config` or `SPECMESH_CONFIG`; other
+top-level keys of that file, such as `pools:`, belong to their own readers).
+
+Precedence: flags > SPECMESH_* environment > config file > defaults. A value that does not
+fit its declaration raises ValueError naming the setting, where it came from and what is
+allowed. To add a setting, add one field here (`name: type = Field(default, description=...)`).
 """
 
 from __future__ import annotations
 
 import os
-from dataclasses import dataclass, fields
 from pathlib import Path
+from typing import Any, Literal
 
-DEFAULT_PORTS = {"router": 50051, "target": 50052, "draft": 50053, "cache": 50054}
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+DEFAULT_PORTS = {"router": 50051, "target": 50052, "draft": 50053, "cache": 50054, "gateway": 8000}
 DEV_TOKEN = "specmesh-dev-token"  # what `specmesh up` accepts unless SPECMESH_TOKENS is set
+DEV_SALT_SECRET = "specmesh-dev-secret"  # public: `serve router` refuses it unless --dev
+ENV_PREFIX = "SPECMESH_"
+_ENV_ALIASES = {"otlp_endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT"}  # read when SPECMESH_<NAME> is unset
 
 
-@dataclass
-class Settings:
-    """Raw settings for all services; each service builds its validated config from these."""
+class Settings(BaseModel):
+    """Settings for all services; each service builds its validated config from these
+    (services/common/builders.py)."""
 
-    host: str = "127.0.0.1"
-    port: int = 0  # 0 = the service's default port
-    model: str = "default"  # "default" (Gemma 3 270M) or a local Hugging Face directory
-    model_cache: str = str(Path.home() / ".cache" / "specmesh" / "models")
-    dtype: str = "bfloat16"
-    kv_dtype: str = "auto"
-    kernels: str = "auto"
-    device: str = "cpu"
-    block_size: int = 16
-    num_blocks: int = 2048
-    max_num_seqs: int = 32
-    max_batched_tokens: int = 512
-    max_queued_requests: int = 256
-    max_tokens_limit: int = 4096
-    router_address: str = f"127.0.0.1:{DEFAULT_PORTS['router']}"
-    target_address: str = f"127.0.0.1:{DEFAULT_PORTS['target']}"
-    draft_address: str = f"127.0.0.1:{DEFAULT_PORTS['draft']}"
-    cache_address: str = f"127.0.0.1:{DEFAULT_PORTS['cache']}"
-    tokens: str = f"{DEV_TOKEN}=default"  # TOKEN=TENANT,... accepted by the router
-    token: str = DEV_TOKEN  # what the `generate` client sends
-    salt_secret: str = "specmesh-dev-secret"
-    cache_backend: str = "memory"
-    redis_url: str = ""
-    otlp_endpoint: str = ""  # OTEL_EXPORTER_OTLP_ENDPOINT
-    grace_seconds: float = 10.0
-    speculation_method: str = "prompt_lookup"  # off | prompt_lookup | suffix | draft_model | dynamic_tree
-    speculation_depth: int = 5
-    speculation_nodes: int = 0  # tree node budget; 0 = a chain
-    speculation_policy: str = "fixed"  # fixed | adaptive (depth per bucket from measured acceptance)
-    draft_model: str = ""  # local HF causal LM directory for the draft service (draft_model / dynamic_tree)
-    draft_timeout_ms: int = 500  # per-step deadline of the target's draft call
+    model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
+
+    config: str = Field("", description="mesh config file (YAML); its `settings:` mapping sets any "
+                        "setting below (flags and SPECMESH_* variables win)")
+    host: str = Field("127.0.0.1", description="interface the services listen on")
+    port: int = Field(0, ge=0, le=65535, description="listening port; 0 = the service's default "
+                      "(for `up`: the router's port, target/draft/cache take the next three)")
+    gateway_port: int = Field(DEFAULT_PORTS["gateway"], ge=0, le=65535,
+                              description="OpenAI-compatible HTTP gateway port (`up` and `serve gateway`)")
+    model: str = Field("default", description="target model: 'default' (Gemma 3 270M) or a local "
+                       "Hugging Face model directory")
+    model_cache: str = Field(str(Path.home() / ".cache" / "specmesh" / "models"),
+                             description="where prepared models are cached")
+    dtype: Literal["bfloat16", "float32", "float16"] = Field(
+        "bfloat16", description="weight and activation dtype of the target (and draft LM)")
+    kv_dtype: Literal["auto", "bfloat16", "float32", "float16", "fp8"] = Field(
+        "auto", description="KV cache dtype; auto = same as dtype, fp8 = float8 with scales")
+    kernels: Literal["auto", "triton", "reference"] = Field(
+        "auto", description="attention kernels; auto = Triton where CUDA is present")
+    device: str = Field("cpu", description="torch device of the target (cpu, cuda, cuda:N)")
+    block_size: int = Field(16, gt=0, description="tokens per KV block")
+    num_blocks: int = Field(2048, gt=0, description="KV blocks in the target's pool")
+    max_num_seqs: int = Field(32, gt=0, description="sequences the target runs at once")
+    max_batched_tokens: int = Field(512, gt=0, description="tokens per engine step "
+                                    "(prefill chunks + decodes + verify trees)")
+    max_queued_requests: int = Field(256, ge=0, description="requests waiting beyond max_num_seqs; "
+                                     "more are refused with RESOURCE_EXHAUSTED")
+    max_tokens_limit: int = Field(4096, gt=0, description="largest max_tokens a request may ask for")
+    router_address: str = Field(f"127.0.0.1:{DEFAULT_PORTS['router']}",
+                                description="router address (host:port) the clients and gateway call")
+    target_address: str = Field(f"127.0.0.1:{DEFAULT_PORTS['target']}",
+                                description="target address the router calls")
+    draft_address: str = Field(f"127.0.0.1:{DEFAULT_PORTS['draft']}",
+                               description="draft service address the target calls")
+    cache_address: str = Field(f"127.0.0.1:{DEFAULT_PORTS['cache']}",
+                               description="cache service address")
+    tokens: str = Field(f"{DEV_TOKEN}=default",
+                        description="bearer tokens the router accepts: TOKEN=TENANT,...")
+    token: str = Field(DEV_TOKEN, description="bearer token the `generate`/`status` clients send")
+    salt_secret: str = Field(DEV_SALT_SECRET,
+                             description="secret the router derives per-tenant prefix-cache salts from")
+    cache_backend: Literal["memory", "redis"] = Field(
+        "memory", description="cache service store: memory (one process) or redis (shared)")
+    redis_url: str = Field("", description="Redis URL for cache_backend redis (redis://host:port/db)")
+    otlp_endpoint: str = Field("", description="OpenTelemetry OTLP gRPC endpoint; '' = no export "
+                               "(also read from OTEL_EXPORTER_OTLP_ENDPOINT)")
+    grace_seconds: float = Field(10.0, ge=0, description="graceful-shutdown drain time on SIGTERM")
+    speculation_method: Literal["off", "prompt_lookup", "suffix", "draft_model", "dynamic_tree"] = Field(
+        "prompt_lookup", description="speculative decoding method the router plans")
+    speculation_depth: int = Field(5, gt=0, description="draft tokens per verify pass (chain depth)")
+    speculation_nodes: int = Field(0, ge=0, description="draft tree node budget; 0 = a chain")
+    speculation_policy: Literal["fixed", "adaptive"] = Field(
+        "fixed", description="fixed plan, or adaptive depth per bucket from measured acceptance")
+    draft_model: str = Field("", description="draft LM for draft_model / dynamic_tree: 'default' "
+                             "or a local Hugging Face directory")
+    draft_timeout_ms: int = Field(500, gt=0, le=60000,
+                                  description="per-step deadline of the target's draft call (ms)")
+    dev: bool = Field(False, description="development mode: plaintext between services when no mesh "
+                      "certificates are given, and the public default salt_secret is accepted")
+    tls_dir: str = Field("", description="mesh certificates from `specmesh certs` (ca.pem, SERVICE.pem, "
+                         "SERVICE-key.pem): internal calls use mutual TLS; '' = none (needs --dev)")
+    tls_ca: str = Field("", description="mesh CA certificate (PEM); '' = tls_dir/ca.pem")
+    tls_cert: str = Field("", description="this service's mesh certificate (PEM); '' = tls_dir/SERVICE.pem")
+    tls_key: str = Field("", description="this service's mesh private key (PEM); '' = tls_dir/SERVICE-key.pem")
+    public_tls_cert: str = Field("", description="certificate chain (PEM) for TLS on the router's public "
+                                 "port; '' = plaintext")
+    public_tls_key: str = Field("", description="private key (PEM) for TLS on the router's public port")
+    router_ca: str = Field("", description="CA certificate (PEM) the clients verify the router's public "
+                           "TLS with; '' = plaintext")
 
 
-def read_settings(environ: dict[str, str] | None = None, **overrides) -> Settings:
-    """Defaults, then SPECMESH_<NAME> variables, then explicit overrides (CLI flags, not None)."""
+def read_settings(environ: dict[str, str] | None = None, **overrides: Any) -> Settings:
+    """Defaults < config file < SPECMESH_<NAME> variables < overrides (CLI flags; None = unset)."""
     environ = os.environ if environ is None else environ
-    settings = Settings()
-    for f in fields(Settings):
-        raw = environ.get(f"SPECMESH_{f.name.upper()}")
-        if f.name == "otlp_endpoint" and raw is None:
-            raw = environ.get("OTEL_EXPORTER_OTLP_ENDPOINT")
-        if raw is not None:
-            setattr(settings, f.name, _convert(f.name, raw, type(getattr(settings, f.name))))
-    for name, value in overrides.items():
-        if value is not None:
-            setattr(settings, name, value)
-    return settings
-
-
-def _convert(name: str, raw: str, kind: type):
+    flags = {name: value for name, value in overrides.items() if value is not None}
+    unknown = sorted(set(flags) - set(Settings.model_fields))
+    if unknown:
+        raise ValueError(f"unknown setting(s) {', '.join(unknown)}")
+    env = _from_environ(environ)
+    path = flags.get("config") or env.get("config", "")
+    layers = [("config file " + path, _from_config_file(path) if path else {}),
+              ("environment", env), ("flag", flags)]
+    merged: dict[str, Any] = {}
+    origin: dict[str, str] = {}
+    for source, values in layers:
+        for name, value in values.items():
+            merged[name], origin[name] = value, source
     try:
-        return kind(raw)
-    except ValueError:
-        raise ValueError(f"environment variable SPECMESH_{name.upper()}={raw!r} is not a valid "
-                         f"{kind.__name__}") from None
+        return Settings(**merged)
+    except ValidationError as exc:
+        raise ValueError(_explain(exc, merged, origin)) from None
+
+
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """The whole mesh config file (YAML mapping); `settings:` is read here, other keys elsewhere."""
+    import yaml
+
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise FileNotFoundError(f"config file {path} does not exist")
+    data = yaml.safe_load(path.read_text()) or {}
+    if not isinstance(data, dict):
+        raise ValueError(f"config file {path}: expected a mapping at the top level")
+    return data
+
+
+def setting_help(name: str) -> str:
+    """Help text of one setting: description, default, environment variable."""
+    field = Settings.model_fields[name]
+    return f"{field.description} (default {field.default!r}; env {ENV_PREFIX}{name.upper()})"
+
+
+# ---- helpers ----------------------------------------------------------------
+def _from_environ(environ) -> dict[str, str]:
+    values = {}
+    for name in Settings.model_fields:
+        raw = environ.get(f"{ENV_PREFIX}{name.upper()}")
+        if raw is None and name in _ENV_ALIASES:
+            raw = environ.get(_ENV_ALIASES[name])
+        if raw is not None:
+            values[name] = raw
+    return values
+
+
+def _from_config_file(path: str) -> dict[str, Any]:
+    section = read_config_file(path).get("settings") or {}
+    if not isinstance(section, dict):
+        raise ValueError(f"config file {path}: `settings:` must be a mapping")
+    if "config" in section:
+        raise ValueError(f"config file {path}: `config` cannot be set inside a config file")
+    return {str(k).replace("-", "_"): v for k, v in section.items()}
+
+
+def _explain(exc: ValidationError, merged: dict, origin: dict) -> str:
+    lines = []
+    for error in exc.errors():
+        name = str(error["loc"][0]) if error["loc"] else "?"
+        if error["type"] == "extra_forbidden":
+            lines.append(f"unknown setting {name!r} (from {origin.get(name, '?')})")
+            continue
+        where = origin.get(name, "default")
+        if where == "environment":
+            where = f"{ENV_PREFIX}{name.upper()}"
+        elif where == "flag":
+            where = f"--{name.replace('_', '-')}"
+        lines.append(f"invalid setting {name}={merged.get(name)!r} (from {where}): {error['msg']}")
+    return "; ".join(lines)
