@@ -19,7 +19,7 @@ class EngineConfig:
     kv_dtype: str = "auto"  # "auto" = same as dtype; "fp8" = float8_e4m3fn with scales
     device: str = "cpu"
     block_size: int = 16
-    num_blocks: int = 1024
+    num_blocks: int = 2048  # the same default as Settings.num_blocks (services/common/env.py)
     max_num_seqs: int = 32  # running at once
     max_batched_tokens: int = 512  # tokens per step (prefill chunks + decodes)
     max_queued_requests: int = 256  # waiting beyond max_num_seqs; more → RESOURCE_EXHAUSTED
