@@ -3,6 +3,8 @@
 Each step mixes decode steps of running sequences and prefill chunks of new
 ones under a token budget. When blocks run out, the youngest running sequence
 is preempted by recompute: its blocks go back and it is re-queued at the front.
+Tenant priority orders both: the waiting queue is highest priority first, and the
+lowest-priority (then youngest) running sequence is preempted first.
 """
 
 from __future__ import annotations
@@ -37,6 +39,17 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
+        self._enqueue(seq, front=False)
+
+    def _enqueue(self, seq: Sequence, front: bool) -> None:
+        """Waiting order: higher priority first; within a priority FIFO (preempted ones first)."""
+        if not self.waiting or self.waiting[-1].priority >= seq.priority and not front:
+            self.waiting.append(seq)  # the common case: one priority
+            return
+        for i, other in enumerate(self.waiting):
+            if other.priority < seq.priority or (front and other.priority == seq.priority):
+                self.waiting.insert(i, seq)
+                return
         self.waiting.append(seq)
 
     def remove(self, seq: Sequence) -> None:
@@ -88,7 +101,8 @@ class Scheduler:
         scheduled = None  # built only when room must be made (rare), not on every decode
         while not self.blocks.can_reserve(seq.seq_id, num_tokens):
             scheduled = scheduled or {id(item.seq) for item in batch}
-            victim = max((s for s in self.running if id(s) not in scheduled), key=lambda s: s.arrival)
+            victim = max((s for s in self.running if id(s) not in scheduled),
+                         key=lambda s: (-s.priority, s.arrival))  # lowest priority, then youngest
             self._preempt(victim)
             if victim is seq:
                 return False
@@ -101,5 +115,5 @@ class Scheduler:
         seq.num_computed = 0
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
-        self.waiting.appendleft(seq)
+        self._enqueue(seq, front=True)
         self.num_preemptions += 1

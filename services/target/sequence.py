@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 import torch
 
 from services.common.sampling_params import SamplingConfig
+from services.target.confidence import Confidence
 from services.target.detokenizer import IncrementalDetokenizer
 
 
@@ -38,6 +39,7 @@ class StepOutput:
     completion_tokens: int = 0
     error: Exception | None = None
     speculation: "SpeculationStats | None" = None
+    confidence: "Confidence | None" = None  # set when the request asked for it
 
 
 @dataclass(frozen=True)
@@ -57,6 +59,10 @@ class SpeculationStats:
     accepted: int = 0  # draft tokens on accepted paths
     verify_passes: int = 0
     fallback_steps: int = 0  # steps that decoded normally because the draft failed
+    # Per verify pass, for the request's trace (services/target/metrics.py), monotonic seconds:
+    # [draft_start, draft_end, verify_start, verify_end, proposed, accepted].
+    passes: list = field(default_factory=list)
+    draft_window: tuple[float, float] = (0.0, 0.0)  # this step's draft call (start, end)
 
     @property
     def rejected(self) -> int:
@@ -87,6 +93,7 @@ class Sequence:
     first_token_time: float | None = None
     last_token_time: float | None = None
     admitted: bool = False  # left the waiting queue at least once
+    admitted_time: float | None = None  # monotonic time of the first admission (queue wait ends)
     plan: SpeculationPlan | None = None  # None = no speculation
     spec: SpeculationStats = field(default_factory=SpeculationStats)
     draft_synced: int = 0  # committed tokens the draft service has seen
@@ -94,6 +101,8 @@ class Sequence:
     bucket: str = ""
     span_context: object = None  # the request's span context, linked from engine-step spans
     counted_admission: bool = False  # its prompt tokens were taken off the queued-token count
+    priority: int = 0  # tenant priority: higher is admitted first and preempted last
+    confidence: Confidence | None = None  # log-prob sums of committed tokens, when asked for
     num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:

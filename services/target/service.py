@@ -68,7 +68,8 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
             try:
                 self.engine.submit(request_id, prompt_ids, sampling, emit, request.tenant_salt,
                                    plan=_plan(request.speculation), bucket=request.bucket,
-                                   span_context=span.get_span_context())
+                                   span_context=span.get_span_context(), priority=request.priority,
+                                   report_confidence=request.report_confidence)
             except InvalidRequest as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
             except Overloaded as exc:
@@ -107,7 +108,7 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
             waiting_requests=s.waiting, model=self.model_name, queued_tokens=s.queued_tokens,
             preemptions=s.num_preemptions, evictions=s.evictions,
             prefix_query_tokens=s.prefix_query_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
-            kv_bytes=s.kv_bytes, fragmentation=s.fragmentation)
+            kv_bytes=s.kv_bytes, fragmentation=s.fragmentation, cache_model_id=self.engine.name)
 
     async def SubscribeKVEvents(self, request, context):
         log_ = self.engine.kv_events
@@ -163,6 +164,10 @@ def _final_chunk(out: StepOutput) -> common_pb2.GenerateChunk:
         usage.accepted_tokens = out.speculation.accepted
         usage.rejected_tokens = out.speculation.rejected
         usage.acceptance_length = out.speculation.acceptance_length
+    if out.confidence is not None:
+        usage.mean_logprob = out.confidence.mean_logprob
+        usage.min_logprob = out.confidence.min_logprob
+        usage.mean_margin = out.confidence.mean_margin
     return common_pb2.GenerateChunk(text=out.text, token_ids=out.token_ids,
                                     finish_reason=_FINISH[out.finish_reason], usage=usage)
 

@@ -18,7 +18,7 @@ KV_EVENT_KIND_BLOCK_STORED: KVEventKind
 KV_EVENT_KIND_BLOCK_REMOVED: KVEventKind
 
 class TargetGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "sampling", "tenant_salt", "speculation", "bucket", "priority")
+    __slots__ = ("request_id", "prompt", "sampling", "tenant_salt", "speculation", "bucket", "priority", "report_confidence")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -26,6 +26,7 @@ class TargetGenerateRequest(_message.Message):
     SPECULATION_FIELD_NUMBER: _ClassVar[int]
     BUCKET_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
+    REPORT_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     sampling: _common_pb2.SamplingParams
@@ -33,7 +34,8 @@ class TargetGenerateRequest(_message.Message):
     speculation: _common_pb2.SpeculationPlan
     bucket: str
     priority: int
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant_salt: _Optional[str] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPlan, _Mapping]] = ..., bucket: _Optional[str] = ..., priority: _Optional[int] = ...) -> None: ...
+    report_confidence: bool
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant_salt: _Optional[str] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPlan, _Mapping]] = ..., bucket: _Optional[str] = ..., priority: _Optional[int] = ..., report_confidence: _Optional[bool] = ...) -> None: ...
 
 class TargetGenerateResponse(_message.Message):
     __slots__ = ("chunk",)
