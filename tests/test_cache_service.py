@@ -1,4 +1,6 @@
-"""CacheService over real gRPC on loopback, with the memory backend and a real Redis."""
+"""CacheService Get/Put over real gRPC on loopback, with the memory backend and a real Redis.
+
+Every call carries the tenant metadata the router sets (services/cache/identity.py)."""
 
 from __future__ import annotations
 
@@ -12,34 +14,46 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cache.app import build_cache_server
 from services.cache.config import CacheConfig, RedisEndpoint
+from services.cache.identity import caller_metadata
 from services.common.proto.specmesh.v1 import cache_service_pb2 as pb
 from services.common.proto.specmesh.v1 import cache_service_pb2_grpc
 from tests.processes import free_port
 
-# aiocache 0.12.3 calls redis-py methods that redis-py 5+ marks deprecated (setex, close).
-pytestmark = pytest.mark.filterwarnings("ignore:Call to deprecated:DeprecationWarning")
 REDIS_URL = "redis://127.0.0.1:6379/0"
 RETRIEVAL, TOOL = pb.CACHE_KIND_RETRIEVAL, pb.CACHE_KIND_TOOL
 INVALID = grpc.StatusCode.INVALID_ARGUMENT
 
 
-class Client:
-    """A started cache server and a stub talking to it."""
+class _AsTenant(grpc.aio.UnaryUnaryClientInterceptor):
+    def __init__(self, tenant: str | None) -> None:
+        self.metadata = caller_metadata(tenant) if tenant else ()
 
-    def __init__(self, config: CacheConfig) -> None:
-        self.server = build_cache_server(config)
+    async def intercept_unary_unary(self, continuation, details, request):
+        details = details._replace(metadata=grpc.aio.Metadata(*(details.metadata or ()), *self.metadata))
+        return await continuation(details, request)
+
+
+class Client:
+    """A started cache server and a stub talking to it as `tenant`."""
+
+    def __init__(self, config: CacheConfig, tenant: str | None = "tenant-a", server=None) -> None:
+        self.server = server or build_cache_server(config)
+        self.owns_server = server is None
+        self.tenant = tenant
         self.channel = None
         self.stub = None
 
     async def __aenter__(self) -> Client:
-        await self.server.start()
-        self.channel = grpc.aio.insecure_channel(self.server.address)
+        if self.owns_server:
+            await self.server.start()
+        self.channel = grpc.aio.insecure_channel(self.server.address, interceptors=[_AsTenant(self.tenant)])
         self.stub = cache_service_pb2_grpc.CacheServiceStub(self.channel)
         return self
 
     async def __aexit__(self, *exc) -> None:
         await self.channel.close()
-        await self.server.stop(0)
+        if self.owns_server:
+            await self.server.stop(0)
 
     async def put(self, kind, key, value: bytes, ttl: int = 60):
         await self.stub.Put(pb.CachePutRequest(kind=kind, key=key, value=value, ttl_seconds=ttl))
@@ -139,6 +153,29 @@ async def test_bad_get_is_invalid_argument(cache, kind, key, text):
     assert await cache.get(TOOL, "k") is None  # still serving
 
 
+async def test_tenants_are_separate_and_identity_is_required(cache):
+    await cache.put(TOOL, "k", b"a's value")
+    async with Client(None, tenant="tenant-b", server=cache.server) as other:
+        assert await other.get(TOOL, "k") is None
+        await other.put(TOOL, "k", b"b's value")
+    assert await cache.get(TOOL, "k") == b"a's value"
+    async with Client(None, tenant=None, server=cache.server) as anonymous:
+        await expect_status(anonymous.stub.Get(pb.CacheGetRequest(kind=TOOL, key="k")),
+                            grpc.StatusCode.UNAUTHENTICATED, "specmesh-tenant")
+
+
+async def test_memory_backend_evicts_least_recently_used():
+    # Each entry: key "<ns>:t:tenant-a:tool:kN" (25 bytes) + 100-byte value = 125 bytes.
+    async with Client(CacheConfig(max_memory_bytes=400)) as cache:
+        for name in ("k1", "k2", "k3"):
+            await cache.put(TOOL, name, b"x" * 100)
+        assert await cache.get(TOOL, "k1") == b"x" * 100  # k1 is now the most recently used
+        await cache.put(TOOL, "k4", b"y" * 100)  # 500 > 400 bytes: evicts k2, the least recent
+        assert [await cache.get(TOOL, k) is not None for k in ("k1", "k2", "k3", "k4")] \
+            == [True, False, True, True]
+        assert cache.server.service.backend.evictions == 1
+
+
 # ---- Redis: shared between replicas, and down -------------------------------------------------
 
 async def test_two_servers_share_redis(redis_namespace):
@@ -147,8 +184,8 @@ async def test_two_servers_share_redis(redis_namespace):
         await first.put(RETRIEVAL, "doc:42", b"shared", ttl=30)
         assert await second.get(RETRIEVAL, "doc:42") == b"shared"
     client = aioredis.from_url(REDIS_URL)
-    try:  # stored under <namespace>:<kind>:<key>, as raw bytes
-        assert await client.get(f"{redis_namespace}:retrieval:doc:42") == b"shared"
+    try:  # stored under <namespace>:t:<tenant>:<kind>:<key>, as raw bytes
+        assert await client.get(f"{redis_namespace}:t:tenant-a:retrieval:doc:42") == b"shared"
     finally:
         await client.aclose()
 

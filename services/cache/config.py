@@ -7,6 +7,7 @@ from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
 from services.common.server import ServerConfig
+from services.common.tls import MeshTls
 
 BACKENDS = ("memory", "redis")
 
@@ -51,6 +52,27 @@ class CacheConfig:
     max_key_bytes: int = 1024
     # A backend operation taking longer than this answers UNAVAILABLE.
     backend_timeout_seconds: float = 2.0
+    # Memory backend: bytes of results (keys + values) kept before the least recently
+    # used are evicted. Corpora are not counted: they are bounded per corpus below.
+    max_memory_bytes: int = 256 * 1024 * 1024
+    # Prefix index: target replica addresses whose KV events are followed.
+    replicas: tuple[str, ...] = ()
+    # The cache's own mesh identity for calling the targets (None = plaintext, dev mode).
+    mesh_tls: MeshTls | None = None
+    max_prefix_blocks: int = 65536  # block hashes per PrefixMatch
+    # Tool-result cache.
+    tool_lease_ms: int = 30_000  # default lease; a holder that does not store by then loses it
+    max_lease_ms: int = 600_000
+    tool_ttl_seconds: int = 300  # default time to live of a stored value
+    tool_error_ttl_seconds: int = 5  # cached errors live at most this long
+    max_wait_seconds: float = 60.0  # a waiter without a deadline waits at most this long
+    max_arguments_bytes: int = 64 * 1024
+    # Retrieval.
+    retrieval_ttl_seconds: int = 300
+    max_documents_per_corpus: int = 100_000
+    max_document_bytes: int = 256 * 1024
+    max_query_bytes: int = 8 * 1024
+    max_k: int = 50
 
     def __post_init__(self) -> None:
         if self.backend not in BACKENDS:
@@ -63,11 +85,21 @@ class CacheConfig:
             raise ValueError("redis_url is set but backend is 'memory'; set backend='redis' or drop redis_url")
         if not self.namespace or ":" in self.namespace:
             raise ValueError(f"namespace must be non-empty and contain no ':', got {self.namespace!r}")
-        for name in ("max_ttl_seconds", "max_value_bytes", "max_key_bytes"):
+        object.__setattr__(self, "replicas", tuple(self.replicas))
+        if len(set(self.replicas)) != len(self.replicas) or not all(self.replicas):
+            raise ValueError(f"replicas must be distinct non-empty addresses, got {list(self.replicas)}")
+        for name in ("max_ttl_seconds", "max_value_bytes", "max_key_bytes", "max_memory_bytes",
+                     "max_prefix_blocks", "tool_lease_ms", "max_lease_ms", "tool_ttl_seconds",
+                     "tool_error_ttl_seconds", "max_arguments_bytes", "retrieval_ttl_seconds",
+                     "max_documents_per_corpus", "max_document_bytes", "max_query_bytes", "max_k"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not (math.isfinite(self.backend_timeout_seconds) and self.backend_timeout_seconds > 0):
             raise ValueError(f"backend_timeout_seconds must be > 0, got {self.backend_timeout_seconds}")
+        if not (math.isfinite(self.max_wait_seconds) and self.max_wait_seconds > 0):
+            raise ValueError(f"max_wait_seconds must be > 0, got {self.max_wait_seconds}")
+        if self.tool_lease_ms > self.max_lease_ms:
+            raise ValueError(f"tool_lease_ms {self.tool_lease_ms} is above max_lease_ms {self.max_lease_ms}")
 
     @property
     def redis_endpoint(self) -> RedisEndpoint | None:
