@@ -86,6 +86,7 @@ class ToolCache:
     def __init__(self, config: CacheConfig, backend) -> None:
         self.config = config
         self.backend = backend
+        self.waiting = 0  # lookups now waiting for another caller's lease
 
     async def lookup(self, key: ToolKey, lease_ms: int, wait_seconds: float) -> ToolResult:
         """A stored result, the lease, or (after waiting for the holder) its result."""
@@ -93,7 +94,13 @@ class ToolCache:
         stored = await self.backend.get(value_key)
         if stored is not None:
             return _result(HIT, stored)
-        deadline = time.monotonic() + wait_seconds
+        self.waiting += 1
+        try:
+            return await self._wait_or_lease(value_key, lease_ms, time.monotonic() + wait_seconds)
+        finally:
+            self.waiting -= 1
+
+    async def _wait_or_lease(self, value_key: str, lease_ms: int, deadline: float) -> ToolResult:
         poll = _POLL_FIRST_S
         waited = False
         while True:
@@ -106,7 +113,7 @@ class ToolCache:
                 return _result(WAITED if waited else HIT, stored)
             waited = True
             if time.monotonic() + poll > deadline:
-                raise WaitTimeout(f"waited {wait_seconds:g}s for another caller's tool result")
+                raise WaitTimeout("the deadline passed while waiting for another caller's tool result")
             await asyncio.sleep(poll)
             poll = min(poll * 2, _POLL_MAX_S)
             stored = await self.backend.get(value_key)
