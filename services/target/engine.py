@@ -21,6 +21,7 @@ from services.common.sampling_params import SamplingConfig
 from services.target import metrics
 from services.target.block_manager import BlockManager
 from services.target.config import EngineConfig
+from services.target.confidence import Confidence
 from services.target.detokenizer import IncrementalDetokenizer
 from services.target.draft_client import DraftClient
 from services.target.engine_types import EngineStats, InvalidRequest, Overloaded
@@ -61,11 +62,12 @@ class Engine:
         self._torch_thread = torch_thread or TorchThread()
         self._loop_future = None
         self._tasks: list[tuple] = []  # (fn, args, future) to run on the engine thread between steps
-        self._histograms = metrics.register_engine(self)
+        self._metrics = metrics.register_engine(self)
         self.speculator: Speculator | None = None
         if config.draft_address:
-            client = DraftClient(config.draft_address, config.draft_timeout_s, spec.vocab_size)
-            self.speculator = Speculator(client, self.runner.kernels, spec.max_context, self._histograms)
+            client = DraftClient(config.draft_address, config.draft_timeout_s, spec.vocab_size,
+                                 tls=config.mesh_tls)
+            self.speculator = Speculator(client, self.runner.kernels, spec.max_context, self._metrics)
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
@@ -120,17 +122,20 @@ class Engine:
     def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingConfig,
                emit: Callable[[StepOutput], None], tenant_salt: str = "",
                plan: SpeculationPlan | None = None, bucket: str = "",
-               span_context=None) -> None:
+               span_context=None, priority: int = 0, report_confidence: bool = False) -> None:
         """Queues a request; raises InvalidRequest or Overloaded without queueing anything.
 
         `plan` asks for speculative decoding; it is ignored when no draft service is configured.
+        `priority` orders admission and preemption; `report_confidence` fills the final
+        output's `confidence` (services/target/confidence.py).
         """
         self.validate(prompt_ids, sampling)
         seq = Sequence(request_id, list(prompt_ids), sampling, make_generator(sampling.seed),
                        IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling.stop), emit,
                        extra_key=extra_key(self.name, tenant_salt),
                        plan=plan if self.speculator is not None else None,
-                       tenant_salt=tenant_salt, bucket=bucket, span_context=span_context)
+                       tenant_salt=tenant_salt, bucket=bucket, span_context=span_context,
+                       priority=priority, confidence=Confidence() if report_confidence else None)
         with self._lock:
             if self._stopped:
                 raise Overloaded("engine is shutting down")
@@ -213,9 +218,9 @@ class Engine:
                     if item.seq.admitted and not item.seq.counted_admission:
                         item.seq.counted_admission = True
                         self._queued_tokens -= item.seq.num_prompt_tokens
+                        self._metrics.admitted(item.seq, time.monotonic())
             if batch:
-                self._histograms["batch_size"].record(len(batch))
-                self._histograms["batch_tokens"].record(sum(i.num_tokens for i in batch))
+                self._metrics.step(batch)
                 try:
                     self._run_step(batch)
                 except Exception as exc:  # a failing step fails its requests, never the engine
@@ -247,21 +252,38 @@ class Engine:
             inputs, trees = self._step_inputs(batch, proposals)
         with verify_span(trees, batch):
             logits = self.runner.forward(inputs)  # [num_rows, vocab]
-        plain, plain_rows, accepted = [], [], {}
+        plain, plain_rows, accepted, failed, rows_of = [], [], {}, {}, {}
         offset = 0
         for item, inp in zip(batch, inputs):
             rows = logits[offset:offset + inp.num_logits]
             offset += inp.num_logits
             if item.seq.seq_id in trees:
-                accepted[item.seq.seq_id] = self.speculator.accept(item.seq, rows, trees[item.seq.seq_id])
+                try:  # one sequence's sampling failure fails that request only
+                    accepted[item.seq.seq_id] = self.speculator.accept(item.seq, rows, trees[item.seq.seq_id])
+                    if item.seq.confidence is not None:
+                        item.seq.confidence.add_tree(rows, trees[item.seq.seq_id], *accepted[item.seq.seq_id])
+                except Exception as exc:
+                    log.exception("verify of %s failed", item.seq.seq_id)
+                    failed[item.seq.seq_id] = exc
             elif item.samples:
                 plain.append(item)
                 plain_rows.append(rows)
+                rows_of[item.seq.seq_id] = rows
         sampled = sample(torch.cat(plain_rows), [i.seq.sampling for i in plain],
                          [i.seq.generator for i in plain]) if plain else []
-        new_tokens = {item.seq.seq_id: [t] for item, t in zip(plain, sampled)}
+        new_tokens = {}
+        for item, token in zip(plain, sampled):
+            if isinstance(token, Exception):
+                failed[item.seq.seq_id] = token
+            else:
+                new_tokens[item.seq.seq_id] = [token]
+                if item.seq.confidence is not None:
+                    item.seq.confidence.add(rows_of[item.seq.seq_id][-1:], [token])
         now = time.monotonic()
         with self._lock:
+            for item in batch:
+                if item.seq.seq_id in failed:
+                    self._finish(item.seq, error=failed[item.seq.seq_id])
             for item in batch:
                 seq = item.seq
                 seq.num_computed = item.start + item.num_tokens
@@ -269,7 +291,7 @@ class Engine:
                     path, bonus = accepted[seq.seq_id]
                     new_tokens[seq.seq_id] = self._commit_tree(seq, item.start, trees[seq.seq_id], path, bonus)
                 if seq.seq_id in self._live:
-                    self.blocks.commit(seq.seq_id, seq.token_ids, seq.num_computed, seq.extra_key)
+                    self._commit_blocks(seq)
             for item in batch:
                 seq = item.seq
                 tokens = new_tokens.get(seq.seq_id)
@@ -277,9 +299,9 @@ class Engine:
                     continue
                 if seq.first_token_time is None:
                     seq.first_token_time = now
-                    self._histograms["ttft"].record(now - seq.arrival)
+                    self._metrics.first_token(seq, now)
                 elif seq.last_token_time is not None:
-                    self._histograms["tpot"].record((now - seq.last_token_time) / len(tokens))
+                    self._metrics.next_tokens(seq, now, len(tokens))
                 seq.last_token_time = now
                 self._commit(seq, tokens)
             self.kv_events.append(self.blocks.events)
@@ -329,11 +351,21 @@ class Engine:
                 reason = FinishReason.LENGTH
             if reason is not None:
                 break
+        self._commit_blocks(seq)  # accepted draft tokens complete blocks whose KV is in place
         if reason is not None and reason is not FinishReason.STOP_SEQUENCE:
             text += seq.detokenizer.flush()
         seq.emit(StepOutput(committed, text))
         if reason is not None:
             self._finish(seq, reason)
+
+    def _commit_blocks(self, seq: Sequence) -> None:
+        """Enters the sequence's full blocks into the prefix cache (lock held).
+
+        Only positions that hold both KV and a committed token count: after a verify pass
+        `num_computed` runs ahead of `token_ids` until the accepted tokens are appended,
+        and hashing then would hash a truncated token list.
+        """
+        self.blocks.commit(seq.seq_id, seq.token_ids, min(seq.num_computed, seq.num_tokens), seq.extra_key)
 
     def _finish(self, seq: Sequence, reason: FinishReason | None = None,
                 error: Exception | None = None) -> None:
@@ -350,9 +382,11 @@ class Engine:
         self.blocks.events = []
         if self.speculator is not None:
             self.speculator.release(seq)
+        self._metrics.finished(seq, "error" if error is not None else (reason.value if reason else "error"))
         if reason is FinishReason.ABORTED:
             return  # nobody is listening
         seq.emit(StepOutput([], "", finish_reason=reason, prompt_tokens=seq.num_prompt_tokens,
                             cached_prompt_tokens=seq.num_cached_prompt,
                             completion_tokens=seq.num_output_tokens, error=error,
-                            speculation=seq.spec if seq.plan is not None else None))
+                            speculation=seq.spec if seq.plan is not None else None,
+                            confidence=seq.confidence))

@@ -1,10 +1,23 @@
-"""Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators."""
+"""Token sampling: greedy, temperature, top-k, top-p, per-request seeded generators.
+
+Numerically safe for every valid SamplingConfig: logits are shifted so that the
+largest is 0 before the temperature divides them (a subnormal temperature then
+gives an almost one-hot distribution, never inf/inf = NaN), +inf logits count as
+the largest finite value, NaN logits are never chosen, and the nucleus always keeps
+the most likely token (a tiny top_p rounding to 0 in float32 keeps one token).
+A row with no usable logit at all (every entry NaN or -inf) is a `SamplingError`
+for that sequence only: `sample` returns it in that sequence's place.
+"""
 
 from __future__ import annotations
 
 import torch
 
 from services.common.sampling_params import SamplingConfig
+
+
+class SamplingError(RuntimeError):
+    """One sequence's logits admit no token (e.g. all NaN); fails that request only."""
 
 
 def make_generator(seed: int | None) -> torch.Generator:
@@ -17,9 +30,14 @@ def make_generator(seed: int | None) -> torch.Generator:
 
 
 def target_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
-    """logits: [n, vocab] -> probabilities [n, vocab] float32 after temperature, top-k, top-p."""
-    logits = logits.float() / config.temperature
-    if config.top_k > 0 and config.top_k < logits.shape[-1]:
+    """logits: [n, vocab] -> probabilities [n, vocab] float32 after temperature, top-k, top-p.
+
+    Raises SamplingError when a row has no usable logit.
+    """
+    logits = _finite_shifted(logits)  # [n, vocab], max 0 per row, -inf where unusable
+    # A temperature below float32's smallest normal would round to 0 (0 / 0 = NaN at the max).
+    logits = logits / max(config.temperature, torch.finfo(torch.float32).tiny)
+    if 0 < config.top_k < logits.shape[-1]:
         kth = torch.topk(logits, config.top_k, dim=-1).values[..., -1:]
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
@@ -27,6 +45,7 @@ def target_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
         sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
         # Keep the smallest set whose mass reaches top_p (the token crossing it stays).
         drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= config.top_p
+        drop[..., 0] = False  # the most likely token always stays
         sorted_probs = sorted_probs.masked_fill(drop, 0.0)
         probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
         probs = probs / probs.sum(dim=-1, keepdim=True)
@@ -34,14 +53,38 @@ def target_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, configs: list[SamplingConfig],
-           generators: list[torch.Generator]) -> list[int]:
-    """logits: [num_seqs, vocab] -> one token id per sequence."""
-    greedy = logits.argmax(dim=-1).tolist()
-    out = []
+           generators: list[torch.Generator]) -> list[int | SamplingError]:
+    """logits: [num_seqs, vocab] -> one token id per sequence, or its SamplingError.
+
+    A failure of one sequence never affects the others' tokens.
+    """
+    safe = _finite_shifted(logits, check=False)  # [num_seqs, vocab]
+    greedy = safe.argmax(dim=-1).tolist()
+    usable = (safe.amax(dim=-1) == 0).tolist()  # [num_seqs]: the max is 0 unless no logit is usable
+    out: list[int | SamplingError] = []
     for i, (config, gen) in enumerate(zip(configs, generators)):
-        if config.greedy:
+        if not usable[i]:
+            out.append(SamplingError("the model produced no finite logit for this sequence"))
+        elif config.greedy:
             out.append(greedy[i])
-            continue
-        probs = target_probs(logits[i:i + 1], config)[0]
-        out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+        else:
+            try:
+                probs = target_probs(logits[i:i + 1], config)[0]
+                out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+            except (SamplingError, RuntimeError) as exc:  # never fail the batch for one row
+                out.append(exc if isinstance(exc, SamplingError) else SamplingError(str(exc)))
     return out
+
+
+def _finite_shifted(logits: torch.Tensor, check: bool = True) -> torch.Tensor:
+    """logits: [n, vocab] -> float32 [n, vocab] with each row's max at 0.
+
+    NaN becomes -inf (never sampled); +inf becomes the float32 maximum, so an
+    overflowing logit is simply the most likely token. A row with no usable logit
+    stays all -inf (or NaN after the shift) and raises when `check`.
+    """
+    x = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+    top = x.amax(dim=-1, keepdim=True)  # [n, 1]
+    if check and not bool(torch.isfinite(top).all()):
+        raise SamplingError("the model produced no finite logit for this sequence")
+    return x - top
