@@ -21,7 +21,7 @@ pools:
     min_margin: 0.0               # ... or below this mean top-1/top-2 log-prob margin
 tenants:
   acme: {token: "secret-1", class: premium, priority: 2, max_concurrent: 8,
-         tokens_per_second: 2000, risk_flags: [regulated]}
+         tokens_per_second: 2000, risk_flags: [regulated], access_labels: [staff]}
 classes:
   premium: {cost: 0.1, latency: 1.0, quality: 5.0, risk: 1.0}
 risk_rules:
@@ -128,6 +128,8 @@ class TenantConfig:
     tokens_per_second: float = 0.0  # prompt + max_tokens per second (token bucket); 0 = no limit
     burst_tokens: int = 0  # bucket size; 0 = two seconds' worth (at least one max request)
     risk_flags: tuple[str, ...] = ()
+    # Retrieval: the tenant's callers read documents whose labels are all in this set.
+    access_labels: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not self.name:
