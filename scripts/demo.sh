@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the embedded default: install, convert the default model once,
-# start all four services on loopback, stream one answer, shut down cleanly.
-# Usage: bash scripts/demo.sh ["PROMPT"]
+# start all four services on loopback, ask one question as a chat message (the model's
+# chat template is applied by the target) and stream the answer, shut down cleanly.
+# Usage: bash scripts/demo.sh ["QUESTION"]
 set -euo pipefail
 cd "$(dirname "$0")/.."
 PROMPT="${1:-Explain in two sentences why the sky is blue.}"
@@ -17,4 +18,5 @@ for _ in $(seq 1 240); do
   if ! kill -0 $UP_PID 2>/dev/null; then echo "specmesh up exited; see $LOG" >&2; tail -20 "$LOG" >&2; exit 1; fi
   sleep 0.5
 done
+echo "question: $PROMPT"
 specmesh generate "$PROMPT" --max-tokens 64

@@ -62,6 +62,9 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--seed", type=int, help="sampling seed (default: random)")
     gen.add_argument("--stop", action="append", default=[], help="stop string (repeatable)")
     gen.add_argument("--token", help=setting_help("token"))
+    gen.add_argument("--raw", action="store_true", help="send PROMPT as a plain prompt, without the "
+                     "model's chat template")
+    gen.add_argument("--system", default="", help="a system message before the question (chat only)")
     _setting_flags(gen, ("config",))
     gen.set_defaults(func=_cmd_generate)
     return parser

@@ -28,7 +28,12 @@ async def stream_generate(settings, args) -> int:
         top_p=args.top_p, stop=args.stop)
     if args.seed is not None:
         sampling.seed, sampling.has_seed = args.seed, True
-    request = router_service_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling)
+    if getattr(args, "raw", False):
+        request = router_service_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling)
+    else:  # one user turn; the target applies the model's chat template
+        messages = [common_pb2.ChatMessage(role="system", content=args.system)] if args.system else []
+        messages.append(common_pb2.ChatMessage(role="user", content=args.prompt))
+        request = router_service_pb2.GenerateRequest(messages=messages, sampling=sampling)
     metadata = (("authorization", f"Bearer {settings.token}"),)
     start = time.perf_counter()
     first = None

@@ -50,13 +50,14 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
         with tracer.start_as_current_span("route") as span:
             sampling = await self._validate(request, context)
-            bucket = bucket_of(request.prompt, sampling)
+            bucket = bucket_of(request.prompt or "\n".join(m.content for m in request.messages), sampling)
             span.set_attribute("specmesh.bucket", bucket)
             span.set_attribute("specmesh.route", "default")
             span.set_attribute("specmesh.speculation", self.config.speculation_method)
             span.set_attribute("gen_ai.request.max_tokens", sampling.max_tokens)
             target_request = target_service_pb2.TargetGenerateRequest(
-                request_id=uuid.uuid4().hex, prompt=request.prompt, sampling=request.sampling,
+                request_id=uuid.uuid4().hex, prompt=request.prompt, messages=request.messages,
+                sampling=request.sampling,
                 tenant_salt=self.auth.salt(tenant), bucket=bucket,
                 speculation=self._plan(bucket))
         remaining = context.time_remaining()
@@ -85,7 +86,12 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
 
     async def _validate(self, request, context) -> SamplingConfig:
         problems = []
-        if not request.prompt.strip():
+        if request.prompt and request.messages:
+            problems.append("set prompt or messages, not both")
+        elif request.messages:
+            if not any(m.content.strip() for m in request.messages):
+                problems.append("messages are empty")
+        elif not request.prompt.strip():
             problems.append("prompt is empty")
         try:
             sampling = sampling_from_proto(request.sampling)

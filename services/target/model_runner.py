@@ -148,6 +148,8 @@ def model_spec(model, tokenizer) -> ModelSpec:
         if value is not None:
             eos.update([value] if isinstance(value, int) else value)
             break
+    from services.common.models.chat_templates import end_of_turn_ids
+    eos |= end_of_turn_ids(tokenizer)  # chat answers end there (Gemma's <end_of_turn>)
     return ModelSpec(
         num_layers=config.num_hidden_layers,
         num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,

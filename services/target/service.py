@@ -15,6 +15,7 @@ from services.common.proto.specmesh.v1 import (
     target_service_pb2_grpc,
 )
 from services.common.sampling_params import sampling_from_proto
+from services.target.chat import ChatTemplateError, chat_prompt_ids
 from services.target.engine import Engine, InvalidRequest, Overloaded
 from services.target.sequence import FinishReason, SpeculationPlan, StepOutput
 
@@ -44,7 +45,9 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
             sampling = sampling_from_proto(request.sampling)
         except ValueError as exc:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        if not request.prompt:
+        if request.prompt and request.messages:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set prompt or messages, not both")
+        if not request.prompt and not request.messages:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
         request_id = request.request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
@@ -53,7 +56,13 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
         def emit(out: StepOutput) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
-        prompt_ids = self.engine.tokenize(request.prompt)
+        if request.messages:
+            try:
+                prompt_ids = chat_prompt_ids(self.engine.tokenizer, request.messages)
+            except ChatTemplateError as exc:
+                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+        else:
+            prompt_ids = self.engine.tokenize(request.prompt)
         finished = False
         self._in_flight += 1
         # Spans are started without attaching them to the context: this is an async generator,

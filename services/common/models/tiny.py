@@ -30,6 +30,7 @@ TINY_ARCHS = ("llama", "gemma3")
 TINY_VOCAB_SIZE = 384
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0, 1, 2, 3
 TINY_MARKER = "specmesh-tiny.json"
+CHAT_SPECIAL_TOKENS = ("<start_of_turn>", "<end_of_turn>")  # ids 384, 385 with chat=True
 
 _COMMON = dict(
     hidden_size=64,
@@ -88,20 +89,29 @@ def tiny_config(arch: str = "llama", **overrides):
     return config
 
 
-def build_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, **overrides) -> Path:
+def build_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, chat: bool = False,
+                     **overrides) -> Path:
     """Write a tiny seeded model of `arch` to `out_dir` (atomically) and return `out_dir`.
 
     Same (arch, seed, overrides) -> identical files' weights. `overrides` go to the config
-    (e.g. `num_hidden_layers=3`, `sliding_window=8`, `initializer_range=0.02`).
+    (e.g. `num_hidden_layers=3`, `sliding_window=8`, `initializer_range=0.02`). `chat=True`
+    adds Gemma 3's chat template with its `<start_of_turn>` / `<end_of_turn>` special tokens
+    (ids TINY_VOCAB_SIZE, TINY_VOCAB_SIZE + 1; the vocabulary grows by two) and stops
+    generation at `<end_of_turn>` as Gemma's generation config does.
     """
     from transformers import AutoModelForCausalLM
 
     out_dir = Path(out_dir)
+    if chat:
+        overrides.setdefault("vocab_size", TINY_VOCAB_SIZE + len(CHAT_SPECIAL_TOKENS))
     config = tiny_config(arch, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     _seed_weights(model, seed, config.initializer_range)
     model.generation_config.pad_token_id = config.pad_token_id
-    tokenizer = build_tiny_tokenizer()
+    tokenizer = build_tiny_tokenizer(chat=chat)
+    if chat:
+        model.generation_config.eos_token_id = [config.eos_token_id,
+                                                tokenizer.convert_tokens_to_ids("<end_of_turn>")]
     if config.vocab_size < len(tokenizer):
         raise ValueError(f"vocab_size {config.vocab_size} is smaller than the tokenizer's {len(tokenizer)}")
 
@@ -110,7 +120,7 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, **overri
     try:
         model.save_pretrained(work)
         tokenizer.save_pretrained(work)
-        marker = {"arch": arch, "seed": seed, "overrides": overrides}
+        marker = {"arch": arch, "seed": seed, "overrides": overrides, **({"chat": True} if chat else {})}
         (work / TINY_MARKER).write_text(json.dumps(marker, indent=2, sort_keys=True, default=str) + "\n")
         if out_dir.exists():
             shutil.rmtree(out_dir)
@@ -132,12 +142,13 @@ def tiny_model_dir(tmp_root: Path, arch: str = "llama", seed: int = 0) -> Path:
     return build_tiny_model(out_dir, arch=arch, seed=seed)
 
 
-def build_tiny_tokenizer():
-    """Byte-level BPE trained deterministically on `_CORPUS`, as a PreTrainedTokenizerFast."""
+def build_tiny_tokenizer(chat: bool = False):
+    """Byte-level BPE trained deterministically on `_CORPUS`, as a PreTrainedTokenizerFast;
+    `chat=True` adds Gemma 3's chat template and turn tokens."""
     from tokenizers import Tokenizer
     from transformers import PreTrainedTokenizerFast
 
-    return PreTrainedTokenizerFast(
+    tokenizer = PreTrainedTokenizerFast(
         tokenizer_object=Tokenizer.from_str(_trained_tokenizer_json()),
         pad_token="<pad>",
         bos_token="<bos>",
@@ -145,6 +156,11 @@ def build_tiny_tokenizer():
         unk_token="<unk>",
         model_max_length=_COMMON["max_position_embeddings"],
     )
+    if chat:
+        from services.common.models.chat_templates import GEMMA3_CHAT_TEMPLATE
+        tokenizer.add_tokens(list(CHAT_SPECIAL_TOKENS), special_tokens=True)
+        tokenizer.chat_template = GEMMA3_CHAT_TEMPLATE
+    return tokenizer
 
 
 # ----------------------------------------------------------------------------- helpers

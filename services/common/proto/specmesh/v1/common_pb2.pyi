@@ -85,6 +85,14 @@ class SpeculationPlan(_message.Message):
     max_nodes: int
     def __init__(self, method: _Optional[_Union[SpeculationMethod, str]] = ..., max_depth: _Optional[int] = ..., max_nodes: _Optional[int] = ...) -> None: ...
 
+class ChatMessage(_message.Message):
+    __slots__ = ("role", "content")
+    ROLE_FIELD_NUMBER: _ClassVar[int]
+    CONTENT_FIELD_NUMBER: _ClassVar[int]
+    role: str
+    content: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+
 class GenerateChunk(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage")
     TEXT_FIELD_NUMBER: _ClassVar[int]

@@ -8,16 +8,18 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "sampling", "model", "retrieval")
+    __slots__ = ("prompt", "sampling", "model", "retrieval", "messages")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RETRIEVAL_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     sampling: _common_pb2.SamplingParams
     model: str
     retrieval: RetrievalSpec
-    def __init__(self, prompt: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., retrieval: _Optional[_Union[RetrievalSpec, _Mapping]] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
+    def __init__(self, prompt: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., retrieval: _Optional[_Union[RetrievalSpec, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class RetrievalSpec(_message.Message):
     __slots__ = ("corpus", "query", "k")

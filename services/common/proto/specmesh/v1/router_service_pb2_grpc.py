@@ -54,7 +54,8 @@ class RouterServiceServicer:
         """Generates a completion for a prompt and streams the committed text and
         token ids as they are produced; the last message carries the finish
         reason and usage.
-        Errors: INVALID_ARGUMENT (empty prompt, bad sampling parameters, prompt
+        Errors: INVALID_ARGUMENT (empty prompt, both or neither of prompt and
+        messages, a model without a chat template, bad sampling parameters, prompt
         plus max_tokens beyond the model context), UNAUTHENTICATED (missing or
         unknown token), RESOURCE_EXHAUSTED (overload; retry later),
         DEADLINE_EXCEEDED, UNAVAILABLE (target down). A failure after tokens

@@ -25,29 +25,29 @@ _sym_db = _symbol_database.Default()
 from services.common.proto.specmesh.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n specmesh/v1/target_service.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\xef\x01\n\x15TargetGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x13\n\x0btenant_salt\x18\x04 \x01(\t\x12\x31\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1c.specmesh.v1.SpeculationPlan\x12\x0e\n\x06\x62ucket\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x19\n\x11report_confidence\x18\x08 \x01(\x08\"C\n\x16TargetGenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1a.specmesh.v1.GenerateChunk\"\x11\n\x0fGetStatsRequest\"\xf6\x02\n\x10GetStatsResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\x05\x12\x13\n\x0bused_blocks\x18\x03 \x01(\x05\x12\x15\n\rcached_blocks\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x18\n\x10running_requests\x18\x06 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x07 \x01(\x05\x12\r\n\x05model\x18\x08 \x01(\t\x12\x15\n\rqueued_tokens\x18\t \x01(\x03\x12\x13\n\x0bpreemptions\x18\n \x01(\x03\x12\x11\n\tevictions\x18\x0b \x01(\x03\x12\x1b\n\x13prefix_query_tokens\x18\x0c \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\r \x01(\x03\x12\x10\n\x08kv_bytes\x18\x0e \x01(\x03\x12\x15\n\rfragmentation\x18\x0f \x01(\x02\x12\x16\n\x0e\x63\x61\x63he_model_id\x18\x10 \x01(\t\"D\n\x18SubscribeKVEventsRequest\x12\x16\n\x0e\x61\x66ter_sequence\x18\x01 \x01(\x04\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\"\x8f\x01\n\x07KVEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12&\n\x04kind\x18\x02 \x01(\x0e\x32\x18.specmesh.v1.KVEventKind\x12\x12\n\nblock_hash\x18\x03 \x01(\x04\x12\x13\n\x0bparent_hash\x18\x04 \x01(\x04\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\r\n\x05scope\x18\x06 \x01(\t\"\xa0\x01\n\x19SubscribeKVEventsResponse\x12$\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x14.specmesh.v1.KVEvent\x12\x13\n\x0bis_snapshot\x18\x02 \x01(\x08\x12\x19\n\x11snapshot_sequence\x18\x03 \x01(\x04\x12-\n\x0fsnapshot_blocks\x18\x04 \x03(\x0b\x32\x14.specmesh.v1.KVEvent*m\n\x0bKVEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aKV_EVENT_KIND_BLOCK_STORED\x10\x01\x12\x1f\n\x1bKV_EVENT_KIND_BLOCK_REMOVED\x10\x02\x32\x95\x02\n\rTargetService\x12U\n\x08Generate\x12\".specmesh.v1.TargetGenerateRequest\x1a#.specmesh.v1.TargetGenerateResponse0\x01\x12G\n\x08GetStats\x12\x1c.specmesh.v1.GetStatsRequest\x1a\x1d.specmesh.v1.GetStatsResponse\x12\x64\n\x11SubscribeKVEvents\x12%.specmesh.v1.SubscribeKVEventsRequest\x1a&.specmesh.v1.SubscribeKVEventsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n specmesh/v1/target_service.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x9b\x02\n\x15TargetGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x13\n\x0btenant_salt\x18\x04 \x01(\t\x12\x31\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1c.specmesh.v1.SpeculationPlan\x12\x0e\n\x06\x62ucket\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x19\n\x11report_confidence\x18\x08 \x01(\x08\x12*\n\x08messages\x18\t \x03(\x0b\x32\x18.specmesh.v1.ChatMessage\"C\n\x16TargetGenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1a.specmesh.v1.GenerateChunk\"\x11\n\x0fGetStatsRequest\"\xf6\x02\n\x10GetStatsResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\x05\x12\x13\n\x0bused_blocks\x18\x03 \x01(\x05\x12\x15\n\rcached_blocks\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x18\n\x10running_requests\x18\x06 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x07 \x01(\x05\x12\r\n\x05model\x18\x08 \x01(\t\x12\x15\n\rqueued_tokens\x18\t \x01(\x03\x12\x13\n\x0bpreemptions\x18\n \x01(\x03\x12\x11\n\tevictions\x18\x0b \x01(\x03\x12\x1b\n\x13prefix_query_tokens\x18\x0c \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\r \x01(\x03\x12\x10\n\x08kv_bytes\x18\x0e \x01(\x03\x12\x15\n\rfragmentation\x18\x0f \x01(\x02\x12\x16\n\x0e\x63\x61\x63he_model_id\x18\x10 \x01(\t\"D\n\x18SubscribeKVEventsRequest\x12\x16\n\x0e\x61\x66ter_sequence\x18\x01 \x01(\x04\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\"\x8f\x01\n\x07KVEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12&\n\x04kind\x18\x02 \x01(\x0e\x32\x18.specmesh.v1.KVEventKind\x12\x12\n\nblock_hash\x18\x03 \x01(\x04\x12\x13\n\x0bparent_hash\x18\x04 \x01(\x04\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\r\n\x05scope\x18\x06 \x01(\t\"\xa0\x01\n\x19SubscribeKVEventsResponse\x12$\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x14.specmesh.v1.KVEvent\x12\x13\n\x0bis_snapshot\x18\x02 \x01(\x08\x12\x19\n\x11snapshot_sequence\x18\x03 \x01(\x04\x12-\n\x0fsnapshot_blocks\x18\x04 \x03(\x0b\x32\x14.specmesh.v1.KVEvent*m\n\x0bKVEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aKV_EVENT_KIND_BLOCK_STORED\x10\x01\x12\x1f\n\x1bKV_EVENT_KIND_BLOCK_REMOVED\x10\x02\x32\x95\x02\n\rTargetService\x12U\n\x08Generate\x12\".specmesh.v1.TargetGenerateRequest\x1a#.specmesh.v1.TargetGenerateResponse0\x01\x12G\n\x08GetStats\x12\x1c.specmesh.v1.GetStatsRequest\x1a\x1d.specmesh.v1.GetStatsResponse\x12\x64\n\x11SubscribeKVEvents\x12%.specmesh.v1.SubscribeKVEventsRequest\x1a&.specmesh.v1.SubscribeKVEventsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.target_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVEVENTKIND']._serialized_start=1161
-  _globals['_KVEVENTKIND']._serialized_end=1270
+  _globals['_KVEVENTKIND']._serialized_start=1205
+  _globals['_KVEVENTKIND']._serialized_end=1314
   _globals['_TARGETGENERATEREQUEST']._serialized_start=76
-  _globals['_TARGETGENERATEREQUEST']._serialized_end=315
-  _globals['_TARGETGENERATERESPONSE']._serialized_start=317
-  _globals['_TARGETGENERATERESPONSE']._serialized_end=384
-  _globals['_GETSTATSREQUEST']._serialized_start=386
-  _globals['_GETSTATSREQUEST']._serialized_end=403
-  _globals['_GETSTATSRESPONSE']._serialized_start=406
-  _globals['_GETSTATSRESPONSE']._serialized_end=780
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=782
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=850
-  _globals['_KVEVENT']._serialized_start=853
-  _globals['_KVEVENT']._serialized_end=996
-  _globals['_SUBSCRIBEKVEVENTSRESPONSE']._serialized_start=999
-  _globals['_SUBSCRIBEKVEVENTSRESPONSE']._serialized_end=1159
-  _globals['_TARGETSERVICE']._serialized_start=1273
-  _globals['_TARGETSERVICE']._serialized_end=1550
+  _globals['_TARGETGENERATEREQUEST']._serialized_end=359
+  _globals['_TARGETGENERATERESPONSE']._serialized_start=361
+  _globals['_TARGETGENERATERESPONSE']._serialized_end=428
+  _globals['_GETSTATSREQUEST']._serialized_start=430
+  _globals['_GETSTATSREQUEST']._serialized_end=447
+  _globals['_GETSTATSRESPONSE']._serialized_start=450
+  _globals['_GETSTATSRESPONSE']._serialized_end=824
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=826
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=894
+  _globals['_KVEVENT']._serialized_start=897
+  _globals['_KVEVENT']._serialized_end=1040
+  _globals['_SUBSCRIBEKVEVENTSRESPONSE']._serialized_start=1043
+  _globals['_SUBSCRIBEKVEVENTSRESPONSE']._serialized_end=1203
+  _globals['_TARGETSERVICE']._serialized_start=1317
+  _globals['_TARGETSERVICE']._serialized_end=1594
 # @@protoc_insertion_point(module_scope)

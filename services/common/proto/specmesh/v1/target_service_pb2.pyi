@@ -18,7 +18,7 @@ KV_EVENT_KIND_BLOCK_STORED: KVEventKind
 KV_EVENT_KIND_BLOCK_REMOVED: KVEventKind
 
 class TargetGenerateRequest(_message.Message):
-    __slots__ = ("request_id", "prompt", "sampling", "tenant_salt", "speculation", "bucket", "priority", "report_confidence")
+    __slots__ = ("request_id", "prompt", "sampling", "tenant_salt", "speculation", "bucket", "priority", "report_confidence", "messages")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
@@ -27,6 +27,7 @@ class TargetGenerateRequest(_message.Message):
     BUCKET_FIELD_NUMBER: _ClassVar[int]
     PRIORITY_FIELD_NUMBER: _ClassVar[int]
     REPORT_CONFIDENCE_FIELD_NUMBER: _ClassVar[int]
+    MESSAGES_FIELD_NUMBER: _ClassVar[int]
     request_id: str
     prompt: str
     sampling: _common_pb2.SamplingParams
@@ -35,7 +36,8 @@ class TargetGenerateRequest(_message.Message):
     bucket: str
     priority: int
     report_confidence: bool
-    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant_salt: _Optional[str] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPlan, _Mapping]] = ..., bucket: _Optional[str] = ..., priority: _Optional[int] = ..., report_confidence: _Optional[bool] = ...) -> None: ...
+    messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
+    def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant_salt: _Optional[str] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPlan, _Mapping]] = ..., bucket: _Optional[str] = ..., priority: _Optional[int] = ..., report_confidence: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
 
 class TargetGenerateResponse(_message.Message):
     __slots__ = ("chunk",)
