@@ -1,0 +1,132 @@
+"""Model pools at run time: each pool's replicas, tokenizer and measured speed.
+
+A pool is one model (DESIGN section 9); the router tokenizes a prompt with the pool's
+own tokenizer (loaded once, off the event loop, from the pool's model directory) to
+count tokens and compute the chained block hashes its replicas compute. Without a
+readable tokenizer the pool still serves: token counts are estimated (4 bytes per token)
+and replica choice falls back from kv_aware to least_loaded for that pool.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Callable
+from functools import lru_cache
+from pathlib import Path
+
+import grpc
+
+from services.common.block_hash import chained_block_hashes, extra_key
+from services.common.mesh_config import PoolConfig
+from services.common.proto.specmesh.v1 import cache_service_pb2, cache_service_pb2_grpc
+from services.router.replicas import Replica, ReplicaSet
+
+log = logging.getLogger(__name__)
+BYTES_PER_TOKEN_ESTIMATE = 4
+MAX_INDEX_BLOCKS = 1024  # leading blocks sent to the prefix index per request
+PREFIX_LOOKUP_TIMEOUT_S = 0.1
+
+
+class Pool:
+    def __init__(self, config: PoolConfig, replicas: ReplicaSet, model_cache: Path,
+                 tpot_ewma: float = 0.2) -> None:
+        self.config = config
+        self.name = config.name
+        self.replicas = replicas
+        self._model_cache = model_cache
+        self._tokenizer = None
+        self._tokenizer_loaded = False
+        self._tokenizer_lock = asyncio.Lock()
+        self._ewma = tpot_ewma
+        self.tpot_s: float | None = None  # measured; None until the first answer
+
+    async def tokenize(self, prompt: str, messages=()) -> list[int] | None:
+        """Prompt ids as the pool's replicas compute them (off the event loop); None without a
+        tokenizer, or when the chat template refuses the messages (the target will say why)."""
+        tokenizer = await self._get_tokenizer()
+        if tokenizer is None:
+            return None
+        return await asyncio.to_thread(_prompt_ids, tokenizer, prompt, messages)
+
+    def estimate_tokens(self, prompt: str) -> int:
+        return max(1, len(prompt.encode()) // BYTES_PER_TOKEN_ESTIMATE)
+
+    def block_hashes(self, token_ids: list[int], tenant_salt: str) -> list[int]:
+        """The prompt's chained block hashes as this pool's replicas compute them (may be [])."""
+        block_size = self.replicas.block_size()
+        model_id = self.config.model_id or self.replicas.cache_model_id()
+        if block_size is None or not model_id:
+            return []  # no replica has answered yet
+        return chained_block_hashes(token_ids, block_size, extra_key(model_id, tenant_salt),
+                                    limit=MAX_INDEX_BLOCKS)
+
+    def observe_tpot(self, seconds_per_token: float) -> None:
+        self.tpot_s = seconds_per_token if self.tpot_s is None else (
+            (1 - self._ewma) * self.tpot_s + self._ewma * seconds_per_token)
+
+    async def _get_tokenizer(self):
+        if self._tokenizer_loaded:
+            return self._tokenizer
+        async with self._tokenizer_lock:
+            if not self._tokenizer_loaded:
+                self._tokenizer = await asyncio.to_thread(_load_tokenizer, self.config.model,
+                                                          str(self._model_cache))
+                self._tokenizer_loaded = True
+        return self._tokenizer
+
+
+class PrefixLookup:
+    """Asks the cache service's prefix index how many leading blocks each replica holds."""
+
+    def __init__(self, channel: grpc.aio.Channel | None) -> None:
+        self._channel = channel
+        self._stub = cache_service_pb2_grpc.CacheServiceStub(channel) if channel is not None else None
+
+    async def cached_tokens(self, hashes: list[int], replicas: list[Replica], block_size: int) -> dict[str, int]:
+        """address -> cached leading prompt tokens; {} when the index is unavailable."""
+        if self._stub is None or not hashes or not replicas:
+            return {}
+        try:
+            response = await self._stub.PrefixMatch(
+                cache_service_pb2.PrefixMatchRequest(block_hashes=hashes, replicas=[r.address for r in replicas]),
+                timeout=PREFIX_LOOKUP_TIMEOUT_S)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("prefix index unavailable: %s", exc.code().name)
+            return {}
+        return {m.replica: m.matched_blocks * block_size for m in response.matches}
+
+    async def close(self) -> None:
+        if self._channel is not None:
+            await self._channel.close()
+
+
+def build_pools(configs, channel_factory: Callable[[str], grpc.aio.Channel], policy: str,
+                poll_interval_s: float, model_cache: Path) -> dict[str, Pool]:
+    return {c.name: Pool(c, ReplicaSet(c.replicas, channel_factory, policy, poll_interval_s), model_cache)
+            for c in configs}
+
+
+def _prompt_ids(tokenizer, prompt: str, messages) -> list[int] | None:
+    if not messages:
+        return tokenizer(prompt).input_ids
+    try:
+        from services.target.chat import chat_prompt_ids  # the target's own rendering
+        return chat_prompt_ids(tokenizer, messages)
+    except Exception:
+        return None
+
+
+@lru_cache(maxsize=16)
+def _load_tokenizer(model: str, model_cache: str):
+    """The tokenizer of a pool's model directory, or None (never prepares or downloads a model)."""
+    from services.common.models.prepare import DEFAULT_MODEL_ALIASES, DEFAULT_MODEL_NAME
+    path = Path(model_cache).expanduser() / DEFAULT_MODEL_NAME if model in DEFAULT_MODEL_ALIASES \
+        else Path(model).expanduser()
+    try:
+        from transformers import AutoTokenizer
+        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+    except Exception as exc:  # missing directory or files: serve without one
+        log.warning("pool model %s: no tokenizer at %s (%s); token counts are estimated and "
+                    "replica choice ignores cached prefixes", model, path, exc)
+        return None

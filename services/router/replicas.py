@@ -1,0 +1,212 @@
+"""The replicas of one pool: health, load, and the choice of a replica for a request.
+
+A background task per pool polls every replica (standard health check + `GetStats`) every
+`poll_interval_s`: a replica that fails is *ejected* (never chosen) until a check succeeds
+again (*rejoin*). A request that fails on a replica before its first token ejects it at
+once (`mark_failed`). Entries `dns:///name:port` are re-resolved on every poll, so a
+Kubernetes headless Service's pods become replicas as they come and go.
+
+Replica choice (`choose`), per `policy`:
+- `round_robin`: the next healthy replica in turn.
+- `least_loaded`: the least `load_tokens` (running + queued work).
+- `kv_aware` (default): the least `uncached prompt tokens + load_weight · load_tokens`, where
+  the cached prefix comes from the cache service's prefix index. Ties go to the replica with
+  the least KV holding cached prefixes (a new prefix evicts less there), then in turn.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.mesh_config import DNS_PREFIX
+from services.common.proto.specmesh.v1 import target_service_pb2, target_service_pb2_grpc
+
+log = logging.getLogger(__name__)
+POLICIES = ("kv_aware", "least_loaded", "round_robin")
+
+
+@dataclass
+class ReplicaStats:
+    """The last `GetStats` answer of a replica (router-side copy)."""
+
+    running: int = 0
+    waiting: int = 0
+    queued_tokens: int = 0
+    num_blocks: int = 0
+    free_blocks: int = 0
+    cached_blocks: int = 0
+    block_size: int = 16
+    cache_model_id: str = ""
+
+
+class Replica:
+    def __init__(self, address: str, channel: grpc.aio.Channel) -> None:
+        self.address = address
+        self.channel = channel
+        self.stub = target_service_pb2_grpc.TargetServiceStub(channel)
+        self._health = health_pb2_grpc.HealthStub(channel)
+        self.healthy = True  # optimistic until a check fails
+        self.stats: ReplicaStats | None = None
+        self.in_flight = 0  # requests this router has on it now
+        self.in_flight_tokens = 0  # their prompt + max_tokens, until they finish
+
+    @property
+    def load_tokens(self) -> int:
+        """Work ahead of a new request: the replica's queued prompt tokens plus what this
+        router sent and has not seen finish (stats lag behind by up to one poll)."""
+        queued = self.stats.queued_tokens if self.stats else 0
+        return queued + self.in_flight_tokens
+
+    @property
+    def cached_fraction(self) -> float:
+        """Share of the KV pool holding cached prefixes (other requests' reuse we would evict)."""
+        s = self.stats
+        return s.cached_blocks / s.num_blocks if s and s.num_blocks else 0.0
+
+    async def check(self, timeout: float) -> bool:
+        """Health SERVING and stats read; updates `healthy` and `stats`."""
+        try:
+            health = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
+            if health.status != health_pb2.HealthCheckResponse.SERVING:
+                raise ConnectionError("not serving")
+            s = await self.stub.GetStats(target_service_pb2.GetStatsRequest(), timeout=timeout)
+        except (grpc.aio.AioRpcError, ConnectionError) as exc:
+            if self.healthy:
+                log.warning("replica %s ejected: %s", self.address, getattr(exc, "code", lambda: exc)())
+            self.healthy = False
+            return False
+        self.stats = ReplicaStats(s.running_requests, s.waiting_requests, s.queued_tokens, s.num_blocks,
+                                  s.free_blocks, s.cached_blocks, s.block_size or 16, s.cache_model_id)
+        if not self.healthy:
+            log.info("replica %s rejoined", self.address)
+        self.healthy = True
+        return True
+
+
+class ReplicaSet:
+    """One pool's replicas; owns their channels and the poll task."""
+
+    def __init__(self, addresses: tuple[str, ...], channel_factory: Callable[[str], grpc.aio.Channel],
+                 policy: str = "kv_aware", poll_interval_s: float = 1.0, load_weight: float = 1.0) -> None:
+        if policy not in POLICIES:
+            raise ValueError(f"replica policy must be one of {POLICIES}, got {policy!r}")
+        self.entries = addresses
+        self.policy = policy
+        self.poll_interval_s = poll_interval_s
+        self.load_weight = load_weight
+        self._channel_factory = channel_factory
+        self._replicas: dict[str, Replica] = {}
+        self._turn = 0
+        self._task: asyncio.Task | None = None
+        self._refreshes: set[asyncio.Task] = set()
+        self._add(a for a in addresses if not a.startswith(DNS_PREFIX))
+
+    # ---- public API ------------------------------------------------------------
+    @property
+    def replicas(self) -> list[Replica]:
+        return list(self._replicas.values())
+
+    def healthy(self) -> list[Replica]:
+        return [r for r in self._replicas.values() if r.healthy]
+
+    def get(self, address: str) -> Replica | None:
+        return self._replicas.get(address)
+
+    def block_size(self) -> int | None:
+        return next((r.stats.block_size for r in self._replicas.values() if r.stats), None)
+
+    def cache_model_id(self) -> str | None:
+        return next((r.stats.cache_model_id for r in self._replicas.values()
+                     if r.stats and r.stats.cache_model_id), None)
+
+    def choose(self, prompt_tokens: int, cached: dict[str, int], exclude: set[str] = frozenset(),
+               peek: bool = False) -> Replica | None:
+        """The replica for a request of `prompt_tokens`; `cached`: address -> cached prefix tokens.
+
+        `peek` answers without taking a turn (for estimates before the pool is chosen).
+        """
+        candidates = [r for r in self._replicas.values() if r.healthy and r.address not in exclude]
+        if not candidates:
+            return None
+        turn = self._turn if peek else self._take_turn()
+        n = len(candidates)
+        if self.policy == "round_robin":
+            return candidates[turn % n]
+        rotation = {r.address: (i - turn) % n for i, r in enumerate(candidates)}  # fair ties
+        if self.policy == "least_loaded":
+            return min(candidates, key=lambda r: (r.load_tokens, rotation[r.address]))
+        return min(candidates, key=lambda r: (
+            prompt_tokens - cached.get(r.address, 0) + self.load_weight * r.load_tokens,
+            r.cached_fraction, rotation[r.address]))
+
+    def _take_turn(self) -> int:
+        self._turn += 1
+        return self._turn - 1
+
+    def refresh(self, replica: Replica) -> None:
+        """Re-reads one replica's stats soon (after a request finished there), not waiting for it."""
+        task = asyncio.get_running_loop().create_task(replica.check(timeout=1.0))
+        self._refreshes.add(task)
+        task.add_done_callback(self._refreshes.discard)
+
+    def mark_failed(self, replica: Replica) -> None:
+        """A call failed before its first token: eject until the next good check."""
+        replica.healthy = False
+
+    async def start(self) -> None:
+        await self.poll_once()
+        self._task = asyncio.get_running_loop().create_task(self._poll_forever())
+
+    async def poll_once(self) -> None:
+        await self._resolve()
+        timeout = max(0.2, min(2.0, self.poll_interval_s))
+        await asyncio.gather(*(r.check(timeout) for r in list(self._replicas.values())))
+
+    async def close(self) -> None:
+        for task in [self._task, *self._refreshes]:
+            if task is not None:
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
+        await asyncio.gather(*(r.channel.close() for r in self._replicas.values()), return_exceptions=True)
+
+    # ---- helpers ---------------------------------------------------------------
+    async def _poll_forever(self) -> None:
+        while True:
+            started = time.monotonic()
+            try:
+                await self.poll_once()
+            except Exception:  # never let the poller die
+                log.exception("replica poll failed")
+            await asyncio.sleep(max(0.0, self.poll_interval_s - (time.monotonic() - started)))
+
+    async def _resolve(self) -> None:
+        """Expands dns:/// entries (off the event loop); adds new addresses, drops vanished ones."""
+        wanted = [e for e in self.entries if not e.startswith(DNS_PREFIX)]
+        loop = asyncio.get_running_loop()
+        for entry in self.entries:
+            if not entry.startswith(DNS_PREFIX):
+                continue
+            host, _, port = entry[len(DNS_PREFIX):].rpartition(":")
+            try:
+                infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
+            except OSError:  # not resolvable right now (pods starting): keep what we had
+                wanted.extend(a for a in self._replicas if a not in self.entries)
+                continue
+            for info in infos:
+                ip = info[4][0]
+                wanted.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
+        self._add([a for a in dict.fromkeys(wanted) if a not in self._replicas])
+        for address in [a for a in self._replicas if a not in wanted]:
+            await self._replicas.pop(address).channel.close()
+
+    def _add(self, addresses) -> None:
+        for address in addresses:
+            self._replicas[address] = Replica(address, self._channel_factory(address))

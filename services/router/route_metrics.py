@@ -1,0 +1,41 @@
+"""Router metrics: route distribution, escalation (upgrade) and fallback rates per bucket.
+
+- `specmesh.router.routes` {bucket, pool, replica, reason}: where answers came from.
+- `specmesh.router.escalation_candidates` {bucket, pool}: requests run on a pool that may
+  escalate (the denominator of both rates).
+- `specmesh.router.upgrades` {bucket, pool, to}: low confidence, answer discarded, escalated.
+- `specmesh.router.fallbacks` {bucket, pool, to}: the pool failed (UNAVAILABLE /
+  RESOURCE_EXHAUSTED), escalated.
+- `specmesh.router.retries` {pool}: requests retried on another replica before the first token.
+Upgrade rate = upgrades / escalation_candidates, per bucket (fallback rate likewise).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from opentelemetry import metrics
+
+ROUTES = "specmesh.router.routes"
+CANDIDATES = "specmesh.router.escalation_candidates"
+UPGRADES = "specmesh.router.upgrades"
+FALLBACKS = "specmesh.router.fallbacks"
+RETRIES = "specmesh.router.retries"
+_DESCRIPTIONS = {
+    ROUTES: "answered requests by bucket, pool, replica and reason",
+    CANDIDATES: "requests run on a pool configured to escalate",
+    UPGRADES: "answers below the confidence threshold, discarded and escalated",
+    FALLBACKS: "requests escalated because their pool failed",
+    RETRIES: "requests retried on another replica before their first token",
+}
+_lock = threading.Lock()
+_counters: dict[str, object] = {}
+
+
+def add(name: str, attributes: dict[str, str]) -> None:
+    with _lock:
+        counter = _counters.get(name)
+        if counter is None:
+            counter = _counters[name] = metrics.get_meter("specmesh.router").create_counter(
+                name, unit="{request}", description=_DESCRIPTIONS[name])
+    counter.add(1, attributes)
