@@ -23,7 +23,8 @@ DEFAULT_PORTS = {"router": 50051, "target": 50052, "draft": 50053, "cache": 5005
 DEV_TOKEN = "specmesh-dev-token"  # what `specmesh up` accepts unless SPECMESH_TOKENS is set
 DEV_SALT_SECRET = "specmesh-dev-secret"  # public: `serve router` refuses it unless --dev
 ENV_PREFIX = "SPECMESH_"
-_ENV_ALIASES = {"otlp_endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT"}  # read when SPECMESH_<NAME> is unset
+# Read when SPECMESH_<NAME> is unset.
+_ENV_ALIASES = {"otlp_endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT", "service_name": "OTEL_SERVICE_NAME"}
 
 
 class Settings(BaseModel):
@@ -74,8 +75,19 @@ class Settings(BaseModel):
     cache_backend: Literal["memory", "redis"] = Field(
         "memory", description="cache service store: memory (one process) or redis (shared)")
     redis_url: str = Field("", description="Redis URL for cache_backend redis (redis://host:port/db)")
+    cache_replicas: str = Field("", description="target addresses (comma-separated) whose KV events the "
+                                "cache's prefix index follows; '' = the mesh config's pool replicas, "
+                                "else target_address")
+    cache_max_memory_mb: int = Field(256, gt=0, description="memory cache backend: size bound of cached "
+                                     "results before least-recently-used eviction")
     otlp_endpoint: str = Field("", description="OpenTelemetry OTLP gRPC endpoint; '' = no export "
                                "(also read from OTEL_EXPORTER_OTLP_ENDPOINT)")
+    service_name: str = Field("", description="OpenTelemetry service.name; '' = specmesh-SERVICE "
+                              "(also read from OTEL_SERVICE_NAME; `up` appends -SERVICE)")
+    metrics_port: int = Field(9464, ge=0, le=65535, description="`serve`: port of the Prometheus "
+                              "/metrics endpoint; 0 = none")
+    metrics_base_port: int = Field(9464, ge=0, le=65535, description="`up`: router, target, draft and "
+                                   "cache serve Prometheus /metrics on this port and the next three; 0 = none")
     grace_seconds: float = Field(10.0, ge=0, description="graceful-shutdown drain time on SIGTERM")
     speculation_method: Literal["off", "prompt_lookup", "suffix", "draft_model", "dynamic_tree"] = Field(
         "prompt_lookup", description="speculative decoding method the router plans")
