@@ -32,17 +32,23 @@ class SamplingConfig:
 def sampling_errors(max_tokens: int, temperature: float, top_k: int, top_p: float,
                     stop: tuple[str, ...] = ()) -> list[str]:
     """Human-readable problems with sampling parameters (empty when valid)."""
+    return [message for _, message in sampling_violations(max_tokens, temperature, top_k, top_p, stop)]
+
+
+def sampling_violations(max_tokens: int, temperature: float, top_k: int, top_p: float,
+                        stop: tuple[str, ...] = ()) -> list[tuple[str, str]]:
+    """(field, problem) pairs, fields named as in SamplingParams (empty when valid)."""
     errors = []
     if max_tokens <= 0:
-        errors.append(f"max_tokens must be > 0, got {max_tokens}")
+        errors.append(("max_tokens", f"max_tokens must be > 0, got {max_tokens}"))
     if not math.isfinite(temperature) or temperature < 0:
-        errors.append(f"temperature must be finite and >= 0, got {temperature}")
+        errors.append(("temperature", f"temperature must be finite and >= 0, got {temperature}"))
     if top_k < 0:
-        errors.append(f"top_k must be >= 0 (0 = off), got {top_k}")
+        errors.append(("top_k", f"top_k must be >= 0 (0 = off), got {top_k}"))
     if not math.isfinite(top_p) or not (top_p == 0.0 or 0.0 < top_p <= 1.0):
-        errors.append(f"top_p must be in (0, 1] (0 = off), got {top_p}")
+        errors.append(("top_p", f"top_p must be in (0, 1] (0 = off), got {top_p}"))
     if any(s == "" for s in stop):
-        errors.append("stop sequences must not be empty strings")
+        errors.append(("stop", "stop sequences must not be empty strings"))
     return errors
 
 

@@ -18,9 +18,12 @@ class TenantAuth:
 
     def tenant(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> str:
         """Returns the tenant of the caller's `authorization: Bearer <token>` header."""
-        header = next((v for k, v in metadata or () if k.lower() == "authorization"), None)
-        if header is None:
+        headers = [v for k, v in metadata or () if k.lower() == "authorization"]
+        if not headers:
             raise Unauthenticated("missing credential: send metadata 'authorization: Bearer <token>'")
+        if len(headers) > 1:  # which one wins would differ between proxies: refuse, never guess
+            raise Unauthenticated(f"{len(headers)} authorization headers: send exactly one")
+        header = headers[0]
         if isinstance(header, bytes):
             header = header.decode(errors="replace")
         scheme, _, token = header.partition(" ")

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from services.target.stop_matcher import StopMatcher
+
 # Tokens decoded again before the newest ones, so that merges across token boundaries
 # (leading spaces, multi-byte characters) come out right without decoding everything.
 _CONTEXT_TOKENS = 6
@@ -23,8 +25,8 @@ class IncrementalDetokenizer:
         self._read_offset = 0  # tokens before this are already in _text
         self._text = ""  # decoded text of all output tokens so far
         self._emitted = 0  # characters of _text already returned
-        self._stop = stop
-        self._holdback = max((len(s) for s in stop), default=1) - 1
+        self._stop = StopMatcher(stop) if stop else None  # time per token independent of len(stop)
+        self._holdback = self._stop.longest - 1 if stop else 0
         self.stopped = False
 
     def add(self, token_ids: list[int]) -> str:
@@ -32,12 +34,12 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self._ids.extend(token_ids)
-        self._text += self._decode_new()
-        for stop in self._stop:
-            index = self._text.find(stop, max(0, self._emitted - len(stop)))
-            if index != -1:
-                self.stopped = True
-                return self._take(index)
+        new = self._decode_new()
+        self._text += new
+        index = self._stop.feed(new) if self._stop is not None and new else None
+        if index is not None:
+            self.stopped = True
+            return self._take(index)
         return self._take(max(self._emitted, len(self._text) - self._holdback))
 
     def flush(self) -> str:
