@@ -103,7 +103,9 @@ class Routing:
         self.prefix = PrefixLookup(cache_channel)
 
     async def start(self) -> None:
-        await asyncio.gather(*(p.replicas.start() for p in self.pools.values()))
+        """First health/stats poll of every replica; tokenizers load meanwhile (off the loop)."""
+        await asyncio.gather(*(p.replicas.start() for p in self.pools.values()),
+                             *(p.tokenize("warm up") for p in self.pools.values()))
 
     async def close(self) -> None:
         await asyncio.gather(*(p.replicas.close() for p in self.pools.values()))
