@@ -13,6 +13,7 @@ Upgrade rate = upgrades / escalation_candidates, per bucket (fallback rate likew
 from __future__ import annotations
 
 import threading
+from collections import Counter
 
 from opentelemetry import metrics
 
@@ -30,12 +31,29 @@ _DESCRIPTIONS = {
 }
 _lock = threading.Lock()
 _counters: dict[str, object] = {}
+_tally: Counter = Counter()  # (name, attributes) -> count, for `count` (this process)
 
 
 def add(name: str, attributes: dict[str, str]) -> None:
     with _lock:
         counter = _counters.get(name)
         if counter is None:
-            counter = _counters[name] = metrics.get_meter("specmesh.router").create_counter(
+            counter = _counters[name] = _meter().create_counter(
                 name, unit="{request}", description=_DESCRIPTIONS[name])
+        _tally[(name, tuple(sorted(attributes.items())))] += 1
     counter.add(1, attributes)
+
+
+def count(name: str, **attributes: str) -> int:
+    """How many `name` events with (at least) these attributes this process recorded."""
+    with _lock:
+        return sum(n for (metric, attrs), n in _tally.items()
+                   if metric == name and attributes.items() <= dict(attrs).items())
+
+
+def _meter():
+    try:  # the router's own meter provider where telemetry has one per service
+        from services.common.telemetry import meter
+        return meter("router")
+    except ImportError:
+        return metrics.get_meter("specmesh.router")
