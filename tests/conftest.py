@@ -1,19 +1,13 @@
 from __future__ import annotations
 
 import pytest
-from opentelemetry.sdk.metrics.export import InMemoryMetricReader
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from services.common.telemetry import TelemetryConfig, setup_telemetry
 
 _SPANS = InMemorySpanExporter()
-_METRICS = InMemoryMetricReader()
-setup_telemetry(TelemetryConfig("specmesh-tests"), span_exporter=_SPANS, metric_reader=_METRICS)
-
-
-@pytest.fixture
-def metric_reader() -> InMemoryMetricReader:
-    return _METRICS
+# Each service reports its own service.name; metrics are read by scraping /metrics (tests/test_metrics.py).
+setup_telemetry(TelemetryConfig("specmesh-tests-{service}"), span_exporter=_SPANS)
 
 
 @pytest.fixture

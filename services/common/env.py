@@ -59,6 +59,10 @@ class Settings(BaseModel):
     max_queued_requests: int = Field(256, ge=0, description="requests waiting beyond max_num_seqs; "
                                      "more are refused with RESOURCE_EXHAUSTED")
     max_tokens_limit: int = Field(4096, gt=0, description="largest max_tokens a request may ask for")
+    max_prompt_bytes: int = Field(1 << 20, gt=0, description="largest prompt (or sum of chat message "
+                                  "contents) in UTF-8 bytes; router and target refuse more before tokenizing")
+    max_stop_sequences: int = Field(16, gt=0, description="most stop sequences a request may give")
+    max_stop_bytes: int = Field(256, gt=0, description="longest stop sequence in UTF-8 bytes")
     router_address: str = Field(f"127.0.0.1:{DEFAULT_PORTS['router']}",
                                 description="router address (host:port) the clients and gateway call")
     target_address: str = Field(f"127.0.0.1:{DEFAULT_PORTS['target']}",

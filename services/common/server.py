@@ -12,7 +12,8 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from services.common.telemetry import client_interceptors, server_interceptors
+from services.common.metrics_interceptor import MetricsInterceptor
+from services.common.telemetry import client_interceptors, server_interceptors, service_of
 from services.common.tls import ServerTls
 
 log = logging.getLogger(__name__)
@@ -49,17 +50,21 @@ class GrpcServer:
                  service_names: Sequence[str],
                  on_drain: Callable[[], Awaitable[None]] | None = None,
                  on_stopped: Callable[[], Awaitable[None]] | None = None,
+                 on_started: Callable[["GrpcServer"], Awaitable[None]] | None = None,
                  max_message_bytes: int | None = None) -> None:
         self.config = config
         self._service_names = list(service_names)
         self._on_drain = on_drain
         self._on_stopped = on_stopped
+        self._on_started = on_started  # e.g. the router's watch of its targets' health
         options = []
         if max_message_bytes is not None:  # gRPC's default limit on received messages is 4 MiB
             options.append(("grpc.max_receive_message_length", max_message_bytes))
         tls_interceptors = config.tls.interceptors() if config.tls is not None else []
-        self._server = grpc.aio.server(interceptors=[*tls_interceptors, *server_interceptors()],
-                                       options=options)
+        service = service_of(self._service_names)  # router / target / draft / cache
+        self._server = grpc.aio.server(
+            interceptors=[*tls_interceptors, *server_interceptors(service), MetricsInterceptor(service)],
+            options=options)
         self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         register(self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
@@ -82,6 +87,17 @@ class GrpcServer:
         await self._server.start()
         for name in ["", *self._service_names]:
             await self._set_health(name, health_pb2.HealthCheckResponse.SERVING)
+        if self._on_started is not None:
+            await self._on_started(self)
+
+    async def set_serving(self, serving: bool) -> None:
+        """Health SERVING or NOT_SERVING for every name (e.g. while no dependency is
+        reachable); ignored once stopping, which stays NOT_SERVING."""
+        if self._stopping:
+            return
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ["", *self._service_names]:
+            await self._set_health(name, status)
 
     async def stop(self, grace: float | None = None) -> None:
         """NOT_SERVING first, then drain in-flight work within the grace period, then stop."""

@@ -19,8 +19,10 @@ import grpc
 
 from services.common.draft_tree import DraftTree
 from services.common.proto.specmesh.v1 import draft_service_pb2, draft_service_pb2_grpc
+from services.common.tls import MeshTls, internal_sync_channel
 
 log = logging.getLogger(__name__)
+MAX_UNRELEASED = 65536  # release ids kept for retry; beyond, the draft's idle TTL frees them
 
 
 @dataclass(frozen=True)
@@ -31,12 +33,14 @@ class DraftRequest:
     max_depth: int
     max_nodes: int
     tenant_salt: str
+    traceparent: str = ""  # W3C trace context of the request (first call / resync only)
 
 
 class DraftClient:
     def __init__(self, address: str, timeout_s: float, vocab_size: int,
-                 reconnect_interval_s: float = 1.0) -> None:
+                 reconnect_interval_s: float = 1.0, tls: MeshTls | None = None) -> None:
         self.address = address
+        self.tls = tls  # mutual TLS to the draft service; None = plaintext (dev mode)
         self.timeout_s = timeout_s
         self.vocab_size = vocab_size
         self.reconnect_interval_s = reconnect_interval_s
@@ -48,6 +52,11 @@ class DraftClient:
         self._synced: set[str] = set()  # sequences whose whole history the draft holds on this stream
         self._sent: set[str] = set()  # sequences sent at least once (may hold draft state somewhere)
         self._connect_lock = threading.Lock()
+        # Releases not yet acknowledged (a timed-out or failed Release is retried with the next
+        # one, or at the next step); guarded by _release_lock, as gRPC callbacks touch them.
+        self._release_lock = threading.Lock()
+        self._unreleased: dict[str, None] = {}  # ordered: oldest first
+        self._releasing = False
         self._connecting = False
         self.connected = False
 
@@ -66,6 +75,7 @@ class DraftClient:
         In the returned dict a None value means that sequence's tree was invalid.
         """
         ids = [r.seq_id for r in requests]
+        self._send_releases()  # retries earlier Releases that failed
         if not requests or not self._ensure_stream():
             self._unsync(ids)
             return None
@@ -78,7 +88,8 @@ class DraftClient:
         message = draft_service_pb2.ProposeRequest(step=self._step, sequences=[
             draft_service_pb2.DraftSequence(
                 sequence_id=r.seq_id, new_token_ids=r.new_token_ids, method=r.method,
-                max_depth=r.max_depth, max_nodes=r.max_nodes, tenant_salt=r.tenant_salt)
+                max_depth=r.max_depth, max_nodes=r.max_nodes, tenant_salt=r.tenant_salt,
+                traceparent=r.traceparent)
             for r in requests])
         self._requests.put(message)
         deadline = time.monotonic() + self.timeout_s
@@ -101,16 +112,25 @@ class DraftClient:
         return self._check(requests, response)
 
     def release(self, seq_ids: list[str]) -> None:
-        """Drops draft state for finished sequences (best effort, no deadline wait)."""
+        """Drops draft state for finished sequences, without waiting.
+
+        A Release that fails or times out is sent again with the next one (or at the next
+        step) until the draft acknowledges it; the draft also expires idle sequences.
+        """
         seq_ids = [i for i in seq_ids if i in self._sent]
         self._synced.difference_update(seq_ids)
         self._sent.difference_update(seq_ids)
-        if self._channel is None or not seq_ids:
-            return
-        stub = draft_service_pb2_grpc.DraftServiceStub(self._channel)
-        future = stub.Release.future(draft_service_pb2.ReleaseRequest(sequence_ids=seq_ids),
-                                     timeout=self.timeout_s)
-        future.add_done_callback(lambda f: f.exception())  # swallow: release is best effort
+        if seq_ids:
+            with self._release_lock:
+                self._unreleased.update(dict.fromkeys(seq_ids))
+                while len(self._unreleased) > MAX_UNRELEASED:  # the draft's TTL covers the rest
+                    del self._unreleased[next(iter(self._unreleased))]
+        self._send_releases()
+
+    @property
+    def num_unreleased(self) -> int:
+        with self._release_lock:
+            return len(self._unreleased)
 
     def close(self) -> None:
         self._drop_stream(None)
@@ -132,7 +152,7 @@ class DraftClient:
         return False
 
     def _connect(self) -> None:
-        channel = grpc.insecure_channel(self.address)
+        channel = internal_sync_channel(self.address, self.tls)
         try:
             grpc.channel_ready_future(channel).result(timeout=max(self.reconnect_interval_s, 1.0))
         except grpc.FutureTimeoutError:
@@ -172,6 +192,39 @@ class DraftClient:
             requests.put(None)  # ends the request iterator
         if channel is not None:
             channel.close()
+
+    def _send_releases(self) -> None:
+        """Sends every unacknowledged release in one Release call, one call at a time."""
+        channel = self._channel
+        with self._release_lock:
+            if self._releasing or not self._unreleased or channel is None:
+                return
+            self._releasing = True
+            batch = list(self._unreleased)
+        stub = draft_service_pb2_grpc.DraftServiceStub(channel)
+        try:
+            future = stub.Release.future(draft_service_pb2.ReleaseRequest(sequence_ids=batch),
+                                         timeout=self.timeout_s)
+        except Exception:  # e.g. the channel was closed meanwhile: retried at the next step
+            with self._release_lock:
+                self._releasing = False
+            return
+        future.add_done_callback(lambda f: self._released(batch, f))
+
+    def _released(self, batch: list[str], future) -> None:
+        """gRPC callback thread: forget acknowledged ids; failed ones wait for the next try."""
+        failed = future.exception() is not None
+        with self._release_lock:
+            self._releasing = False
+            if not failed:
+                for seq_id in batch:
+                    self._unreleased.pop(seq_id, None)
+            more = bool(self._unreleased) and not failed
+        if failed:
+            log.info("draft Release of %d sequences failed (%s); retrying at the next step",
+                     len(batch), getattr(future.exception(), "code", lambda: "error")())
+        elif more:
+            self._send_releases()
 
     def _release_now(self, seq_ids: list[str]) -> bool:
         """Releases out-of-step sequences before their full history is sent again."""

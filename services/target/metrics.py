@@ -1,26 +1,42 @@
-"""OpenTelemetry metrics of the target engines in this process.
+"""Metrics and per-request trace phases of the target engines in this process.
 
-Instruments are created once per process; observable callbacks read every live
-engine's stats and tag them with `specmesh.model` and a per-process `specmesh.engine` id.
+KV gauges are observable callbacks over every live engine (`specmesh.model`,
+`specmesh.engine` attributes). Request metrics carry the request's bucket, pool
+(the model name) and speculation method.
+
+Trace phases: the engine thread only notes timestamps (queue admission, first token,
+each verify pass's draft and verify windows; a few microseconds). When a request
+finishes, a background thread writes its `queue`, `prefill`, `draft.propose` and
+`verify` spans as children of the request's span, with one event per verify pass on
+the `verify` span. Spans per pass would cost more than 2% of a step (measured: see
+docs/observability.md); events written off the engine thread cost it nothing.
 """
 
 from __future__ import annotations
 
+import queue
 import threading
+import time
 import weakref
 
-from opentelemetry import metrics
+from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, Observation
+from opentelemetry.trace import NonRecordingSpan
+
+from services.common import metrics as m
+from services.common.telemetry import meter, record_error, tracer
 
 _lock = threading.Lock()
 _engines: "weakref.WeakSet" = weakref.WeakSet()
-_instruments: dict | None = None
+_gauges_created = False
+SERVICE = "target"
 
 # name -> (EngineStats field, unit, description)
 _GAUGES = {
     "specmesh.kv.blocks.used": ("used_blocks", "{block}", "KV blocks referenced by a sequence"),
     "specmesh.kv.blocks.cached": ("cached_blocks", "{block}", "KV blocks in the prefix cache"),
     "specmesh.kv.blocks.free": ("free_blocks", "{block}", "KV blocks that can be allocated"),
+    "specmesh.kv.blocks.total": ("num_blocks", "{block}", "KV blocks in the pool"),
     "specmesh.kv.bytes": ("kv_bytes", "By", "bytes of the KV pool"),
     "specmesh.kv.fragmentation": ("fragmentation", "1", "allocated-but-unused slots / allocated slots"),
     "specmesh.queue.depth": ("waiting", "{request}", "requests waiting for admission"),
@@ -35,38 +51,91 @@ _COUNTERS = {
 }
 
 
-def register_engine(engine) -> dict:
-    """Adds an engine to the observed set; returns the shared histogram instruments."""
-    global _instruments
+def register_engine(engine) -> "TargetMetrics":
+    """Adds an engine to the observed set; returns its request recorder."""
+    global _gauges_created
     with _lock:
         _engines.add(engine)
-        if _instruments is None:
-            _instruments = _create()
-        return _instruments
+        if not _gauges_created:
+            _create_gauges()
+            _gauges_created = True
+    return TargetMetrics(engine.name)
 
 
-def _create() -> dict:
-    meter = metrics.get_meter("specmesh.target")
+class TargetMetrics:
+    """Records one engine's request metrics; called on the engine thread."""
+
+    def __init__(self, pool: str) -> None:
+        self.pool = pool
+        h, c = (lambda n: m.histogram(SERVICE, n)), (lambda n: m.counter(SERVICE, n))
+        self._ttft, self._tpot, self._e2e = h(m.TTFT), h(m.TPOT), h(m.E2E)
+        self._queue, self._prefill = h(m.QUEUE_TIME), h(m.PREFILL_TIME)
+        self._verify, self._draft, self._accept_len = h(m.VERIFY_TIME), h(m.DRAFT_TIME), h(m.ACCEPTANCE_LENGTH)
+        self._batch_size, self._batch_tokens = h(m.BATCH_SIZE), h(m.BATCH_TOKENS)
+        self._requests, self._tokens, self._fallbacks = c(m.REQUESTS), c(m.TOKENS), c(m.FALLBACKS)
+        self._proposed, self._accepted = c(m.PROPOSED_TOKENS), c(m.ACCEPTED_TOKENS)
+        self._rejected = c(m.REJECTED_TOKENS)
+
+    def attributes(self, seq) -> dict:
+        return {"specmesh.bucket": seq.bucket, "specmesh.pool": self.pool,
+                "specmesh.speculation.method": m.method_name(seq.plan.method if seq.plan else 0)}
+
+    def step(self, batch) -> None:
+        self._batch_size.record(len(batch))
+        self._batch_tokens.record(sum(i.num_tokens for i in batch))
+
+    def admitted(self, seq, now: float) -> None:
+        seq.admitted_time = now
+        self._queue.record(now - seq.arrival, self.attributes(seq))
+
+    def first_token(self, seq, now: float) -> None:
+        attrs = self.attributes(seq)
+        self._ttft.record(now - seq.arrival, attrs)
+        self._prefill.record(now - (seq.admitted_time or seq.arrival), attrs)
+
+    def next_tokens(self, seq, now: float, num_tokens: int) -> None:
+        self._tpot.record((now - seq.last_token_time) / num_tokens, self.attributes(seq))
+
+    def verify_pass(self, seq, proposed: int, accepted: int, draft_s: float, verify_s: float) -> None:
+        attrs = self.attributes(seq)
+        self._proposed.add(proposed, attrs)
+        self._accepted.add(accepted, attrs)
+        self._rejected.add(proposed - accepted, attrs)
+        self._accept_len.record(accepted + 1, attrs)
+        self._verify.record(verify_s, attrs)
+        self._draft.record(draft_s, attrs)
+
+    def fallback(self, seq) -> None:
+        self._fallbacks.add(1, self.attributes(seq))
+
+    def finished(self, seq, status: str) -> None:
+        """`status`: the finish reason ("stop", "length", ...), "aborted" or "error"."""
+        now = time.monotonic()
+        attrs = self.attributes(seq)
+        self._requests.add(1, {**attrs, "specmesh.status": status})
+        if status not in ("aborted", "error"):
+            self._e2e.record(now - seq.arrival, attrs)
+            self._tokens.add(seq.num_prompt_tokens, {**attrs, "gen_ai.token.type": "input"})
+            self._tokens.add(seq.num_cached_prompt, {**attrs, "gen_ai.token.type": "cached_input"})
+            self._tokens.add(seq.num_output_tokens, {**attrs, "gen_ai.token.type": "output"})
+        if seq.span_context is not None:
+            _writer().put((seq.span_context, seq.arrival, getattr(seq, "admitted_time", None),
+                           seq.first_token_time, now, list(seq.spec.passes), seq.spec.fallback_steps,
+                           status))
+
+
+def flush_traces(timeout: float = 10.0) -> bool:
+    """Waits until every finished request's phase spans are written (tests, shutdown)."""
+    return _writer().flush(timeout)
+
+
+# ---- helpers ----------------------------------------------------------------
+def _create_gauges() -> None:
+    meter_ = meter(SERVICE)
     for name, (field, unit, description) in _GAUGES.items():
-        meter.create_observable_gauge(name, [_observer(field)], unit=unit, description=description)
+        meter_.create_observable_gauge(name, [_observer(field)], unit=unit, description=description)
     for name, (field, unit, description) in _COUNTERS.items():
-        meter.create_observable_counter(name, [_observer(field)], unit=unit, description=description)
-    return {
-        "ttft": meter.create_histogram("gen_ai.server.time_to_first_token", unit="s",
-                                       description="time from arrival to the first token"),
-        "tpot": meter.create_histogram("gen_ai.server.time_per_output_token", unit="s",
-                                       description="time per output token after the first"),
-        "batch_size": meter.create_histogram("specmesh.batch.size", unit="{sequence}",
-                                             description="sequences per engine step"),
-        "acceptance_length": meter.create_histogram(
-            "specmesh.speculation.acceptance_length", unit="{token}",
-            description="accepted + bonus tokens per verify pass, per bucket"),
-        "fallbacks": meter.create_counter(
-            "specmesh.speculation.fallbacks", unit="{step}",
-            description="sequence steps that decoded normally because the draft failed"),
-        "batch_tokens": meter.create_histogram("specmesh.batch.tokens", unit="{token}",
-                                               description="tokens per engine step"),
-    }
+        meter_.create_observable_counter(name, [_observer(field)], unit=unit, description=description)
 
 
 def _observer(field: str):
@@ -76,3 +145,81 @@ def _observer(field: str):
             yield Observation(getattr(stats, field), {"specmesh.model": engine.name,
                                                       "specmesh.engine": engine.instance_id})
     return observe
+
+
+_EPOCH_OFFSET_NS = time.time_ns() - time.monotonic_ns()
+
+
+def _ns(monotonic_s: float) -> int:
+    return int(monotonic_s * 1e9) + _EPOCH_OFFSET_NS
+
+
+class _TraceWriter:
+    """Writes finished requests' phase spans on its own thread."""
+
+    def __init__(self) -> None:
+        self._queue: queue.Queue = queue.Queue()
+        threading.Thread(target=self._run, daemon=True, name="specmesh-trace-writer").start()
+
+    def put(self, item) -> None:
+        self._queue.put(item)
+
+    def flush(self, timeout: float) -> bool:
+        done = threading.Event()
+        self._queue.put(done)
+        return done.wait(timeout)
+
+    def _run(self) -> None:
+        while True:
+            item = self._queue.get()
+            if isinstance(item, threading.Event):
+                item.set()
+                continue
+            try:
+                _write_phases(*item)
+            except Exception:  # telemetry never fails a request
+                pass
+
+
+def _write_phases(span_context, arrival, admitted, first_token, end, passes, fallbacks, status) -> None:
+    t = tracer(SERVICE)
+    parent = trace.set_span_in_context(NonRecordingSpan(span_context))
+    failed = status in ("error", "aborted")  # aborted: the caller cancelled or its deadline passed
+
+    def span(name, start, stop, attributes=None, events=()):
+        s = t.start_span(name, context=parent, start_time=_ns(start), attributes=attributes)
+        for event_name, at, event_attrs in events:
+            s.add_event(event_name, event_attrs, timestamp=_ns(at))
+        if failed:
+            record_error(s, "CANCELLED" if status == "aborted" else "INTERNAL", f"request {status}")
+        s.end(end_time=_ns(stop))
+
+    admitted = admitted or arrival
+    span("queue", arrival, admitted)
+    span("prefill", admitted, first_token or end)
+    if passes or fallbacks:
+        proposed = sum(p[4] for p in passes)
+        accepted = sum(p[5] for p in passes)
+        first, last = (passes[0], passes[-1]) if passes else ((end,) * 4, (end,) * 4)
+        span("draft.propose", first[0], last[1], {
+            "specmesh.verify_passes": len(passes), "specmesh.fallback_steps": fallbacks,
+            "specmesh.draft_time_ms": round(sum(p[1] - p[0] for p in passes) * 1000, 3)})
+        span("verify", first[2], last[3], {
+            "specmesh.verify_passes": len(passes), "specmesh.proposed_tokens": proposed,
+            "specmesh.accepted_tokens": accepted, "specmesh.rejected_tokens": proposed - accepted,
+            "specmesh.verify_time_ms": round(sum(p[3] - p[2] for p in passes) * 1000, 3)},
+            events=[("verify.pass", p[2], {"specmesh.proposed_tokens": p[4], "specmesh.accepted_tokens": p[5],
+                                           "specmesh.draft_ms": round((p[1] - p[0]) * 1000, 3),
+                                           "specmesh.verify_ms": round((p[3] - p[2]) * 1000, 3)})
+                    for p in passes])
+
+
+_writer_instance: _TraceWriter | None = None
+
+
+def _writer() -> _TraceWriter:
+    global _writer_instance
+    with _lock:
+        if _writer_instance is None:
+            _writer_instance = _TraceWriter()
+        return _writer_instance

@@ -9,10 +9,9 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import time
 
 import torch
-from opentelemetry import trace
-from opentelemetry.trace import Link
 
 from services.common.draft_tree import DraftTree
 from services.target.draft_client import DraftClient, DraftRequest
@@ -21,29 +20,33 @@ from services.target.scheduler import ScheduledSeq
 from services.target.sequence import Sequence
 
 log = logging.getLogger(__name__)
-tracer = trace.get_tracer("specmesh.target")
 
 
 @contextlib.contextmanager
 def verify_span(trees: dict, batch):
-    """A `verify` span for steps that check draft trees (one per step, never per token)."""
+    """Times the verify forward pass of a step that checks draft trees and notes the pass on
+    each speculating sequence; `accept` completes it. The request's `verify` span (with one
+    event per pass) is written from these notes when it finishes (services/target/metrics.py),
+    so there is no per-step span outside the requests' traces."""
     if not trees:
         yield
         return
-    links = [Link(i.seq.span_context) for i in batch
-             if i.seq.seq_id in trees and i.seq.span_context is not None]
-    with tracer.start_as_current_span("verify", links=links) as span:
-        span.set_attribute("specmesh.num_sequences", len(trees))
-        span.set_attribute("specmesh.proposed_tokens", sum(len(p.token_ids) for p in trees.values()))
-        yield
+    start = time.monotonic()
+    yield
+    end = time.monotonic()
+    for item in batch:
+        tree = trees.get(item.seq.seq_id)
+        if tree is not None:
+            spec = item.seq.spec
+            spec.passes.append([*spec.draft_window, start, end, len(tree.token_ids), 0])
 
 
 class Speculator:
-    def __init__(self, client: DraftClient, kernels, max_context: int, histograms: dict) -> None:
+    def __init__(self, client: DraftClient, kernels, max_context: int, metrics) -> None:
         self.client = client
         self.kernels = kernels
         self.max_context = max_context
-        self._histograms = histograms
+        self._metrics = metrics  # services/target/metrics.TargetMetrics
 
     def propose(self, batch: list[ScheduledSeq]) -> dict[str, DraftTree]:
         """One batched draft call for every decoding sequence with a plan; {} on fallback."""
@@ -57,21 +60,20 @@ class Speculator:
             new = seq.token_ids if full else seq.token_ids[seq.draft_synced:]
             seqs.append(seq)
             requests.append(DraftRequest(seq.seq_id, new, seq.plan.method, depth,
-                                         max(seq.plan.max_nodes, depth), seq.tenant_salt))
+                                         max(seq.plan.max_nodes, depth), seq.tenant_salt,
+                                         traceparent(seq.span_context) if full else ""))
         if not requests:
             return {}
-        links = [Link(s.span_context) for s in seqs if s.span_context is not None]
-        with tracer.start_as_current_span("draft.propose", links=links) as span:
-            span.set_attribute("specmesh.num_sequences", len(requests))
-            result = self.client.propose(requests)
-            fallback = result is None
-            proposals = {} if fallback else {k: v for k, v in result.items() if v is not None and v.token_ids}
-            span.set_attribute("specmesh.fallback", fallback)
-            span.set_attribute("specmesh.proposed_tokens", sum(len(p.token_ids) for p in proposals.values()))
+        start = time.monotonic()
+        result = self.client.propose(requests)
+        window = (start, time.monotonic())
+        fallback = result is None
+        proposals = {} if fallback else {k: v for k, v in result.items() if v is not None and v.token_ids}
         for seq in seqs:
+            seq.spec.draft_window = window
             if fallback or result.get(seq.seq_id) is None:
                 seq.spec.fallback_steps += 1
-                self._histograms["fallbacks"].add(1, {"specmesh.bucket": seq.bucket})
+                self._metrics.fallback(seq)
             if not fallback:
                 seq.draft_synced = seq.num_tokens
         return proposals
@@ -101,7 +103,10 @@ class Speculator:
         seq.spec.proposed += n
         seq.spec.accepted += a
         seq.spec.verify_passes += 1
-        self._histograms["acceptance_length"].record(a + 1, {"specmesh.bucket": seq.bucket})
+        if seq.spec.passes:  # noted by verify_span: [draft_start, draft_end, verify_start, verify_end, n, a]
+            note = seq.spec.passes[-1]
+            note[5] = a
+            self._metrics.verify_pass(seq, n, a, note[1] - note[0], note[3] - note[2])
         return path, int(bonus[0])
 
     def release(self, seq: Sequence) -> None:
@@ -114,3 +119,10 @@ class Speculator:
             return 0
         remaining = seq.sampling.max_tokens - seq.num_output_tokens
         return min(seq.plan.max_depth, remaining - 1, self.max_context - seq.num_tokens - 1)
+
+
+def traceparent(span_context) -> str:
+    """W3C traceparent of the request's span, so the draft service's spans join its trace."""
+    if span_context is None or not span_context.is_valid:
+        return ""
+    return f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-{int(span_context.trace_flags):02x}"

@@ -8,20 +8,22 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftSequence(_message.Message):
-    __slots__ = ("sequence_id", "new_token_ids", "method", "max_depth", "max_nodes", "tenant_salt")
+    __slots__ = ("sequence_id", "new_token_ids", "method", "max_depth", "max_nodes", "tenant_salt", "traceparent")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     TENANT_SALT_FIELD_NUMBER: _ClassVar[int]
+    TRACEPARENT_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     method: _common_pb2.SpeculationMethod
     max_depth: int
     max_nodes: int
     tenant_salt: str
-    def __init__(self, sequence_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., method: _Optional[_Union[_common_pb2.SpeculationMethod, str]] = ..., max_depth: _Optional[int] = ..., max_nodes: _Optional[int] = ..., tenant_salt: _Optional[str] = ...) -> None: ...
+    traceparent: str
+    def __init__(self, sequence_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., method: _Optional[_Union[_common_pb2.SpeculationMethod, str]] = ..., max_depth: _Optional[int] = ..., max_nodes: _Optional[int] = ..., tenant_salt: _Optional[str] = ..., traceparent: _Optional[str] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("sequences", "step")

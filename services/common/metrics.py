@@ -1,0 +1,121 @@
+"""The metric catalogue: every specmesh metric's name, unit, histogram boundaries and
+description, declared once. Services record through `histogram(service, NAME)` and
+`counter(service, NAME)`; the dashboard and its test read the names from here.
+
+Names follow the OpenTelemetry GenAI semantic conventions where one exists
+(`gen_ai.server.*`); the rest are `specmesh.*`. Attributes used across services:
+`specmesh.bucket`, `specmesh.pool`, `specmesh.speculation.method`, and `rpc.grpc.status_code`
+style status names in `specmesh.status`.
+
+In Prometheus a name becomes `gen_ai_server_time_to_first_token_seconds_bucket{specmesh_bucket=..}`
+(dots to underscores, the unit appended, `_total` on counters).
+"""
+
+from __future__ import annotations
+
+import threading
+
+from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
+
+# Boundaries (seconds) suited to LLM serving: every sample in the first bucket says nothing.
+LATENCY_BOUNDS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0,
+                  3.0, 5.0, 7.5, 10.0, 15.0, 20.0, 30.0, 45.0, 60.0)  # TTFT, end to end: 5 ms .. 60 s
+TPOT_BOUNDS = (0.001, 0.002, 0.005, 0.0075, 0.01, 0.015, 0.02, 0.025, 0.03, 0.04, 0.05, 0.075, 0.1,
+               0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0)  # time per output token: 1 ms .. 2 s
+PHASE_BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0,
+                10.0, 30.0, 60.0)  # queue, prefill, verify, draft: 0.5 ms .. 60 s
+ACCEPTANCE_BOUNDS = tuple(float(n) for n in range(1, 18))  # accepted + bonus per verify pass
+BATCH_BOUNDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
+
+# ---- names ------------------------------------------------------------------
+TTFT = "gen_ai.server.time_to_first_token"
+TPOT = "gen_ai.server.time_per_output_token"
+E2E = "gen_ai.server.request.duration"
+QUEUE_TIME = "specmesh.request.queue_time"
+PREFILL_TIME = "specmesh.request.prefill_time"
+VERIFY_TIME = "specmesh.speculation.verify_time"
+DRAFT_TIME = "specmesh.speculation.draft_time"
+ACCEPTANCE_LENGTH = "specmesh.speculation.acceptance_length"
+BATCH_SIZE = "specmesh.batch.size"
+BATCH_TOKENS = "specmesh.batch.tokens"
+RPC_DURATION = "rpc.server.call.duration"
+DRAFT_PROPOSE_TIME = "specmesh.draft.propose_time"
+
+REQUESTS = "specmesh.requests"
+TOKENS = "specmesh.tokens"  # attribute gen_ai.token.type: input | cached_input | output
+PROPOSED_TOKENS = "specmesh.speculation.proposed_tokens"
+ACCEPTED_TOKENS = "specmesh.speculation.accepted_tokens"
+REJECTED_TOKENS = "specmesh.speculation.rejected_tokens"
+FALLBACKS = "specmesh.speculation.fallbacks"
+ROUTES = "specmesh.router.routes"
+UPGRADES = "specmesh.router.upgrades"
+DRAFT_SEQUENCES = "specmesh.draft.sequences"
+DRAFT_PROPOSED = "specmesh.draft.proposed_tokens"
+CACHE_LOOKUPS = "specmesh.cache.lookups"  # attributes specmesh.cache.kind, specmesh.cache.result
+
+# name -> (unit, boundaries, description)
+HISTOGRAMS: dict[str, tuple[str, tuple[float, ...], str]] = {
+    TTFT: ("s", LATENCY_BOUNDS, "time from arrival to the first output token"),
+    TPOT: ("s", TPOT_BOUNDS, "time per output token after the first"),
+    E2E: ("s", LATENCY_BOUNDS, "time from arrival to the last token"),
+    QUEUE_TIME: ("s", PHASE_BOUNDS, "time from arrival to admission into the running batch"),
+    PREFILL_TIME: ("s", PHASE_BOUNDS, "time from admission to the first output token"),
+    VERIFY_TIME: ("s", PHASE_BOUNDS, "verify forward pass time, per speculating sequence and pass"),
+    DRAFT_TIME: ("s", PHASE_BOUNDS, "time the target waited for the draft, per sequence and pass"),
+    ACCEPTANCE_LENGTH: ("{token}", ACCEPTANCE_BOUNDS, "accepted + bonus tokens per verify pass"),
+    BATCH_SIZE: ("{sequence}", BATCH_BOUNDS, "sequences per engine step"),
+    BATCH_TOKENS: ("{token}", BATCH_BOUNDS, "tokens per engine step"),
+    RPC_DURATION: ("s", LATENCY_BOUNDS, "gRPC call duration on the server, by method and status"),
+    DRAFT_PROPOSE_TIME: ("s", PHASE_BOUNDS, "draft service time per batched proposal"),
+}
+# name -> (unit, description)
+COUNTERS: dict[str, tuple[str, str]] = {
+    REQUESTS: ("{request}", "finished requests by status"),
+    TOKENS: ("{token}", "prompt (input), cached prompt (cached_input) and completion (output) tokens"),
+    PROPOSED_TOKENS: ("{token}", "draft tokens sent to verify"),
+    ACCEPTED_TOKENS: ("{token}", "draft tokens the target accepted"),
+    REJECTED_TOKENS: ("{token}", "draft tokens the target rejected (proposed - accepted)"),
+    FALLBACKS: ("{step}", "sequence steps that decoded normally because the draft failed or was late"),
+    ROUTES: ("{request}", "routed requests by bucket, pool and route"),
+    UPGRADES: ("{request}", "requests escalated to a stronger pool"),
+    DRAFT_SEQUENCES: ("{sequence}", "sequences proposed for, per pass, by method"),
+    DRAFT_PROPOSED: ("{token}", "draft tokens proposed, by method"),
+    CACHE_LOOKUPS: ("{lookup}", "cache lookups by kind and result (hit / miss)"),
+}
+
+VIEWS = [View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(list(bounds)))
+         for name, (_, bounds, _) in HISTOGRAMS.items()]
+
+_lock = threading.Lock()
+_instruments: dict[tuple[str, str], object] = {}
+
+
+def method_name(method: int) -> str:
+    """'prompt_lookup' for common_pb2.SPECULATION_METHOD_PROMPT_LOOKUP; 'off' for none."""
+    from services.common.proto.specmesh.v1 import common_pb2
+    if method in (common_pb2.SPECULATION_METHOD_UNSPECIFIED, common_pb2.SPECULATION_METHOD_OFF):
+        return "off"
+    return common_pb2.SpeculationMethod.Name(method).removeprefix("SPECULATION_METHOD_").lower()
+
+
+def histogram(service: str, name: str):
+    """The service's histogram `name` (created once; boundaries come from VIEWS)."""
+    unit, _, description = HISTOGRAMS[name]
+    return _get(service, name, lambda m: m.create_histogram(name, unit=unit, description=description))
+
+
+def counter(service: str, name: str):
+    unit, description = COUNTERS[name]
+    return _get(service, name, lambda m: m.create_counter(name, unit=unit, description=description))
+
+
+def _get(service: str, name: str, create):
+    key = (service, name)
+    instrument = _instruments.get(key)
+    if instrument is None:
+        from services.common.telemetry import meter
+        with _lock:
+            instrument = _instruments.get(key)
+            if instrument is None:
+                instrument = _instruments[key] = create(meter(service))
+    return instrument

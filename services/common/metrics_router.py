@@ -1,0 +1,59 @@
+"""The router's per-request metrics: what the caller sees (TTFT, TPOT, end to end), requests
+by status, routes, token usage — per bucket, pool and speculation method.
+
+    timer = RequestTimer(bucket, pool, method, route)   # after routing
+    timer.chunk(num_tokens)                              # per streamed chunk
+    timer.finish("OK", usage)                            # once, with the gRPC status name
+"""
+
+from __future__ import annotations
+
+import time
+
+from services.common import metrics as m
+
+SERVICE = "router"
+
+
+class RequestTimer:
+    def __init__(self, bucket: str, pool: str, method: str, route: str = "default",
+                 start: float | None = None) -> None:
+        self.attributes = {"specmesh.bucket": bucket, "specmesh.pool": pool,
+                           "specmesh.speculation.method": method}
+        self.start = time.monotonic() if start is None else start
+        self._last: float | None = None
+        self._tokens = 0
+        self._finished = False
+        m.counter(SERVICE, m.ROUTES).add(1, {**self.attributes, "specmesh.route": route})
+
+    def chunk(self, num_tokens: int) -> None:
+        if num_tokens <= 0:
+            return
+        now = time.monotonic()
+        if self._last is None:
+            m.histogram(SERVICE, m.TTFT).record(now - self.start, self.attributes)
+        else:
+            m.histogram(SERVICE, m.TPOT).record((now - self._last) / num_tokens, self.attributes)
+        self._last = now
+        self._tokens += num_tokens
+
+    def finish(self, status: str, usage=None) -> None:
+        """`status`: a grpc.StatusCode name; `usage`: the final chunk's common_pb2.Usage."""
+        if self._finished:
+            return
+        self._finished = True
+        m.counter(SERVICE, m.REQUESTS).add(1, {**self.attributes, "specmesh.status": status})
+        if status != "OK":
+            return
+        m.histogram(SERVICE, m.E2E).record(time.monotonic() - self.start, self.attributes)
+        if usage is not None:
+            tokens = m.counter(SERVICE, m.TOKENS)
+            tokens.add(usage.prompt_tokens, {**self.attributes, "gen_ai.token.type": "input"})
+            tokens.add(usage.cached_prompt_tokens, {**self.attributes, "gen_ai.token.type": "cached_input"})
+            tokens.add(usage.completion_tokens, {**self.attributes, "gen_ai.token.type": "output"})
+
+
+def upgraded(bucket: str, from_pool: str, to_pool: str) -> None:
+    """One escalation (the routing issue's upgrade rate = upgrades / routes)."""
+    m.counter(SERVICE, m.UPGRADES).add(1, {"specmesh.bucket": bucket, "specmesh.pool": from_pool,
+                                           "specmesh.pool.to": to_pool})
