@@ -52,7 +52,7 @@ class SamplingParams(_message.Message):
     def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "proposed_tokens", "accepted_tokens", "rejected_tokens", "acceptance_length", "mean_logprob", "min_logprob", "mean_margin")
+    __slots__ = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "proposed_tokens", "accepted_tokens", "rejected_tokens", "acceptance_length", "mean_logprob", "min_logprob", "mean_margin", "verify_passes", "fallback_steps")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -63,6 +63,8 @@ class Usage(_message.Message):
     MEAN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     MIN_LOGPROB_FIELD_NUMBER: _ClassVar[int]
     MEAN_MARGIN_FIELD_NUMBER: _ClassVar[int]
+    VERIFY_PASSES_FIELD_NUMBER: _ClassVar[int]
+    FALLBACK_STEPS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_prompt_tokens: int
     completion_tokens: int
@@ -73,7 +75,9 @@ class Usage(_message.Message):
     mean_logprob: float
     min_logprob: float
     mean_margin: float
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., rejected_tokens: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., mean_logprob: _Optional[float] = ..., min_logprob: _Optional[float] = ..., mean_margin: _Optional[float] = ...) -> None: ...
+    verify_passes: int
+    fallback_steps: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., rejected_tokens: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., mean_logprob: _Optional[float] = ..., min_logprob: _Optional[float] = ..., mean_margin: _Optional[float] = ..., verify_passes: _Optional[int] = ..., fallback_steps: _Optional[int] = ...) -> None: ...
 
 class SpeculationPlan(_message.Message):
     __slots__ = ("method", "max_depth", "max_nodes")
