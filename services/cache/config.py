@@ -68,6 +68,7 @@ class CacheConfig:
     max_wait_seconds: float = 60.0  # a waiter without a deadline waits at most this long
     max_arguments_bytes: int = 64 * 1024
     # Retrieval.
+    retrieval_cache: bool = True  # cache results per (tenant, corpus version, labels, query, k)
     retrieval_ttl_seconds: int = 300
     max_documents_per_corpus: int = 100_000
     max_document_bytes: int = 256 * 1024

@@ -100,14 +100,15 @@ class Corpora:
         if version is None:
             raise InvalidInput(f"unknown corpus {corpus!r}")
         result_key = self._result_key(caller, corpus, version, query, k)
-        cached = await self.backend.get(result_key)
+        cached = await self.backend.get(result_key) if self.config.retrieval_cache else None
         if cached is not None:
             return Retrieved(_decode_results(cached), True, version)
         index = await self._index(caller.tenant, corpus, must_exist=True, known_version=version)
         found = index.search(tokenize(query), caller, k)
         if index.version != version:  # a newer version was read while rebuilding
             result_key = self._result_key(caller, corpus, index.version, query, k)
-        await self.backend.set(result_key, _encode_results(found), self.config.retrieval_ttl_seconds * 1000)
+        if self.config.retrieval_cache:
+            await self.backend.set(result_key, _encode_results(found), self.config.retrieval_ttl_seconds * 1000)
         return Retrieved(found, False, index.version)
 
     # ---- helpers ------------------------------------------------------------------------
