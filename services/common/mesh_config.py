@@ -244,7 +244,7 @@ def load_mesh_config(path: str | Path) -> MeshConfig:
 
 def mesh_config_from_dict(raw: Any) -> MeshConfig:
     _expect(raw, dict, "")
-    _known(raw, {"pools", "tenants", "classes", "risk_rules"}, "")
+    _known(raw, {"pools", "tenants", "classes", "risk_rules", "settings"}, "")  # settings: env.py
     pools = tuple(_build(PoolConfig, {"name": name, **_expect(body, dict, f"pools.{name}")}, f"pools.{name}")
                   for name, body in _expect(raw.get("pools") or {}, dict, "pools").items())
     tenants = tuple(_build(TenantConfig, {"name": name, **_rename(_expect(body, dict, f"tenants.{name}"))},
