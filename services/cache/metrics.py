@@ -1,8 +1,8 @@
-"""OpenTelemetry metrics of the cache service (instruments created once per process).
+"""Metrics of the cache service (names in the catalogue, services/common/metrics.py).
 
-Prefix index: size (gauge), events applied and resyncs (counters), query latency.
-Result caches: lookups by kind (`prefix`, `retrieval`, `tool`) and outcome (`hit`,
-`miss`, `wait`, ...), so hit rates can be read per cache kind.
+Prefix index: size (gauge), events applied and resyncs (counters, observed from the
+live indexes), PrefixMatch latency and matched blocks. Result caches: lookups by kind
+(`prefix`, `retrieval`, `tool`) and result (`hit`, `miss`, `wait`).
 """
 
 from __future__ import annotations
@@ -10,59 +10,50 @@ from __future__ import annotations
 import threading
 import weakref
 
-from opentelemetry import metrics
 from opentelemetry.metrics import CallbackOptions, Observation
+
+from services.common import metrics as catalogue
+
+SERVICE = "cache"
+INDEX_SIZE = "specmesh.cache.prefix_index.size"
+INDEX_EVENTS = "specmesh.cache.prefix_index.events"
+INDEX_RESYNCS = "specmesh.cache.prefix_index.resyncs"
 
 _lock = threading.Lock()
 _indexes: "weakref.WeakSet" = weakref.WeakSet()
-_instruments: dict | None = None
+_observers_created = False
 
 
-def register_index(index) -> dict:
-    """Adds a prefix index to the observed set; returns the shared instruments."""
+def register_index(index) -> None:
+    """Adds a prefix index to the observed set (the observable instruments are made once)."""
+    global _observers_created
     with _lock:
         _indexes.add(index)
-        return _get()
+        if _observers_created:
+            return
+        _observers_created = True
+    from services.common.telemetry import meter
+    m = meter(SERVICE)
+    m.create_observable_gauge(INDEX_SIZE, [_observer("size")], unit="{block}",
+                              description="(replica, block) entries in the prefix index")
+    m.create_observable_counter(INDEX_EVENTS, [_observer("events_applied")], unit="{event}",
+                                description="KV events applied to the prefix index")
+    m.create_observable_counter(INDEX_RESYNCS, [_observer("resyncs")], unit="{snapshot}",
+                                description="snapshots applied (start, reconnect, sequence gap)")
 
 
-def instruments() -> dict:
-    with _lock:
-        return _get()
+def count_lookup(kind: str, result: str) -> None:
+    catalogue.counter(SERVICE, catalogue.CACHE_LOOKUPS).add(
+        1, {"specmesh.cache.kind": kind, "specmesh.cache.result": result})
 
 
-def _get() -> dict:
-    global _instruments
-    if _instruments is None:
-        _instruments = _create()
-    return _instruments
-
-
-def _create() -> dict:
-    meter = metrics.get_meter("specmesh.cache")
-    meter.create_observable_gauge("specmesh.cache.prefix_index.size", [_observer("size")],
-                                  unit="{block}", description="(replica, block) entries in the prefix index")
-    meter.create_observable_counter("specmesh.cache.prefix_index.events",
-                                    [_observer("events_applied")], unit="{event}",
-                                    description="KV events applied to the prefix index")
-    meter.create_observable_counter("specmesh.cache.prefix_index.resyncs", [_observer("resyncs")],
-                                    unit="{snapshot}",
-                                    description="snapshots applied (start, reconnect, sequence gap)")
-    return {
-        "query_latency": meter.create_histogram(
-            "specmesh.cache.prefix_index.query_duration", unit="s",
-            description="time to answer one PrefixMatch"),
-        "lookups": meter.create_counter(
-            "specmesh.cache.lookups", unit="{lookup}",
-            description="cache lookups by specmesh.cache_kind and specmesh.outcome "
-                        "(hit, miss, wait, error)"),
-        "saved_blocks": meter.create_counter(
-            "specmesh.cache.prefix_index.matched_blocks", unit="{block}",
-            description="leading blocks found on the best replica per PrefixMatch"),
-    }
+def record_prefix_match(seconds: float, matched_blocks: int) -> None:
+    catalogue.histogram(SERVICE, catalogue.PREFIX_QUERY_TIME).record(seconds)
+    catalogue.counter(SERVICE, catalogue.PREFIX_MATCHED_BLOCKS).add(matched_blocks)
 
 
 def _observer(field: str):
     def observe(options: CallbackOptions):
-        for index in list(_indexes):
-            yield Observation(getattr(index, field))
+        total = sum(getattr(index, field) for index in list(_indexes))
+        yield Observation(total)
     return observe

@@ -52,7 +52,7 @@ class CacheService(cache_service_pb2_grpc.CacheServiceServicer):
         self.subscribers = KVSubscribers(self.index, config.mesh_tls)
         self.tools = ToolCache(config, self.backend)
         self.corpora = Corpora(config, self.backend)
-        self._metrics = metrics.register_index(self.index)
+        metrics.register_index(self.index)
 
     async def start(self) -> None:
         """Starts following the replicas' KV events (needs the running event loop)."""
@@ -72,12 +72,11 @@ class CacheService(cache_service_pb2_grpc.CacheServiceServicer):
         with tracer.start_as_current_span("cache.prefix_match") as span:
             start = time.perf_counter()
             matches = self.index.match(list(request.block_hashes), list(request.replicas))
-            self._metrics["query_latency"].record(time.perf_counter() - start)
             best = max((m.matched_blocks for m in matches), default=0)
+            metrics.record_prefix_match(time.perf_counter() - start, best)
             span.set_attribute("specmesh.prefix_query_blocks", len(request.block_hashes))
             span.set_attribute("specmesh.prefix_hit_blocks", best)
-            self._count("prefix", "hit" if best else "miss")
-            self._metrics["saved_blocks"].add(best)
+            metrics.count_lookup("prefix", "hit" if best else "miss")
         return pb.PrefixMatchResponse(matches=[
             pb.ReplicaPrefixMatch(replica=m.replica, matched_blocks=m.matched_blocks, synced=m.synced)
             for m in matches])
@@ -95,7 +94,7 @@ class CacheService(cache_service_pb2_grpc.CacheServiceServicer):
             wait = wait_seconds_of(self.config, context.time_remaining())
             result = await self._backend(self.tools.lookup(key, lease_ms, wait), context)
             span.set_attribute("specmesh.cache_outcome", result.outcome)
-            self._count("tool", _LOOKUP_LABEL[result.outcome])
+            metrics.count_lookup("tool", _LOOKUP_LABEL[result.outcome])
         return pb.ToolLookupResponse(outcome=_OUTCOMES[result.outcome], value=result.value,
                                      is_error=result.error is not None,
                                      error_message=result.error or "", lease_id=result.lease_id)
@@ -153,7 +152,7 @@ class CacheService(cache_service_pb2_grpc.CacheServiceServicer):
                 context, self.corpora.retrieve(caller, request.corpus, request.query, request.k))
             span.set_attribute("specmesh.cache_hit", found.cache_hit)
             span.set_attribute("specmesh.retrieved_documents", len(found.documents))
-            self._count("retrieval", "hit" if found.cache_hit else "miss")
+            metrics.count_lookup("retrieval", "hit" if found.cache_hit else "miss")
         return pb.RetrieveResponse(
             cache_hit=found.cache_hit, corpus_version=found.corpus_version,
             documents=[pb.RetrievedDocument(score=s, document=pb.Document(
@@ -235,9 +234,6 @@ class CacheService(cache_service_pb2_grpc.CacheServiceServicer):
         except Exception:
             log.exception("cache operation failed")
             await context.abort(grpc.StatusCode.INTERNAL, "cache operation failed")
-
-    def _count(self, kind: str, outcome: str) -> None:
-        self._metrics["lookups"].add(1, {"specmesh.cache_kind": kind, "specmesh.outcome": outcome})
 
 
 def _kind_label(kind: int) -> str:

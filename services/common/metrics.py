@@ -26,6 +26,8 @@ PHASE_BOUNDS = (0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5,
                 10.0, 30.0, 60.0)  # queue, prefill, verify, draft: 0.5 ms .. 60 s
 ACCEPTANCE_BOUNDS = tuple(float(n) for n in range(1, 18))  # accepted + bonus per verify pass
 BATCH_BOUNDS = (1.0, 2.0, 4.0, 8.0, 16.0, 32.0, 64.0, 128.0, 256.0, 512.0, 1024.0)
+LOOKUP_BOUNDS = (0.00001, 0.000025, 0.00005, 0.0001, 0.00025, 0.0005, 0.001, 0.0025, 0.005, 0.01,
+                 0.025, 0.05, 0.1)  # in-memory index lookups: 10 us .. 100 ms
 
 # ---- names ------------------------------------------------------------------
 TTFT = "gen_ai.server.time_to_first_token"
@@ -52,6 +54,8 @@ UPGRADES = "specmesh.router.upgrades"
 DRAFT_SEQUENCES = "specmesh.draft.sequences"
 DRAFT_PROPOSED = "specmesh.draft.proposed_tokens"
 CACHE_LOOKUPS = "specmesh.cache.lookups"  # attributes specmesh.cache.kind, specmesh.cache.result
+PREFIX_QUERY_TIME = "specmesh.cache.prefix_index.query_duration"
+PREFIX_MATCHED_BLOCKS = "specmesh.cache.prefix_index.matched_blocks"
 
 # name -> (unit, boundaries, description)
 HISTOGRAMS: dict[str, tuple[str, tuple[float, ...], str]] = {
@@ -67,6 +71,7 @@ HISTOGRAMS: dict[str, tuple[str, tuple[float, ...], str]] = {
     BATCH_TOKENS: ("{token}", BATCH_BOUNDS, "tokens per engine step"),
     RPC_DURATION: ("s", LATENCY_BOUNDS, "gRPC call duration on the server, by method and status"),
     DRAFT_PROPOSE_TIME: ("s", PHASE_BOUNDS, "draft service time per batched proposal"),
+    PREFIX_QUERY_TIME: ("s", LOOKUP_BOUNDS, "cache service time to answer one PrefixMatch"),
 }
 # name -> (unit, description)
 COUNTERS: dict[str, tuple[str, str]] = {
@@ -80,7 +85,9 @@ COUNTERS: dict[str, tuple[str, str]] = {
     UPGRADES: ("{request}", "requests escalated to a stronger pool"),
     DRAFT_SEQUENCES: ("{sequence}", "sequences proposed for, per pass, by method"),
     DRAFT_PROPOSED: ("{token}", "draft tokens proposed, by method"),
-    CACHE_LOOKUPS: ("{lookup}", "cache lookups by kind and result (hit / miss)"),
+    CACHE_LOOKUPS: ("{lookup}", "cache lookups by kind (prefix, retrieval, tool) and result "
+                                "(hit / miss / wait: waited on another caller's tool lease)"),
+    PREFIX_MATCHED_BLOCKS: ("{block}", "leading blocks the best replica holds, summed over PrefixMatch calls"),
 }
 
 VIEWS = [View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(list(bounds)))
