@@ -15,6 +15,9 @@ SERVICES = ("router", "target", "draft", "cache")
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    if argv[:1] == ["bench"]:  # its own flags (services/bench/cli.py)
+        return _cmd_bench(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
@@ -51,6 +54,17 @@ def _parser() -> argparse.ArgumentParser:
     _setting_flags(serve)
     serve.set_defaults(func=_cmd_serve)
 
+    certs = sub.add_parser("certs", help="make a development CA and mutual-TLS certificates for "
+                           "every service (use with --tls-dir / SPECMESH_TLS_DIR)")
+    certs.add_argument("--out", default="certs", help="directory for ca.pem, SERVICE.pem and "
+                       "SERVICE-key.pem (default ./certs)")
+    certs.add_argument("--san", action="append", dest="cert_hosts", default=[], metavar="HOST",
+                       help="extra DNS name or IP address in every certificate (repeatable); "
+                       "each already has its service name, localhost, 127.0.0.1 and ::1")
+    certs.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
+    certs.add_argument("--force", action="store_true", help="replace certificates that exist")
+    certs.set_defaults(func=_cmd_certs)
+
     gen = sub.add_parser("generate", help="stream a completion from a running router")
     gen.add_argument("prompt", help="the question (sent as one user chat message) or, with --raw, "
                      "the plain prompt")
@@ -65,8 +79,11 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--raw", action="store_true", help="send PROMPT as a plain prompt, without the "
                      "model's chat template")
     gen.add_argument("--system", default="", help="a system message before the question (chat only)")
-    _setting_flags(gen, ("config",))
+    _setting_flags(gen, ("config", "router_ca"))
     gen.set_defaults(func=_cmd_generate)
+
+    sub.add_parser("bench", add_help=False, help="open-loop load against a router: per-bucket "
+                   "latency report and plots (`specmesh bench --help`); `specmesh bench compare A B`")
     return parser
 
 
@@ -103,6 +120,18 @@ def _flag_values(args: argparse.Namespace) -> dict:
 
 
 # ---- commands ---------------------------------------------------------------
+def _cmd_bench(argv: list[str]) -> int:
+    from services.bench.cli import main as bench_main
+    logging.basicConfig(level=logging.WARNING)
+    try:
+        return bench_main(argv, read_settings())
+    except (ValueError, FileNotFoundError) as exc:
+        print(f"specmesh bench: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+
+
 def _cmd_prepare(args, settings: Settings) -> int:
     from services.common.models.prepare import prepare_default_model
 
@@ -119,6 +148,17 @@ def _cmd_up(args, settings: Settings) -> int:
 def _cmd_serve(args, settings: Settings) -> int:
     from services.common.builders import run_one
     return asyncio.run(run_one(args.service, settings))
+
+
+def _cmd_certs(args, settings: Settings) -> int:
+    from services.common.tls import SERVICE_IDENTITIES, make_dev_certs
+
+    if args.days <= 0:
+        raise ValueError(f"--days must be > 0, got {args.days}")
+    out = make_dev_certs(args.out, hosts=args.cert_hosts, days=args.days, force=args.force)
+    print(f"mesh certificates for {', '.join(SERVICE_IDENTITIES)} in {out} "
+          f"(start services with --tls-dir {out})")
+    return 0
 
 
 def _cmd_generate(args, settings: Settings) -> int:

@@ -1,0 +1,1 @@
+"""`specmesh bench`: open-loop load against a router, per-bucket latency reports and plots."""
