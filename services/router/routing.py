@@ -250,7 +250,8 @@ class Routing:
                     yield out
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
-            trailers = tuple((k, v) for k, v in (exc.trailing_metadata() or ()) if k == "grpc-retry-pushback-ms")
+            trailers = tuple((k, v) for k, v in (exc.trailing_metadata() or ())
+                             if k in ("grpc-retry-pushback-ms", "grpc-status-details-bin"))
             if code not in PASS_THROUGH and code not in RETRYABLE:
                 code = grpc.StatusCode.UNAVAILABLE
             raise UpstreamError(code, f"replica {replica.address} of pool {pool.name}: {exc.details()}",
