@@ -84,7 +84,7 @@ def test_nothing_fits():
         choose_pool(_views(700, SHORT), prompt="hi", max_tokens=100, bucket="b", weights=Weights())
 
 
-async def test_pool_choice_through_the_router(tiny_llama_dir):
+async def test_pool_choice_through_the_router(tiny_llama_dir, spans):
     target = await start_target(tiny_llama_dir)
     replicas = (target.address,)  # pools are names over replicas; one replica serves both here
     mesh = MeshConfig(
@@ -105,7 +105,13 @@ async def test_pool_choice_through_the_router(tiny_llama_dir):
             req.model = model
             return (await generate(router.stub, req, auth))[3]
 
-        assert (await route_of("hello", saver)).pool == "small"  # λ per tenant class
+        route = await route_of("hello", saver)
+        assert route.pool == "small"  # λ per tenant class
+        route_span = next(s for s in spans.get_finished_spans() if s.name == "route")
+        attributes = dict(route_span.attributes)
+        assert (attributes["specmesh.pool"], attributes["specmesh.route.reason"]) == ("small", "objective")
+        assert attributes["specmesh.route.total"] == pytest.approx(route.score.total)
+        assert attributes["specmesh.bucket"] == route.bucket
         assert (await route_of("hello", picky)).pool == "big"
         route = await route_of("hello", saver, model="big")
         assert (route.pool, route.reason) == ("big", "model")
