@@ -1,13 +1,43 @@
-FROM python:3.11-slim
+# specmesh image. CPU by default (the CPU build of torch: no CUDA libraries in the image):
+#   docker build -t specmesh:latest .
+# A GPU target image (CUDA runtime base, CUDA build of torch):
+#   docker build -t specmesh:cuda --build-arg VARIANT=cuda .
+ARG VARIANT=cpu
+
+FROM python:3.11-slim AS base-cpu
+ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+
+FROM nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04 AS base-cuda
+RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
+    && rm -rf /var/lib/apt/lists/* \
+    && python3 -m venv /opt/venv
+ENV PATH=/opt/venv/bin:$PATH \
+    TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
+
+FROM base-${VARIANT}
 WORKDIR /app
-COPY pyproject.toml README.md ./
+ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
+
+# Dependencies first, in their own layers: a code change does not reinstall them.
+COPY pyproject.toml ./
+RUN python -c "import re, tomllib; deps = tomllib.load(open('pyproject.toml', 'rb'))['project']['dependencies']; \
+torch = [d for d in deps if re.match(r'torch\b', d)]; open('/tmp/torch.txt', 'w').write('\n'.join(torch)); \
+open('/tmp/deps.txt', 'w').write('\n'.join(d for d in deps if d not in torch))" \
+    && pip install --index-url "$TORCH_INDEX_URL" -r /tmp/torch.txt \
+    && pip install -r /tmp/deps.txt
+
+# Then the code (installed without touching the dependencies above).
+COPY README.md ./
 COPY protos ./protos
 COPY services ./services
 COPY scripts ./scripts
 COPY deploy ./deploy
-RUN pip install --no-cache-dir .
-# Convert the default model once at build time; SPECMESH_MODEL_CACHE points the services at it.
-ENV SPECMESH_MODEL_CACHE=/models
+RUN pip install --no-deps .
+
+# The default model, converted once at build time into a path no volume mounts over
+# (compose mounts its `models` volume at /models for your own model directories).
+ENV SPECMESH_MODEL_CACHE=/opt/specmesh/models
 RUN specmesh models prepare
-EXPOSE 50051 50052 50053 50054
+
+EXPOSE 50051 50052 50053 50054 9464
 CMD ["specmesh", "serve", "router", "--host", "0.0.0.0"]

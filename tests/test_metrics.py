@@ -14,6 +14,7 @@ from services.common import metrics as m
 from services.common.proto.specmesh.v1 import cache_service_pb2, cache_service_pb2_grpc, target_service_pb2
 from services.common.server import ServerConfig
 from services.common.telemetry import serve_metrics
+from services.target.metrics import exported_gauges
 from tests.mesh import collect, request, start_draft, start_mesh
 
 SERVICES = ("router", "target", "draft", "cache")
@@ -88,5 +89,9 @@ async def test_every_service_serves_metrics_with_bucket_labels_and_serving_bound
     cache_calls = [l for l, _ in after["cache"]["rpc_server_call_duration_seconds_count"]
                    if l["rpc_method"] == "/specmesh.v1.CacheService/PrefixMatch"]
     assert cache_calls
+    known = m.prometheus_names(exported_gauges())  # what the dashboard test checks queries against
+    for service in ("router", "target", "draft"):
+        exported = {name for name in after[service] if name.startswith(("specmesh_", "gen_ai_", "rpc_"))}
+        assert exported <= known, (service, sorted(exported - known))
     for page in after.values():  # each endpoint serves its own service only
         assert len({l["service_name"] for l, _ in page.get("target_info", [])}) == 1

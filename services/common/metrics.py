@@ -126,3 +126,30 @@ def _get(service: str, name: str, create):
             if instrument is None:
                 instrument = _instruments[key] = create(meter(service))
     return instrument
+
+
+def prometheus_names(extra: dict[str, tuple[str, str]] | None = None) -> set[str]:
+    """Every sample name the Prometheus endpoints can expose for the catalogue (and `extra`:
+    {otel name: (unit, "gauge" | "counter")}, e.g. the target's KV gauges), spelled as the
+    OpenTelemetry Prometheus exporter spells them. The dashboard test checks its queries
+    against this set."""
+    names: set[str] = set()
+    for name, (unit, _, _) in HISTOGRAMS.items():
+        base = _prometheus_base(name, unit)
+        names |= {f"{base}_bucket", f"{base}_sum", f"{base}_count"}
+    for name, (unit, _) in COUNTERS.items():
+        names.add(_prometheus_base(name, unit) + "_total")
+    for name, (unit, kind) in (extra or {}).items():
+        names.add(_prometheus_base(name, unit) + ("_total" if kind == "counter" else ""))
+    return names
+
+
+_UNIT_SUFFIXES = {"s": "seconds", "ms": "milliseconds", "By": "bytes", "1": ""}
+
+
+def _prometheus_base(name: str, unit: str) -> str:
+    base = name.replace(".", "_")
+    suffix = "" if unit.startswith("{") else _UNIT_SUFFIXES.get(unit, unit)
+    if suffix and not base.endswith(f"_{suffix}"):
+        base += f"_{suffix}"
+    return base

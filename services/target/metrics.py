@@ -51,6 +51,12 @@ _COUNTERS = {
 }
 
 
+def exported_gauges() -> dict[str, tuple[str, str]]:
+    """{name: (unit, "gauge" | "counter")} of the observable instruments (dashboard checks)."""
+    return {**{n: (u, "gauge") for n, (_, u, _) in _GAUGES.items()},
+            **{n: (u, "counter") for n, (_, u, _) in _COUNTERS.items()}}
+
+
 def register_engine(engine) -> "TargetMetrics":
     """Adds an engine to the observed set; returns its request recorder."""
     global _gauges_created
