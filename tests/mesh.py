@@ -15,6 +15,7 @@ from services.common.proto.specmesh.v1 import (
     target_service_pb2_grpc,
 )
 from services.common.server import GrpcServer, ServerConfig
+from services.common.tls import MeshTls
 from services.router.app import build_router_server
 from services.router.config import RouterConfig
 from services.target.app import build_target_server
@@ -46,13 +47,19 @@ class Mesh:
         await self.target.stop(grace=1.0)
 
 
-async def start_mesh(model_dir: Path, speculation: dict | None = None, **engine_overrides) -> Mesh:
+async def start_mesh(model_dir: Path, speculation: dict | None = None, tls_dir: Path | None = None,
+                     **engine_overrides) -> Mesh:
     """Target + router. `speculation` sets the router's plan (RouterConfig speculation_* fields);
-    by default the router asks for none, so tests without a draft service stay plain."""
+    by default the router asks for none, so tests without a draft service stay plain.
+    With `tls_dir` (from `make_dev_certs`) router -> target -> draft calls use mutual TLS;
+    the router's public port stays plaintext."""
+    target_tls = MeshTls.from_dir(tls_dir, "target") if tls_dir else None
     config = EngineConfig(model_dir=model_dir, dtype="float32", num_blocks=256, block_size=4,
-                          max_batched_tokens=64, max_tokens_limit=256, kernels="reference")
+                          max_batched_tokens=64, max_tokens_limit=256, kernels="reference",
+                          mesh_tls=target_tls)
     engine = Engine.load(replace(config, **engine_overrides))
-    target = build_target_server(ServerConfig(port=0), engine, "tiny")
+    target = build_target_server(ServerConfig(port=0, tls=target_tls and target_tls.server_tls()),
+                                 engine, "tiny")
     await target.start()
     if engine.speculator is not None:  # so that the first decode steps already speculate
         for _ in range(250):
@@ -62,7 +69,7 @@ async def start_mesh(model_dir: Path, speculation: dict | None = None, **engine_
     plan = {"speculation_method": "off", **(speculation or {})}
     router = build_router_server(ServerConfig(port=0), RouterConfig(
         target_address=target.address, tokens={TOKEN_A: "tenant-a", TOKEN_B: "tenant-b"},
-        max_tokens_limit=256, **plan))
+        max_tokens_limit=256, mesh_tls=MeshTls.from_dir(tls_dir, "router") if tls_dir else None, **plan))
     await router.start()
     return Mesh(engine, target, router, grpc.aio.insecure_channel(router.address))
 
@@ -82,10 +89,13 @@ async def collect(stub, req, metadata=AUTH_A) -> tuple[list[int], str, common_pb
     return ids, text, last
 
 
-async def start_draft(draft_model_dir: Path | None = None, **overrides) -> GrpcServer:
+async def start_draft(draft_model_dir: Path | None = None, tls_dir: Path | None = None,
+                      **overrides) -> GrpcServer:
+    """A draft server; with `tls_dir` it serves mutual TLS (the target's certificate calls it)."""
     from services.draft.app import build_draft_server
     from services.draft.config import DraftConfig
-    config = DraftConfig(server=ServerConfig(port=0), draft_model_dir=draft_model_dir,
+    tls = MeshTls.from_dir(tls_dir, "draft").server_tls() if tls_dir else None
+    config = DraftConfig(server=ServerConfig(port=0, tls=tls), draft_model_dir=draft_model_dir,
                          draft_model_dtype="float32", **overrides)
     server = build_draft_server(config)
     await server.start()

@@ -15,7 +15,7 @@ from tests.processes import free_port, wait_until_serving
 @pytest.mark.parametrize("service", ["router", "draft", "cache"])
 def test_serve_starts_answers_health_and_stops_on_sigterm(service):
     port = free_port()
-    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", service, "--port", str(port)],
+    proc = subprocess.Popen([sys.executable, "-m", "services.cli", "serve", service, "--port", str(port), "--dev"],
                             stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     try:
         wait_until_serving(proc, [f"127.0.0.1:{port}"], timeout_s=60)

@@ -3,18 +3,56 @@
 from __future__ import annotations
 
 import logging
+import secrets
+import tempfile
+from dataclasses import replace
 from pathlib import Path
 
-from services.common.env import DEFAULT_PORTS, Settings
+from services.common.env import DEFAULT_PORTS, DEV_SALT_SECRET, Settings
 from services.common.server import GrpcServer, ServerConfig, run_until_signal
 from services.common.telemetry import TelemetryConfig, setup_telemetry
+from services.common.tls import MeshTls, PublicTls, ServerTls, make_dev_certs
 
 log = logging.getLogger(__name__)
+INTERNAL_SERVICES = ("target", "draft", "cache")  # serve only mutual TLS (unless dev plaintext)
 
 
-def server_config(settings: Settings, service: str) -> ServerConfig:
+def server_config(settings: Settings, service: str, mesh: MeshTls | None = None) -> ServerConfig:
+    """Internal services serve mutual TLS with `mesh`; the router its public TLS, if configured."""
+    tls: ServerTls | None = None
+    if service in INTERNAL_SERVICES and mesh is not None:
+        tls = mesh.server_tls()
+    elif service == "router" and (settings.public_tls_cert or settings.public_tls_key):
+        if not (settings.public_tls_cert and settings.public_tls_key):
+            raise ValueError("public_tls_cert and public_tls_key go together")
+        tls = PublicTls.from_files(settings.public_tls_cert, settings.public_tls_key).server_tls()
     return ServerConfig(host=settings.host, port=settings.port or DEFAULT_PORTS[service],
-                        grace_seconds=settings.grace_seconds)
+                        grace_seconds=settings.grace_seconds, tls=tls)
+
+
+def mesh_tls(settings: Settings, identity: str) -> MeshTls | None:
+    """`identity`'s mesh credentials from settings; None (plaintext) only in dev mode."""
+    if settings.tls_dir or settings.tls_ca or settings.tls_cert or settings.tls_key:
+        directory = Path(settings.tls_dir) if settings.tls_dir else None
+        paths = []
+        for value, default in ((settings.tls_ca, "ca.pem"), (settings.tls_cert, f"{identity}.pem"),
+                               (settings.tls_key, f"{identity}-key.pem")):
+            if not value and directory is None:
+                raise ValueError("tls_ca, tls_cert and tls_key go together (or give tls_dir)")
+            paths.append(value or directory / default)
+        return MeshTls.from_files(identity, *paths)
+    if settings.dev:
+        return None
+    raise ValueError("internal services need mesh certificates: run `specmesh certs --out DIR` and "
+                     "pass --tls-dir DIR (or SPECMESH_TLS_DIR), or pass --dev for plaintext on a "
+                     "development machine")
+
+
+def check_salt_secret(settings: Settings) -> None:
+    """The router refuses the public default salt secret outside dev mode."""
+    if settings.salt_secret == DEV_SALT_SECRET and not settings.dev:
+        raise ValueError("salt_secret is the public default: set SPECMESH_SALT_SECRET to a random "
+                         "value (e.g. `openssl rand -hex 32`), or pass --dev on a development machine")
 
 
 def resolve_model(settings: Settings) -> Path:
@@ -35,12 +73,18 @@ def engine_config(settings: Settings, model_dir: Path):
 
 
 def build_server(service: str, settings: Settings, config: ServerConfig | None = None) -> GrpcServer:
-    """Builds one service's server (not started). The target loads its model here."""
-    config = config or server_config(settings, service)
+    """Builds one service's server (not started). The target loads its model here.
+
+    Mesh credentials come from settings (`mesh_tls`); `config`'s port and host win when given."""
+    mesh = mesh_tls(settings, service)
+    default = server_config(settings, service, mesh)
+    config = default if config is None else replace(config, tls=default.tls)
     if service == "router":
         from services.router.app import build_router_server
         from services.router.config import RouterConfig, parse_tokens
+        check_salt_secret(settings)
         return build_router_server(config, RouterConfig(
+            mesh_tls=mesh,
             target_address=settings.target_address, tokens=parse_tokens(settings.tokens),
             salt_secret=settings.salt_secret, max_tokens_limit=settings.max_tokens_limit,
             speculation_method=settings.speculation_method, speculation_depth=settings.speculation_depth,
@@ -49,7 +93,7 @@ def build_server(service: str, settings: Settings, config: ServerConfig | None =
     if service == "target":
         from services.target.app import build_target_server, load_engine
         model_dir = resolve_model(settings)
-        engine = load_engine(engine_config(settings, model_dir))
+        engine = load_engine(replace(engine_config(settings, model_dir), mesh_tls=mesh))
         return build_target_server(config, engine, settings.model)
     if service == "draft":
         from services.draft.app import build_draft_server
@@ -64,7 +108,7 @@ def build_server(service: str, settings: Settings, config: ServerConfig | None =
         from services.cache.app import build_cache_server
         from services.cache.config import CacheConfig
         return build_cache_server(CacheConfig(server=config, backend=settings.cache_backend,
-                                              redis_url=settings.redis_url or None))
+                                              redis_url=settings.redis_url or None, mesh_tls=mesh))
     raise ValueError(f"unknown service {service!r}; expected router, target, draft or cache")
 
 
@@ -81,8 +125,20 @@ async def run_all(settings: Settings) -> int:
     """`specmesh up`: all four services in this process on loopback.
 
     Ports are the defaults, or base, base+1, base+2, base+3 (router, target,
-    draft, cache) when `settings.port` is set.
+    draft, cache) when `settings.port` is set. Services talk mutual TLS with certificates
+    made for this run (removed at exit) unless mesh certificates are given, or --dev asks
+    for plaintext; the public default salt secret is replaced by a random one.
     """
+    with tempfile.TemporaryDirectory(prefix="specmesh-certs-") as certs:
+        if not (settings.tls_dir or settings.tls_ca or settings.tls_cert or settings.tls_key
+                or settings.dev):
+            settings.tls_dir = str(make_dev_certs(certs, hosts=[settings.host]))
+        if settings.salt_secret == DEV_SALT_SECRET:
+            settings.salt_secret = secrets.token_hex(32)
+        return await _run_all(settings)
+
+
+async def _run_all(settings: Settings) -> int:
     setup_telemetry(TelemetryConfig("specmesh", settings.otlp_endpoint or None))
     ports = dict(DEFAULT_PORTS)
     if settings.port:

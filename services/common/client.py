@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import sys
 import time
+from pathlib import Path
 
 import grpc
 
@@ -12,6 +13,7 @@ from services.common.proto.specmesh.v1 import (
     router_service_pb2,
     router_service_pb2_grpc,
 )
+from services.common.tls import public_channel
 
 _HINTS = {
     grpc.StatusCode.UNAVAILABLE: "no router answered at {address}: start one with `specmesh up`, "
@@ -20,6 +22,12 @@ _HINTS = {
                                      "(the router's tokens come from SPECMESH_TOKENS)",
     grpc.StatusCode.RESOURCE_EXHAUSTED: "the server is at its admission limit; retry in a moment",
 }
+
+
+def router_channel(settings) -> grpc.aio.Channel:
+    """A channel to the router's public port: TLS verified with `settings.router_ca` when set."""
+    ca = Path(settings.router_ca).expanduser().read_bytes() if settings.router_ca else None
+    return public_channel(settings.router_address, ca)
 
 
 async def stream_generate(settings, args) -> int:
@@ -39,7 +47,7 @@ async def stream_generate(settings, args) -> int:
     first = None
     tokens = 0
     usage = None
-    async with grpc.aio.insecure_channel(settings.router_address) as channel:
+    async with router_channel(settings) as channel:
         stub = router_service_pb2_grpc.RouterServiceStub(channel)
         try:
             async for response in stub.Generate(request, metadata=metadata):

@@ -274,11 +274,13 @@ def _make_leaf(name: str, hosts: list[str], ca_key, ca_cert, days: int):
     key = ec.generate_private_key(ec.SECP256R1())
     sans: list[x509.GeneralName] = [x509.IPAddress(ipaddress.ip_address("127.0.0.1")),
                                     x509.IPAddress(ipaddress.ip_address("::1"))]
-    for host in dict.fromkeys(hosts):
+    for host in hosts:
         try:
-            sans.append(x509.IPAddress(ipaddress.ip_address(host)))
+            general: x509.GeneralName = x509.IPAddress(ipaddress.ip_address(host))
         except ValueError:
-            sans.append(x509.DNSName(host))
+            general = x509.DNSName(host)
+        if general not in sans:
+            sans.append(general)
     now = datetime.datetime.now(datetime.timezone.utc)
     cert = (x509.CertificateBuilder()
             .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, name)]))

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.tls import MeshTls
+
 SPECULATION_METHODS = ("off", "prompt_lookup", "suffix", "draft_model", "dynamic_tree")
 
 
@@ -23,6 +25,9 @@ class RouterConfig:
     # "fixed": every bucket gets the plan above; "adaptive": depth per bucket from measured
     # acceptance, off where it does not pay (services/router/speculation_policy.py).
     speculation_policy: str = "fixed"
+    # The router's mesh identity for its calls to targets and the cache (services/common/tls.py
+    # MeshTls); None = plaintext (dev mode, tests).
+    mesh_tls: MeshTls | None = None
 
     def __post_init__(self) -> None:
         if not self.target_address:

@@ -16,7 +16,7 @@ from services.common.proto.specmesh.v1 import (
     target_service_pb2_grpc,
 )
 from services.common.sampling_params import SamplingConfig, sampling_from_proto
-from services.common.server import insecure_channel
+from services.common.tls import internal_channel
 from services.router.auth import TenantAuth, Unauthenticated
 from services.router.buckets import bucket_of
 from services.router.config import RouterConfig
@@ -34,7 +34,7 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.auth = TenantAuth(config.tokens, config.salt_secret)
-        self._channel = insecure_channel(config.target_address)
+        self._channel = internal_channel(config.target_address, config.mesh_tls)
         self._target = target_service_pb2_grpc.TargetServiceStub(self._channel)
         self._in_flight = 0
         self._draining = False

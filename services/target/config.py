@@ -7,6 +7,8 @@ from pathlib import Path
 
 import torch
 
+from services.common.tls import MeshTls
+
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn}
 _KERNELS = ("auto", "triton", "reference")
@@ -30,6 +32,9 @@ class EngineConfig:
     name: str = ""  # model id in prefix-cache keys and metrics; "" = the model directory's name
     draft_address: str = ""  # draft service for speculative decoding; "" = never speculate
     draft_timeout_s: float = 0.5  # per-step deadline of a draft call; past it the step decodes normally
+    # The target's mesh identity for its calls to the draft service (services/common/tls.py
+    # MeshTls); None = plaintext (dev mode, tests).
+    mesh_tls: MeshTls | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
