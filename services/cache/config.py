@@ -10,6 +10,7 @@ from services.common.server import ServerConfig
 from services.common.tls import MeshTls
 
 BACKENDS = ("memory", "redis")
+RETRIEVAL_MODES = ("bm25", "dense", "hybrid")
 
 
 @dataclass(frozen=True)
@@ -68,6 +69,8 @@ class CacheConfig:
     max_wait_seconds: float = 60.0  # a waiter without a deadline waits at most this long
     max_arguments_bytes: int = 64 * 1024
     # Retrieval.
+    retrieval_mode: str = "bm25"  # bm25 | dense | hybrid (reciprocal rank fusion of both)
+    embedding_model: str = ""  # dense / hybrid: model directory; "" = the `dense` extra's MiniLM
     retrieval_cache: bool = True  # cache results per (tenant, corpus version, labels, query, k)
     retrieval_ttl_seconds: int = 300
     max_documents_per_corpus: int = 100_000
@@ -99,6 +102,8 @@ class CacheConfig:
             raise ValueError(f"backend_timeout_seconds must be > 0, got {self.backend_timeout_seconds}")
         if not (math.isfinite(self.max_wait_seconds) and self.max_wait_seconds > 0):
             raise ValueError(f"max_wait_seconds must be > 0, got {self.max_wait_seconds}")
+        if self.retrieval_mode not in RETRIEVAL_MODES:
+            raise ValueError(f"retrieval_mode must be one of {RETRIEVAL_MODES}, got {self.retrieval_mode!r}")
         if self.tool_lease_ms > self.max_lease_ms:
             raise ValueError(f"tool_lease_ms {self.tool_lease_ms} is above max_lease_ms {self.max_lease_ms}")
 

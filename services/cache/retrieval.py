@@ -1,4 +1,4 @@
-"""Tenant-scoped corpora with BM25 retrieval and a versioned result cache.
+"""Tenant-scoped corpora with BM25 (or dense / hybrid) retrieval and a versioned result cache.
 
 Documents live in the backend (Redis when shared, memory by default), one hash per
 (tenant, corpus), next to the corpus *version*: a counter every ingest or delete
@@ -7,8 +7,12 @@ Lucene's scoring) and rebuilds it whenever the stored version differs from the o
 it was built from — so after a start, or another instance's ingest, the first query
 rebuilds from the stored documents.
 
+Scoring (`CacheConfig.retrieval_mode`): `bm25`; `dense`, the cosine of sentence
+embeddings (services/cache/embeddings.py); or `hybrid`, reciprocal rank fusion of the two
+rankings (score = sum over rankings of 1 / (RRF_K + rank)).
+
 Results are cached per (tenant, corpus, corpus version, caller's label set,
-normalized query, k); a version bump makes every older entry unreachable. Documents
+normalized query, k, mode); a version bump makes every older entry unreachable. Documents
 the caller may not read are dropped before ranking, so nothing cached holds them.
 """
 
@@ -29,6 +33,7 @@ from services.cache.identity import Caller
 from services.cache.tool_cache import InvalidInput
 
 BM25_K1, BM25_B = 1.5, 0.75
+RRF_K = 60  # reciprocal rank fusion constant (Cormack et al. 2009)
 _CORPUS_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _TOKEN = re.compile(r"\w+")
 MAX_ID_BYTES = 256
@@ -60,6 +65,10 @@ class Corpora:
         self.config = config
         self.backend = backend
         self._indexes: dict[tuple[str, str], _Index] = {}
+        self.embedder = None
+        if config.retrieval_mode != "bm25":
+            from services.cache.embeddings import Embedder
+            self.embedder = Embedder(config.embedding_model or None)
 
     async def ingest(self, tenant: str, corpus: str, documents: list[Document]) -> tuple[int, int]:
         """Adds or replaces documents; returns (corpus version, documents in the corpus)."""
@@ -104,7 +113,10 @@ class Corpora:
         if cached is not None:
             return Retrieved(_decode_results(cached), True, version)
         index = await self._index(caller.tenant, corpus, must_exist=True, known_version=version)
-        found = index.search(tokenize(query), caller, k)
+        query_vector = None
+        if self.embedder is not None and index.documents:
+            query_vector = (await asyncio.to_thread(self.embedder.embed, [" ".join(tokenize(query))]))[0]
+        found = index.search(tokenize(query), query_vector, caller, k, self.config.retrieval_mode)
         if index.version != version:  # a newer version was read while rebuilding
             result_key = self._result_key(caller, corpus, index.version, query, k)
         if self.config.retrieval_cache:
@@ -128,7 +140,8 @@ class Corpora:
         if local is not None and local.version == version:
             return local
         documents = sorted((_decode(v) for v in fields.values()), key=lambda d: d.id)
-        index = await asyncio.to_thread(_Index, version, documents)
+        vectors = local.vectors if local is not None else {}
+        index = await asyncio.to_thread(_Index, version, documents, self.embedder, vectors)
         self._indexes[(tenant, corpus)] = index
         return index
 
@@ -137,7 +150,8 @@ class Corpora:
 
     def _result_key(self, caller: Caller, corpus: str, version: int, query: str, k: int) -> str:
         normal = " ".join(tokenize(query))
-        digest = hashlib.sha256(f"{caller.label_key}\0{normal}\0{k}".encode()).hexdigest()
+        mode = self.config.retrieval_mode
+        digest = hashlib.sha256(f"{caller.label_key}\0{normal}\0{k}\0{mode}".encode()).hexdigest()
         return ":".join((self.config.namespace, "t", quote(caller.tenant, safe=""), "retrieval",
                          corpus, str(version), digest))
 
@@ -167,28 +181,68 @@ class Corpora:
 
 
 class _Index:
-    """BM25 over one corpus version (built off the event loop: it is CPU work)."""
+    """One corpus version: BM25, plus document embeddings when an embedder is given.
 
-    def __init__(self, version: int, documents: list[Document]) -> None:
+    Built off the event loop (it is CPU work). `vectors` (text digest -> embedding) of the
+    previous version are reused, so an ingest embeds only new or changed texts."""
+
+    def __init__(self, version: int, documents: list[Document], embedder=None,
+                 vectors: dict[str, np.ndarray] | None = None) -> None:
         self.version = version
         self.documents = documents
         self.ids = [d.id for d in documents]
         self._bm25 = None
+        self.vectors: dict[str, np.ndarray] = {}
+        self._matrix = None  # [num_documents, dim] unit rows
         if documents:
             self._bm25 = bm25s.BM25(k1=BM25_K1, b=BM25_B, method="lucene")
             self._bm25.index([tokenize(d.text) for d in documents], show_progress=False)
+        if documents and embedder is not None:
+            old = vectors or {}
+            keys = [_digest(d.text) for d in documents]
+            missing = [i for i, key in enumerate(keys) if key not in old]
+            fresh = embedder.embed([documents[i].text for i in missing]) if missing else []
+            self.vectors = {key: old[key] for key in keys if key in old}
+            self.vectors.update({keys[i]: fresh[j] for j, i in enumerate(missing)})
+            self._matrix = np.stack([self.vectors[key] for key in keys])
 
-    def search(self, query_tokens: list[str], caller: Caller, k: int) -> list[tuple[Document, float]]:
-        if self._bm25 is None:
-            return []
-        known = [t for t in query_tokens if t in self._bm25.vocab_dict]
+    def search(self, query_tokens: list[str], query_vector: np.ndarray | None, caller: Caller, k: int,
+               mode: str = "bm25") -> list[tuple[Document, float]]:
+        """Top-k readable documents, best first (score descending, then id)."""
+        readable = [i for i, d in enumerate(self.documents) if caller.may_read(d.labels)]
+        if mode == "bm25":
+            return self._top(self._bm25_ranking(query_tokens, readable), k)
+        dense = self._dense_ranking(query_vector, readable)
+        if mode == "dense":
+            return self._top(dense, k)
+        fused: dict[int, float] = {}
+        for ranking in (self._bm25_ranking(query_tokens, readable), dense):
+            for rank, (i, _) in enumerate(ranking, start=1):
+                fused[i] = fused.get(i, 0.0) + 1.0 / (RRF_K + rank)
+        return self._top(self._sorted(fused.items()), k)
+
+    def _bm25_ranking(self, query_tokens: list[str], readable: list[int]) -> list[tuple[int, float]]:
+        known = [t for t in query_tokens if self._bm25 is not None and t in self._bm25.vocab_dict]
         if not known:
             return []
         scores = np.asarray(self._bm25.get_scores(known), dtype=np.float64)
-        ranked = sorted(((float(scores[i]), d) for i, d in enumerate(self.documents)
-                         if scores[i] > 0 and caller.may_read(d.labels)),
-                        key=lambda pair: (-pair[0], pair[1].id))
-        return [(d, s) for s, d in ranked[:k]]
+        return self._sorted((i, float(scores[i])) for i in readable if scores[i] > 0)
+
+    def _dense_ranking(self, query_vector: np.ndarray | None, readable: list[int]) -> list[tuple[int, float]]:
+        if self._matrix is None or query_vector is None:
+            return []
+        cosine = self._matrix @ query_vector  # [num_documents]
+        return self._sorted((i, float(cosine[i])) for i in readable if cosine[i] > 0)
+
+    def _sorted(self, scored) -> list[tuple[int, float]]:
+        return sorted(scored, key=lambda pair: (-pair[1], self.documents[pair[0]].id))
+
+    def _top(self, ranking: list[tuple[int, float]], k: int) -> list[tuple[Document, float]]:
+        return [(self.documents[i], s) for i, s in ranking[:k]]
+
+
+def _digest(text: str) -> str:
+    return hashlib.sha256(text.encode()).hexdigest()
 
 
 def _encode(d: Document) -> bytes:

@@ -84,6 +84,11 @@ class Settings(BaseModel):
                                 "else target_address")
     cache_max_memory_mb: int = Field(256, gt=0, description="memory cache backend: size bound of cached "
                                      "results before least-recently-used eviction")
+    retrieval_mode: Literal["bm25", "dense", "hybrid"] = Field(
+        "bm25", description="cache service retrieval scoring; dense and hybrid (rank fusion with BM25) "
+        "need the `dense` extra (offline all-MiniLM-L6-v2) or embedding_model")
+    embedding_model: str = Field("", description="dense / hybrid retrieval: local sentence-embedding "
+                                 "model directory; '' = the `dense` extra's all-MiniLM-L6-v2")
     otlp_endpoint: str = Field("", description="OpenTelemetry OTLP gRPC endpoint; '' = no export "
                                "(also read from OTEL_EXPORTER_OTLP_ENDPOINT)")
     service_name: str = Field("", description="OpenTelemetry service.name; '' = specmesh-SERVICE "
@@ -99,6 +104,13 @@ class Settings(BaseModel):
     speculation_nodes: int = Field(0, ge=0, description="draft tree node budget; 0 = a chain")
     speculation_policy: Literal["fixed", "adaptive"] = Field(
         "fixed", description="fixed plan, or adaptive depth per bucket from measured acceptance")
+    replicas: int = Field(1, ge=1, le=16, description="`up`: target replicas of the default pool on "
+                          "loopback (the first on the target port, more after the cache port)")
+    replica_policy: Literal["kv_aware", "least_loaded", "round_robin"] = Field(
+        "kv_aware", description="router's replica choice in a pool: longest cached prefix (cache "
+        "service's prefix index) against load, least loaded, or in turn")
+    replica_poll_seconds: float = Field(1.0, gt=0, le=60, description="router's health and stats "
+                                        "poll of every replica (ejection and rejoin)")
     draft_model: str = Field("", description="draft LM for draft_model / dynamic_tree: 'default' "
                              "or a local Hugging Face directory")
     draft_timeout_ms: int = Field(500, gt=0, le=60000,
