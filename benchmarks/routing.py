@@ -1,0 +1,202 @@
+"""Routing on the default model, one run, side by side (each setup its own fresh servers).
+
+    python benchmarks/routing.py replicas [--tenants 8 --prefix-tokens 1500 --requests 24 --rate 0.3]
+    python benchmarks/routing.py length [--docs 4 --doc-tokens 3000 --short 16 --rate 0.5]
+
+`replicas`: two target replicas, tenants each with a shared system prompt of ~prefix-tokens,
+KV pools sized so all prefixes fit in the two replicas together but not in one, Poisson
+arrivals of (tenant, question) in one seeded order: kv_aware vs least_loaded vs
+round_robin — prefix hit rate (cached / prompt tokens), mean and P99 TTFT, throughput.
+
+`length`: short questions mixed with ~doc-tokens documents on two replicas: one pool over
+both replicas vs a length pool for short prompts (replica 1) and one for long (replica 2):
+short-request mean and P99 TTFT.
+
+Everything runs in this process over real gRPC on loopback (targets, cache service with the
+prefix index, router); TTFT is measured at the client (first streamed token).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import math
+import random
+import statistics
+import time
+from dataclasses import replace
+from pathlib import Path
+
+import grpc
+
+from services.cache.app import build_cache_server
+from services.cache.config import CacheConfig
+from services.common.env import read_settings
+from services.common.mesh_config import MeshConfig, PoolConfig, TenantConfig
+from services.common.models.loading import resolve_model_dir
+from services.common.proto.specmesh.v1 import common_pb2, router_service_pb2, router_service_pb2_grpc
+from services.common.server import GrpcServer, ServerConfig
+from services.router.config import RouterConfig
+from services.router.service import SERVICE_NAME, RouterService, add_to_server
+from services.target.app import build_target_server
+from services.target.config import EngineConfig
+from services.target.engine import Engine
+
+WORDS = ("policy refund order shipping warranty account invoice device battery screen update "
+         "support contract region delivery return label billing plan upgrade network").split()
+
+
+async def start_mesh(model_dir: Path, pools: list[tuple[str, int, int]], num_blocks: int, policy: str,
+                     tenants: list[str]):
+    """pools: (name, first replica index, replica count, max_context) -> (servers, channel)."""
+    engine_config = EngineConfig(model_dir=model_dir, dtype="bfloat16", block_size=16, num_blocks=num_blocks,
+                                 max_batched_tokens=512, max_tokens_limit=256)
+    count = max(first + n for _, first, n, _ in pools)
+    targets = []
+    for _ in range(count):
+        target = build_target_server(ServerConfig(port=0), Engine.load(replace(engine_config)), "default")
+        await target.start()
+        targets.append(target)
+    cache = build_cache_server(CacheConfig(server=ServerConfig(port=0), replicas=tuple(t.address for t in targets)))
+    await cache.start()
+    mesh = MeshConfig(
+        pools=tuple(PoolConfig(name=name, model=str(model_dir), max_context=limit, price_prompt_per_1k=i,
+                               replicas=tuple(t.address for t in targets[first:first + n]))
+                    for i, (name, first, n, limit) in enumerate(pools)),
+        tenants=tuple(TenantConfig(name=t, token=f"tok-{t}") for t in tenants))
+    service = RouterService(RouterConfig(target_address="", mesh=mesh, cache_address=cache.address,
+                                         replica_policy=policy, poll_interval_s=0.2, speculation_method="off",
+                                         max_tokens_limit=256))
+    router = GrpcServer(ServerConfig(port=0), lambda s: add_to_server(s, service), [SERVICE_NAME],
+                        on_stopped=service.close)
+    await service.start()
+    await router.start()
+    return [router, cache, *targets], grpc.aio.insecure_channel(router.address)
+
+
+async def stop(servers, channel) -> None:
+    await channel.close()
+    for server in servers:
+        await server.stop(grace=0.5)
+
+
+async def one(stub, tenant: str, prompt: str, max_tokens: int, start: float) -> dict:
+    """Streams one request; returns its TTFT, end time and usage."""
+    req = router_service_pb2.GenerateRequest(prompt=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
+    first, last = None, None
+    async for response in stub.Generate(req, metadata=(("authorization", f"Bearer tok-{tenant}"),)):
+        if first is None and response.chunk.token_ids:
+            first = time.monotonic()
+        last = response
+    usage = last.chunk.usage
+    return dict(ttft=first - start, end=time.monotonic(), prompt=usage.prompt_tokens,
+                cached=usage.cached_prompt_tokens, completion=usage.completion_tokens, replica=last.route.replica)
+
+
+async def poisson(stub, plan: list[tuple[str, str, int]], rate: float, seed: int) -> list[dict]:
+    """Sends plan's (tenant, prompt, max_tokens) with exponential gaps of mean 1/rate."""
+    rng = random.Random(seed)
+    tasks, t0 = [], time.monotonic()
+    for tenant, prompt, max_tokens in plan:
+        tasks.append(asyncio.ensure_future(one(stub, tenant, prompt, max_tokens, time.monotonic())))
+        await asyncio.sleep(rng.expovariate(rate))
+    results = await asyncio.gather(*tasks)
+    for r in results:
+        r["t0"] = t0
+    return results
+
+
+def system_prompt(tenant: int, tokens: int, rng: random.Random, tokenizer) -> str:
+    """About `tokens` tokens (in the model's tokenizer) of seeded words."""
+    text = f"System prompt of tenant {tenant}."
+    while len(tokenizer(text).input_ids) < tokens:
+        text += " " + " ".join(rng.choice(WORDS) for _ in range(16))
+    return text + "\n"
+
+
+def _tokenizer(model_dir: Path):
+    from transformers import AutoTokenizer
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def summary(results: list[dict]) -> dict:
+    ttfts = sorted(r["ttft"] for r in results)
+    wall = max(r["end"] for r in results) - results[0]["t0"]
+    return dict(hit=sum(r["cached"] for r in results) / max(1, sum(r["prompt"] for r in results)),
+                mean_ttft=statistics.mean(ttfts), p99_ttft=ttfts[min(len(ttfts) - 1, math.ceil(0.99 * len(ttfts)) - 1)],
+                tok_s=sum(r["completion"] for r in results) / wall, n=len(results))
+
+
+async def bench_replicas(model_dir: Path, args) -> None:
+    rng = random.Random(args.seed)
+    tenants = [f"t{i}" for i in range(args.tenants)]
+    tokenizer = _tokenizer(model_dir)
+    prompts = {t: system_prompt(i, args.prefix_tokens, rng, tokenizer) for i, t in enumerate(tenants)}
+    plan = [(t := rng.choice(tenants), prompts[t] + f"Question {i}: what about item {i}?", args.max_tokens)
+            for i in range(args.requests)]
+    # All prefixes fit in the two replicas together, not in one: (tenants / 2 + 1) prefixes each.
+    longest = max(len(tokenizer(p).input_ids) for _, p, _ in plan) + args.max_tokens
+    num_blocks = math.ceil(longest * (args.tenants / 2 + 1) / 16)
+    print(f"{args.tenants} tenants, ~{args.prefix_tokens}-token system prompts, {args.requests} requests, "
+          f"Poisson {args.rate}/s, 2 replicas x {num_blocks} blocks of 16")
+    rows = {}
+    for policy in ("kv_aware", "least_loaded", "round_robin"):
+        servers, channel = await start_mesh(model_dir, [("default", 0, 2, 0)], num_blocks, policy, tenants)
+        try:
+            rows[policy] = summary(await poisson(router_service_pb2_grpc.RouterServiceStub(channel), plan,
+                                                 args.rate, args.seed))
+        finally:
+            await stop(servers, channel)
+        print(f"{policy:>13}: hit rate {rows[policy]['hit']:.1%}  TTFT mean {rows[policy]['mean_ttft']:.2f} s  "
+              f"P99 {rows[policy]['p99_ttft']:.2f} s  {rows[policy]['tok_s']:.1f} tok/s", flush=True)
+    rr = rows["round_robin"]
+    print(f"kv_aware vs round_robin: hit rate x{rows['kv_aware']['hit'] / max(rr['hit'], 1e-9):.1f}, "
+          f"P99 TTFT x{rr['p99_ttft'] / rows['kv_aware']['p99_ttft']:.2f} lower")
+
+
+async def bench_length(model_dir: Path, args) -> None:
+    rng = random.Random(args.seed)
+    tokenizer = _tokenizer(model_dir)
+    docs = [system_prompt(100 + i, args.doc_tokens, rng, tokenizer) for i in range(args.docs)]
+    plan = [("t0", f"Summarize this document.\n{d}", 8) for d in docs]
+    plan += [("t0", f"Short question {i}: what is {rng.choice(WORDS)}?", 8) for i in range(args.short)]
+    rng.shuffle(plan)
+    num_blocks = math.ceil((args.doc_tokens + 64) * max(2, args.docs) / 16)
+    rows = {}
+    setups = {"one shared pool": [("shared", 0, 2, 0)],
+              "length pools": [("short", 0, 1, 512), ("long", 1, 1, 0)]}
+    print(f"{args.docs} documents of ~{args.doc_tokens} tokens + {args.short} short questions, Poisson {args.rate}/s")
+    for name, pools in setups.items():
+        servers, channel = await start_mesh(model_dir, pools, num_blocks, "kv_aware", ["t0"])
+        try:
+            results = await poisson(router_service_pb2_grpc.RouterServiceStub(channel), plan, args.rate, args.seed)
+        finally:
+            await stop(servers, channel)
+        rows[name] = summary([r for r in results if r["prompt"] < 512])
+        print(f"{name:>16}: short requests TTFT mean {rows[name]['mean_ttft']:.2f} s  "
+              f"P99 {rows[name]['p99_ttft']:.2f} s", flush=True)
+    print(f"short-request P99 TTFT: x{rows['one shared pool']['p99_ttft'] / rows['length pools']['p99_ttft']:.2f} "
+          f"lower with length pools")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("what", choices=("replicas", "length"))
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--rate", type=float, default=0.3, help="mean arrivals per second")
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--tenants", type=int, default=8)
+    parser.add_argument("--prefix-tokens", type=int, default=1500)
+    parser.add_argument("--requests", type=int, default=24)
+    parser.add_argument("--docs", type=int, default=4)
+    parser.add_argument("--doc-tokens", type=int, default=3000)
+    parser.add_argument("--short", type=int, default=16)
+    args = parser.parse_args()
+    settings = read_settings()
+    model_dir = resolve_model_dir(args.model, Path(settings.model_cache).expanduser())
+    asyncio.run((bench_replicas if args.what == "replicas" else bench_length)(model_dir, args))
+
+
+if __name__ == "__main__":
+    main()
