@@ -19,7 +19,8 @@ def _compose() -> dict:
 
 def test_every_specmesh_service_runs_a_cli_command_on_its_default_port():
     services = _compose()["services"]
-    specmesh = {name: s for name, s in services.items() if s.get("image") == "specmesh:latest"}
+    specmesh = {name: s for name, s in services.items()
+                if s.get("image") == "specmesh:latest" and s["command"][:2] == ["specmesh", "serve"]}
     assert set(specmesh) == set(SERVICES)
     parser = _parser()
     for name, service in specmesh.items():
@@ -126,3 +127,31 @@ def test_image_installs_dependencies_before_the_code_and_keeps_the_baked_model_v
         for volume in service.get("volumes", []):
             mount = volume.split(":")[1]
             assert not baked.startswith(mount), f"{volume} hides the baked model at {baked}"
+
+
+# ---- service credentials (issue 8, fault 3) ---------------------------------------------------
+
+def test_services_use_mesh_certificates_from_the_certs_volume_and_internal_ports_stay_inside():
+    compose = _compose()
+    services = compose["services"]
+    certs = services["certs"]
+    args = _parser().parse_args(certs["command"][1:])
+    assert (args.command, args.out) == ("certs", "/certs")
+    assert certs["volumes"] == ["certs:/certs"] and certs["restart"] == "no"
+    assert "certs" in compose["volumes"]
+    assert compose["x-specmesh"]["environment"]["SPECMESH_TLS_DIR"] == "/certs"
+    for name in SERVICES:
+        service = services[name]
+        assert "certs:/certs:ro" in service["volumes"], name
+        assert service["depends_on"]["certs"] == {"condition": "service_completed_successfully"}, name
+    for name in ("target", "draft", "cache"):  # mutual TLS; health checked with the service's own certificate
+        service = services[name]
+        assert "ports" not in service and service["expose"] == [str(DEFAULT_PORTS[name])], name
+        test = service["healthcheck"]["test"]
+        assert test[-2:] == ["--tls-as", name] and test[4] == f"127.0.0.1:{DEFAULT_PORTS[name]}", name
+    assert "ports" not in services["redis"] and services["redis"]["expose"] == ["6379"]
+
+
+def test_the_router_salt_secret_has_no_public_default():
+    value = _compose()["services"]["router"]["environment"]["SPECMESH_SALT_SECRET"]
+    assert re.fullmatch(r"\$\{SPECMESH_SALT_SECRET:\?[^}$]+\}", value), value  # compose refuses to start without it
