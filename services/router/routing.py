@@ -118,7 +118,8 @@ class Routing:
     async def decide(self, req: RouteRequest) -> Decision:
         """Chooses the pool; raises objective.NoPool for an unknown or too-short `model`."""
         decision_views, prompt_ids, cached = [], {}, {}
-        views = await asyncio.gather(*(self._view(pool, req) for pool in self.pools.values()))
+        tokenized: dict[str, asyncio.Future] = {}  # pools of one model tokenize once
+        views = await asyncio.gather(*(self._view(pool, req, tokenized) for pool in self.pools.values()))
         for pool, (view, ids, per_replica) in zip(self.pools.values(), views):
             decision_views.append(view)
             prompt_ids[pool.name], cached[pool.name] = ids, per_replica
@@ -135,8 +136,12 @@ class Routing:
             span.set_attribute(f"specmesh.route.{term}", getattr(choice.score, term))
         return Decision(choice, pool, pool.config.escalates(req.bucket), prompt_ids, cached)
 
-    async def _view(self, pool: Pool, req: RouteRequest) -> tuple[PoolView, list[int] | None, dict[str, int]]:
-        ids = await pool.tokenize(req.target.prompt, req.target.messages)
+    async def _view(self, pool: Pool, req: RouteRequest, tokenized: dict[str, asyncio.Future]
+                    ) -> tuple[PoolView, list[int] | None, dict[str, int]]:
+        if pool.config.model not in tokenized:
+            tokenized[pool.config.model] = asyncio.ensure_future(
+                pool.tokenize(req.target.prompt, req.target.messages))
+        ids = await tokenized[pool.config.model]
         prompt_tokens = len(ids) if ids is not None else pool.estimate_tokens(req.text)
         per_replica: dict[str, int] = {}
         if self.policy == "kv_aware" and ids is not None:
@@ -276,7 +281,7 @@ class Routing:
         route = router_service_pb2.RouteRecord(
             bucket=req.bucket, pool=pool.name, replica=attempt.replica, speculation=req.target.speculation,
             escalated=bool(escalated_from), escalated_from=escalated_from,
-            reason=decision.choice.reason if not escalated_from else "escalated",
+            reason=decision.choice.reason,
             score=router_service_pb2.RouteScore(cost=score.cost, latency_s=score.latency_s,
                                                 quality=score.quality, risk=score.risk, total=score.total),
             predicted_cached_tokens=attempt.predicted_cached, retried=attempt.retried)
