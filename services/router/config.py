@@ -4,7 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.limits import RequestLimits
+from services.common.mesh_config import MeshConfig, default_mesh_config
 from services.common.tls import MeshTls
+from services.router.replicas import POLICIES
 
 SPECULATION_METHODS = ("off", "prompt_lookup", "suffix", "draft_model", "dynamic_tree")
 
@@ -17,6 +20,8 @@ class RouterConfig:
     # Secret mixed into tenant salts (HMAC); replicas of one deployment must share it.
     salt_secret: str = "specmesh-dev-secret"
     max_tokens_limit: int = 4096
+    # Prompt bytes and stop sequences, checked before any work (services/common/limits.py).
+    limits: RequestLimits = RequestLimits()
     default_timeout_s: float = 300.0  # used when the caller sets no deadline
     # Speculation plan for every bucket for now: method name (see SPECULATION_METHODS) and limits.
     speculation_method: str = "prompt_lookup"
@@ -28,10 +33,26 @@ class RouterConfig:
     # The router's mesh identity for its calls to targets and the cache (services/common/tls.py
     # MeshTls); None = plaintext (dev mode, tests).
     mesh_tls: MeshTls | None = None
+    # Routing (services/router/routing.py): pools, tenants, classes, risk rules. None = one pool
+    # "default" over `target_address` (comma-separated replicas) with the `tokens` tenants.
+    mesh: MeshConfig | None = None
+    replica_policy: str = "kv_aware"  # kv_aware | least_loaded | round_robin
+    cache_address: str = ""  # the cache service (prefix index); "" = replica choice by load only
+    poll_interval_s: float = 1.0  # replica health checks and stats
+    model_cache: str = "~/.cache/specmesh/models"  # where pool model "default" (its tokenizer) lives
 
     def __post_init__(self) -> None:
-        if not self.target_address:
-            raise ValueError("target_address must not be empty")
+        if self.mesh is None:
+            if not self.target_address:
+                raise ValueError("target_address must not be empty")
+            addresses = [a.strip() for a in self.target_address.split(",") if a.strip()]
+            object.__setattr__(self, "mesh", default_mesh_config(addresses, self.tokens))
+        else:  # the mesh config's tenants join the token list
+            object.__setattr__(self, "tokens", {**self.tokens, **self.mesh.tokens()})
+        if self.replica_policy not in POLICIES:
+            raise ValueError(f"replica_policy must be one of {POLICIES}, got {self.replica_policy!r}")
+        if not 0 < self.poll_interval_s <= 60:
+            raise ValueError(f"poll_interval_s must be in (0, 60], got {self.poll_interval_s}")
         if not self.tokens:
             raise ValueError("at least one bearer token must be configured (token=tenant)")
         for token, tenant in self.tokens.items():
