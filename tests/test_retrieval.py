@@ -204,6 +204,14 @@ async def test_bad_ingest_is_invalid_argument_and_stores_nothing(cache, name):
                                                     metadata=A), "unknown corpus")
 
 
+async def test_corpus_size_limit_counts_replacements_once():
+    async with Instance(max_documents_per_corpus=3) as cache:
+        assert (await cache.ingest({"a": "x", "b": "y"})).num_documents == 2
+        assert (await cache.ingest({"b": "y2", "c": "z"})).num_documents == 3  # b replaced
+        await expect_invalid(cache.ingest({"d": "w"}), "corpus would hold 4 documents, above the limit of 3")
+        assert [r.document.text for r in (await cache.retrieve("y2")).documents] == ["y2"]
+
+
 async def test_retrieve_span_and_identity_required(cache, spans):
     await cache.ingest(CORPUS)
     await cache.retrieve("secret cat")

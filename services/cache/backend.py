@@ -98,6 +98,11 @@ class MemoryBackend:
         """(version, all fields) read together."""
         return self._ints.get(version_key), dict(self._hashes.get(hash_key, {}))
 
+    async def hash_count(self, hash_key: str, fields: list[str]) -> tuple[int, int]:
+        """(fields in the hash, how many of `fields` are among them)."""
+        held = self._hashes.get(hash_key, {})
+        return len(held), sum(f in held for f in fields)
+
     async def close(self) -> None:
         pass
 
@@ -152,6 +157,13 @@ class RedisBackend:
         pipe.hgetall(hash_key)
         version, fields = await self._call("MULTI", pipe.execute())
         return (None if version is None else int(version)), {k.decode(): v for k, v in fields.items()}
+
+    async def hash_count(self, hash_key: str, fields: list[str]) -> tuple[int, int]:
+        pipe = self._redis.pipeline(transaction=True)
+        pipe.hlen(hash_key)
+        pipe.hmget(hash_key, fields)
+        size, values = await self._call("MULTI", pipe.execute())
+        return int(size), sum(v is not None for v in values)
 
     async def close(self) -> None:
         try:

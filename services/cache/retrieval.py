@@ -74,8 +74,9 @@ class Corpora:
         """Adds or replaces documents; returns (corpus version, documents in the corpus)."""
         self._check_corpus(corpus)
         self._check_documents(documents)
-        index = await self._index(tenant, corpus, must_exist=False)
-        total = len(set(index.ids) | {d.id for d in documents})
+        held, replaced = await self.backend.hash_count(self._key(tenant, corpus, "docs"),
+                                                       [d.id for d in documents])
+        total = held + len(documents) - replaced
         if total > self.config.max_documents_per_corpus:
             raise InvalidInput(f"corpus would hold {total} documents, above the limit of "
                                f"{self.config.max_documents_per_corpus}")
@@ -112,7 +113,7 @@ class Corpora:
         cached = await self.backend.get(result_key) if self.config.retrieval_cache else None
         if cached is not None:
             return Retrieved(_decode_results(cached), True, version)
-        index = await self._index(caller.tenant, corpus, must_exist=True, known_version=version)
+        index = await self._index(caller.tenant, corpus, known_version=version)
         query_vector = None
         if self.embedder is not None and index.documents:
             query_vector = (await asyncio.to_thread(self.embedder.embed, [" ".join(tokenize(query))]))[0]
@@ -125,18 +126,15 @@ class Corpora:
 
     # ---- helpers ------------------------------------------------------------------------
 
-    async def _index(self, tenant: str, corpus: str, must_exist: bool,
-                     known_version: int | None = None) -> _Index:
+    async def _index(self, tenant: str, corpus: str, known_version: int) -> _Index:
         """This process's index of the corpus, rebuilt when the stored version moved on."""
         local = self._indexes.get((tenant, corpus))
-        if local is not None and known_version is not None and local.version == known_version:
+        if local is not None and local.version == known_version:
             return local
         version, fields = await self.backend.hash_read(self._key(tenant, corpus, "docs"),
                                                        self._key(tenant, corpus, "version"))
         if version is None:
-            if must_exist:
-                raise InvalidInput(f"unknown corpus {corpus!r}")
-            return _Index(0, [])
+            raise InvalidInput(f"unknown corpus {corpus!r}")
         if local is not None and local.version == version:
             return local
         documents = sorted((_decode(v) for v in fields.values()), key=lambda d: d.id)
@@ -190,7 +188,6 @@ class _Index:
                  vectors: dict[str, np.ndarray] | None = None) -> None:
         self.version = version
         self.documents = documents
-        self.ids = [d.id for d in documents]
         self._bm25 = None
         self.vectors: dict[str, np.ndarray] = {}
         self._matrix = None  # [num_documents, dim] unit rows
