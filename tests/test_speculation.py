@@ -161,15 +161,22 @@ def test_rejection_sampler_with_a_fixed_seed_reproduces_exactly():
 
 
 async def test_adaptive_policy_deepens_a_bucket_that_accepts_everything(tiny_llama_dir):
+    from services.router.speculation_policy import acceptance_prior, best_depth_for
+
     draft = await start_draft(tiny_llama_dir)  # draft = target: every proposal is accepted
     mesh = await start_mesh(tiny_llama_dir, draft_address=draft.address, speculation={
         "speculation_method": "draft_model", "speculation_depth": 2, "speculation_policy": "adaptive"})
+    policy, bucket = mesh.router.service.policy, "chat-short-greedy"
     try:
+        # Nothing measured: the depth predicted for open-ended chat (low acceptance) is 1.
+        first_depth = best_depth_for(acceptance_prior(bucket, 0.0), policy.config)[0]
+        assert policy.depth(bucket, 34, 0.0) == first_depth == 1
         first = await collect(mesh.router_stub, request(PROMPTS[3], 34))
-        assert first[2].usage.acceptance_length == pytest.approx(3)  # the configured depth 2
+        usage = first[2].usage
+        assert usage.proposed_tokens >= 8 and usage.accepted_tokens == usage.proposed_tokens
+        assert policy.acceptance(bucket) == pytest.approx(0.999)  # measured: everything accepted
+        assert policy.depth(bucket, 34, 0.0) > first_depth  # the measurement outweighs the prior
         later = await collect(mesh.router_stub, request(PROMPTS[3], 34))
-        # 1 token from prefill, then 3 passes of depth 10 + bonus = 34 tokens.
-        assert later[2].usage.acceptance_length == pytest.approx(11)
         assert later[0] == first[0] == hf_greedy(tiny_llama_dir, PROMPTS[3], 34)
     finally:
         await mesh.stop()

@@ -49,3 +49,63 @@ def test_bad_config_is_rejected():
         PolicyConfig(mode="sometimes")
     with pytest.raises(ValueError):
         PolicyConfig(max_depth=0)
+
+
+# ---- prediction from task / temperature / length, and the target's load-aware depth ----------
+def test_acceptance_is_predicted_from_task_and_temperature():
+    from services.router.speculation_policy import acceptance_prior
+    assert acceptance_prior("rewrite-short-greedy") == 0.75
+    assert acceptance_prior("chat-short-sampled", 1.0) == pytest.approx(0.2 * 0.4)
+    assert acceptance_prior("rewrite-long-greedy", 0.5) == pytest.approx(0.75 * 0.7)
+    assert acceptance_prior("unknown") is None
+
+
+def test_prediction_sets_the_first_depth_and_short_requests_do_not_speculate():
+    policy = SpeculationPolicy(ADAPTIVE, default_depth=5)
+    assert policy.depth("rewrite-short-greedy", max_tokens=64, temperature=0.0) == best_depth_for(0.75, ADAPTIVE)[0]
+    assert policy.depth("rewrite-short-greedy", max_tokens=8, temperature=0.0) == 0  # tool-call sized
+    creative = [policy.depth("chat-short-sampled", 64, 1.0) for _ in range(8)]
+    assert creative == [0] * 7 + [1]  # predicted off; probes every 8th request
+    assert policy.load_aware and not SpeculationPolicy(PolicyConfig(), 5).load_aware
+
+
+def test_measurement_outweighs_the_prediction_as_it_accumulates():
+    policy = SpeculationPolicy(ADAPTIVE, default_depth=5)
+    policy.observe("chat-short-greedy", proposed=32, accepted=31)
+    # weight 32 / (32 + 32 prior tokens): halfway between 0.2 and 31/32
+    depth = policy.depth("chat-short-greedy", 64, 0.0)
+    assert depth == best_depth_for(0.5 * 0.2 + 0.5 * 31 / 32, ADAPTIVE)[0] > 1
+
+
+def test_step_cost_model_fits_time_per_token():
+    from services.router.speculation_policy import StepCostModel
+    model = StepCostModel(decay=1.0, min_steps=4)
+    assert not model.ready
+    for n in (1, 8, 32, 4, 16, 64):
+        model.observe(n, 0.01 + 0.001 * n)
+    a, b = model.coefficients()
+    assert model.ready and a == pytest.approx(0.01, rel=1e-9) and b == pytest.approx(0.001, rel=1e-9)
+    assert model.predict(100) == pytest.approx(0.11, rel=1e-9)
+
+
+def _load_aware(a: float, b: float, draft_s: float):
+    from services.router.speculation_policy import LoadAwareDepth, StepCostModel
+    chooser = LoadAwareDepth(StepCostModel(decay=1.0, min_steps=2))
+    for n in (1, 10, 100):
+        chooser.cost.observe(n, a + b * n)
+    chooser.observe_draft(draft_s)
+    return chooser
+
+
+def test_load_aware_depth_speculates_on_an_idle_batch_and_stops_on_a_full_one():
+    # Memory-bound (a step costs about the same for 1 or 40 tokens): draft deep.
+    idle = _load_aware(a=0.030, b=0.00005, draft_s=0.001)
+    assert idle.choose(plain_tokens=0, plain_outputs=0, alphas=[0.8, 0.8], max_depths=[8, 8]) == 8
+    # Compute-bound (every token costs): the same two sequences beside 60 decoding ones do not.
+    busy = _load_aware(a=0.005, b=0.001, draft_s=0.001)
+    assert busy.choose(plain_tokens=60, plain_outputs=60, alphas=[0.8, 0.8], max_depths=[8, 8]) == 0
+    # Low acceptance never pays, even idle.
+    assert idle.choose(plain_tokens=0, plain_outputs=0, alphas=[0.02], max_depths=[8]) == 0
+    # Before the cost model has data: the plan as asked.
+    from services.router.speculation_policy import LoadAwareDepth
+    assert LoadAwareDepth().choose(0, 0, [0.5], [5]) == 5

@@ -49,6 +49,7 @@ class SpeculationPlan:
     method: int
     max_depth: int
     max_nodes: int
+    load_aware: bool = False  # the target may shorten the depth per step (speculation_policy.LoadAwareDepth)
 
 
 @dataclass

@@ -14,6 +14,7 @@ import time
 import torch
 
 from services.common.draft_tree import DraftTree
+from services.router.speculation_policy import LoadAwareDepth, expected_tokens, sequence_alpha
 from services.target.draft_client import DraftClient, DraftRequest
 from services.target.sampler import target_probs
 from services.target.scheduler import ScheduledSeq
@@ -23,17 +24,18 @@ log = logging.getLogger(__name__)
 
 
 @contextlib.contextmanager
-def verify_span(trees: dict, batch):
-    """Times the verify forward pass of a step that checks draft trees and notes the pass on
-    each speculating sequence; `accept` completes it. The request's `verify` span (with one
-    event per pass) is written from these notes when it finishes (services/target/metrics.py),
-    so there is no per-step span outside the requests' traces."""
-    if not trees:
-        yield
-        return
+def verify_span(trees: dict, batch, speculator: "Speculator | None" = None):
+    """Times the step's forward pass: feeds the speculator's step-cost model (every step),
+    and for a step that checks draft trees notes the pass on each speculating sequence
+    (`accept` completes it). The request's `verify` span (with one event per pass) is written
+    from these notes when it finishes (services/target/metrics.py), so there is no per-step
+    span outside the requests' traces."""
     start = time.monotonic()
     yield
     end = time.monotonic()
+    if speculator is not None:
+        tokens = sum(i.num_tokens for i in batch) + sum(len(t.token_ids) for t in trees.values())
+        speculator.load.cost.observe(tokens, end - start)
     for item in batch:
         tree = trees.get(item.seq.seq_id)
         if tree is not None:
@@ -47,15 +49,12 @@ class Speculator:
         self.kernels = kernels
         self.max_context = max_context
         self._metrics = metrics  # services/target/metrics.TargetMetrics
+        self.load = LoadAwareDepth()  # measured step and draft times -> depth per step
 
     def propose(self, batch: list[ScheduledSeq]) -> dict[str, DraftTree]:
         """One batched draft call for every decoding sequence with a plan; {} on fallback."""
         seqs, requests = [], []
-        for item in batch:
-            seq = item.seq
-            depth = self._depth(seq)
-            if seq.plan is None or not item.samples or item.num_tokens != 1 or depth < 1:
-                continue
+        for seq, depth in self._depths(batch):
             full = self.client.needs_resync(seq.seq_id)
             new = seq.token_ids if full else seq.token_ids[seq.draft_synced:]
             seqs.append(seq)
@@ -68,6 +67,8 @@ class Speculator:
         result = self.client.propose(requests)
         window = (start, time.monotonic())
         fallback = result is None
+        if not fallback:
+            self.load.observe_draft(window[1] - window[0])
         proposals = {} if fallback else {k: v for k, v in result.items() if v is not None and v.token_ids}
         for seq in seqs:
             seq.spec.draft_window = window
@@ -112,6 +113,33 @@ class Speculator:
     def release(self, seq: Sequence) -> None:
         if seq.plan is not None:
             self.client.release([seq.seq_id])  # no-op for sequences never sent
+
+    def _depths(self, batch: list[ScheduledSeq]) -> list[tuple[Sequence, int]]:
+        """(sequence, depth >= 1) for the sequences that speculate this step. Load-aware plans
+        take the depth that maximises the batch's committed tokens per second
+        (services/router/speculation_policy.LoadAwareDepth), 0 = decode normally."""
+        fixed, aware = [], []
+        plain_tokens = plain_outputs = 0
+        for item in batch:
+            seq = item.seq
+            depth = self._depth(seq)
+            if seq.plan is None or not item.samples or item.num_tokens != 1 or depth < 1:
+                plain_tokens += item.num_tokens
+                plain_outputs += 1 if item.samples else 0
+            elif seq.plan.load_aware:
+                aware.append((seq, depth))
+            else:
+                fixed.append((seq, depth))
+        if not aware:
+            return fixed
+        alphas = [sequence_alpha(s.spec.proposed, s.spec.accepted) for s, _ in aware]
+        for seq, depth in fixed:  # fixed plans are part of the step's load as asked
+            plain_tokens += 1 + depth
+            plain_outputs += expected_tokens(sequence_alpha(seq.spec.proposed, seq.spec.accepted), depth)
+        cap = self.load.choose(plain_tokens, int(plain_outputs), alphas, [d for _, d in aware])
+        capped = [(seq, min(depth, cap)) for seq, depth in aware
+                  if cap and sequence_alpha(seq.spec.proposed, seq.spec.accepted) >= self.load.min_alpha]
+        return fixed + capped
 
     def _depth(self, seq: Sequence) -> int:
         """Deepest useful draft: leaves room for the bonus token within max_tokens and the context."""
