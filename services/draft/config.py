@@ -20,6 +20,9 @@ class DraftConfig:
     max_history_tokens: int = 65536
     # Most open sequences; opening more answers RESOURCE_EXHAUSTED until some are released.
     max_sequences: int = 4096
+    # A sequence not proposed for this long is dropped as if released (its target's Release
+    # was lost); live sequences are touched every speculating step.
+    sequence_ttl_s: float = 600.0
     # Prompt lookup: n-gram sizes tried, longest first.
     prompt_lookup_max_ngram: int = 3
     prompt_lookup_min_ngram: int = 1
@@ -51,6 +54,8 @@ class DraftConfig:
                      "suffix_max_occurrences", "draft_model_prefill_chunk", "dynamic_tree_top_k"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not self.sequence_ttl_s > 0:
+            raise ValueError(f"sequence_ttl_s must be > 0, got {self.sequence_ttl_s}")
         if not 1 <= self.prompt_lookup_min_ngram <= self.prompt_lookup_max_ngram:
             raise ValueError("need 1 <= prompt_lookup_min_ngram <= prompt_lookup_max_ngram, got "
                              f"{self.prompt_lookup_min_ngram} and {self.prompt_lookup_max_ngram}")

@@ -21,11 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import grpc
-from opentelemetry import trace
 
 from services.common.proto.specmesh.v1 import (
     common_pb2,
@@ -40,9 +40,9 @@ from services.draft.proposers import (
     SuffixProposer,
 )
 from services.draft.state import DraftStateStore
+from services.draft.telemetry import DraftTelemetry
 
 log = logging.getLogger(__name__)
-tracer = trace.get_tracer("specmesh.draft")
 SERVICE_NAME = draft_service_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 _MAX_REPORTED_PROBLEMS = 5
 _MODEL_METHODS = (common_pb2.SPECULATION_METHOD_DRAFT_MODEL, common_pb2.SPECULATION_METHOD_DYNAMIC_TREE)
@@ -96,6 +96,7 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
                 draft_model, config.dynamic_tree_top_k)
         self._draining = False
         self._lock = asyncio.Lock()
+        self.telemetry = DraftTelemetry()
 
     async def Propose(self, request, context: grpc.aio.ServicerContext):
         return await self._answer(request, context)
@@ -116,17 +117,18 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
 
     def propose(self, request: draft_service_pb2.ProposeRequest) -> draft_service_pb2.ProposeResponse:
         """Validates, commits and proposes; raises RequestError (changing nothing) on bad input."""
-        with tracer.start_as_current_span("draft.propose") as span:
-            span.set_attribute("specmesh.num_sequences", len(request.sequences))
-            plans = self._validate(request)
-            for plan in plans:
-                if plan.new_token_ids:
-                    self.store.append(plan.sequence_id, plan.new_token_ids, plan.tenant_salt, plan.method)
-                    self.proposers[plan.method].observe(plan.sequence_id, plan.new_token_ids)
-            trees = self._propose(plans)
-            span.set_attribute("specmesh.proposed_tokens", sum(tree.num_nodes for tree in trees))
-            return draft_service_pb2.ProposeResponse(trees=[tree.to_proto() for tree in trees],
-                                                     step=request.step)
+        start = time.monotonic()
+        self.expire()
+        plans = self._validate(request)
+        for plan in plans:
+            if plan.new_token_ids:
+                self.store.append(plan.sequence_id, plan.new_token_ids, plan.tenant_salt, plan.method)
+                self.proposers[plan.method].observe(plan.sequence_id, plan.new_token_ids)
+        trees = self._propose(plans)
+        self.telemetry.proposed(request.sequences, [_method_label(p.method) for p in plans], trees,
+                                time.monotonic() - start)
+        return draft_service_pb2.ProposeResponse(trees=[tree.to_proto() for tree in trees],
+                                                 step=request.step)
 
     def release(self, sequence_ids: Sequence[str]) -> tuple[int, int]:
         """Drops the sequences' state everywhere. Returns (released, unknown)."""
@@ -134,7 +136,16 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
             state = self.store.get(sequence_id)
             if state is not None:
                 self.proposers[state.method].release(sequence_id)
+        self.telemetry.released(sequence_ids)
         return self.store.release(sequence_ids)
+
+    def expire(self) -> int:
+        """Releases sequences idle for longer than `sequence_ttl_s`; returns how many."""
+        idle = self.store.idle(self.config.sequence_ttl_s)
+        if idle:
+            log.info("releasing %d draft sequences idle for over %.0f s", len(idle), self.config.sequence_ttl_s)
+            self.release(idle)
+        return len(idle)
 
     # ---- helpers ------------------------------------------------------------------------
 
@@ -259,6 +270,11 @@ def _method_name(method: int) -> str:
         return common_pb2.SpeculationMethod.Name(method)
     except ValueError:
         return str(method)
+
+
+def _method_label(method: int) -> str:
+    """'prompt_lookup' for SPECULATION_METHOD_PROMPT_LOOKUP (the metric attribute value)."""
+    return _method_name(method).removeprefix("SPECULATION_METHOD_").lower()
 
 
 def _summary(problems: list[str]) -> str:

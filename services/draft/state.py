@@ -8,8 +8,9 @@ their own derived state (indexes) keyed by sequence id.
 
 from __future__ import annotations
 
+import time
 from array import array
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 
@@ -31,6 +32,7 @@ class SequenceState:
     tenant_salt: str
     method: int  # common_pb2.SpeculationMethod, normalized (never UNSPECIFIED)
     token_ids: array = field(default_factory=_token_array)  # [num_committed_tokens], int32
+    last_used: float = 0.0  # the store's clock at the last append
 
     @property
     def num_tokens(self) -> int:
@@ -40,8 +42,9 @@ class SequenceState:
 class DraftStateStore:
     """Owns the `SequenceState` of every open sequence."""
 
-    def __init__(self) -> None:
-        self._states: dict[str, SequenceState] = {}
+    def __init__(self, clock: Callable[[], float] = time.monotonic) -> None:
+        self._states: dict[str, SequenceState] = {}  # least recently used first
+        self._clock = clock
 
     def __len__(self) -> int:
         return len(self._states)
@@ -64,8 +67,22 @@ class DraftStateStore:
             self._states[sequence_id] = state
         elif state.tenant_salt != tenant_salt or state.method != method:
             raise ValueError(f"sequence {sequence_id!r} was opened with another tenant or method")
+        else:
+            self._states[sequence_id] = self._states.pop(sequence_id)  # now the most recently used
         state.token_ids.extend(new_token_ids)
+        state.last_used = self._clock()
         return state
+
+    def idle(self, ttl_s: float) -> list[str]:
+        """Sequences not appended to for more than `ttl_s` (a target whose Release never
+        arrived); O(number found), oldest first."""
+        cutoff = self._clock() - ttl_s
+        out = []
+        for sequence_id, state in self._states.items():
+            if state.last_used >= cutoff:
+                break
+            out.append(sequence_id)
+        return out
 
     def release(self, sequence_ids: Iterable[str]) -> tuple[int, int]:
         """Drops the given sequences. Returns (released, unknown) counts."""

@@ -9,6 +9,10 @@ class InvalidRequest(ValueError):
     """The request can never be served as given (maps to INVALID_ARGUMENT)."""
 
 
+class DuplicateRequest(InvalidRequest):
+    """A request id already in flight; the request holding it is not affected."""
+
+
 class Overloaded(RuntimeError):
     """Admission limits are reached (maps to RESOURCE_EXHAUSTED)."""
 
