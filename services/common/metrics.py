@@ -56,6 +56,7 @@ DRAFT_PROPOSED = "specmesh.draft.proposed_tokens"
 CACHE_LOOKUPS = "specmesh.cache.lookups"  # attributes specmesh.cache.kind, specmesh.cache.result
 PREFIX_QUERY_TIME = "specmesh.cache.prefix_index.query_duration"
 PREFIX_MATCHED_BLOCKS = "specmesh.cache.prefix_index.matched_blocks"
+SAVED_PREFILL_TOKENS = "specmesh.cache.saved_prefill_tokens"  # attribute specmesh.cache.kind
 
 # name -> (unit, boundaries, description)
 HISTOGRAMS: dict[str, tuple[str, tuple[float, ...], str]] = {
@@ -88,6 +89,8 @@ COUNTERS: dict[str, tuple[str, str]] = {
     CACHE_LOOKUPS: ("{lookup}", "cache lookups by kind (prefix, retrieval, tool) and result "
                                 "(hit / miss / wait: waited on another caller's tool lease)"),
     PREFIX_MATCHED_BLOCKS: ("{block}", "leading blocks the best replica holds, summed over PrefixMatch calls"),
+    SAVED_PREFILL_TOKENS: ("{token}", "prompt tokens served from the prefix cache, by cache kind "
+                                      "(retrieval: retrieval-augmented requests)"),
 }
 
 VIEWS = [View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(list(bounds)))
