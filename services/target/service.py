@@ -14,9 +14,13 @@ from services.common.proto.specmesh.v1 import (
     target_service_pb2,
     target_service_pb2_grpc,
 )
-from services.common.sampling_params import sampling_from_proto
+from services.common.errors import Violation, abort, guard_malformed
+from services.common.metrics_interceptor import status_of
+from services.common.sampling_params import sampling_from_proto, sampling_violations
+from services.common.telemetry import record_error
 from services.target.chat import ChatTemplateError, chat_prompt_ids
 from services.target.engine import Engine, InvalidRequest, Overloaded
+from services.target.engine_types import DuplicateRequest
 from services.target.sequence import FinishReason, SpeculationPlan, StepOutput
 
 log = logging.getLogger(__name__)
@@ -41,10 +45,14 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         if self._draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "target is shutting down; retry another replica")
+        await self._check_sizes(request, context)  # before any work: bounded by the limits
         try:
             sampling = sampling_from_proto(request.sampling)
         except ValueError as exc:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+            params = request.sampling
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), "INVALID_REQUEST", [
+                Violation(f"sampling.{field}", message) for field, message in sampling_violations(
+                    params.max_tokens, params.temperature, params.top_k, params.top_p, tuple(params.stop))])
         if request.prompt and request.messages:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set prompt or messages, not both")
         if not request.prompt and not request.messages:
@@ -56,14 +64,15 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
         def emit(out: StepOutput) -> None:
             loop.call_soon_threadsafe(queue.put_nowait, out)
 
+        # Tokenizing a large prompt takes a while: off the event loop, so other calls go on.
         if request.messages:
             try:
-                prompt_ids = chat_prompt_ids(self.engine.tokenizer, request.messages)
+                prompt_ids = await asyncio.to_thread(chat_prompt_ids, self.engine.tokenizer, request.messages)
             except ChatTemplateError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         else:
-            prompt_ids = self.engine.tokenize(request.prompt)
-        finished = False
+            prompt_ids = await asyncio.to_thread(self.engine.tokenize, request.prompt)
+        finished = submitted = False
         self._in_flight += 1
         # Spans are started without attaching them to the context: this is an async generator,
         # and a context attached across a `yield` cannot be detached when gRPC closes it.
@@ -72,23 +81,25 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
         span.set_attribute("gen_ai.request.model", self.model_name)
         span.set_attribute("gen_ai.request.max_tokens", sampling.max_tokens)
         span.set_attribute("specmesh.bucket", request.bucket)
-        phase = None
+        phase, error = None, None
         try:
             try:
                 self.engine.submit(request_id, prompt_ids, sampling, emit, request.tenant_salt,
                                    plan=_plan(request.speculation), bucket=request.bucket,
                                    span_context=span.get_span_context(), priority=request.priority,
                                    report_confidence=request.report_confidence)
+                submitted = True
+            except DuplicateRequest as exc:  # the original keeps streaming
+                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), "DUPLICATE_REQUEST_ID",
+                            [Violation("request_id", str(exc))])
             except InvalidRequest as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), "INVALID_REQUEST")
             except Overloaded as exc:
-                # gRPC's standard retry hint; clients with a retry policy honour it.
-                context.set_trailing_metadata((("grpc-retry-pushback-ms", str(RETRY_PUSHBACK_MS)),))
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later")
-            phase = tracer.start_span("prefill", context=in_span)
-            phase.set_attribute("specmesh.prompt_tokens", len(prompt_ids))
-            out = await queue.get()
-            phase.end()
+                # RetryInfo plus gRPC's standard pushback trailer, which retry policies honour.
+                await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later",
+                            "OVERLOADED", retry_after_s=RETRY_PUSHBACK_MS / 1000)
+            span.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
+            out = await queue.get()  # the engine writes the `queue` and `prefill` spans
             phase = tracer.start_span("decode", context=in_span)
             while True:
                 if out.error is not None:
@@ -101,13 +112,26 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
                 yield target_service_pb2.TargetGenerateResponse(
                     chunk=common_pb2.GenerateChunk(text=out.text, token_ids=out.token_ids))
                 out = await queue.get()
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             self._in_flight -= 1
-            if not finished:
+            if submitted and not finished:
                 self.engine.abort(request_id)  # cancelled or failed: free its blocks now
+                record_error(span, status_of(context, error))
             if phase is not None:
                 phase.end()
             span.end()
+
+    async def _check_sizes(self, request, context) -> None:
+        """Prompt bytes and stop sequences within the limits (INVALID_ARGUMENT otherwise)."""
+        problems = self.engine.config.limits.violations(
+            [request.prompt, *(m.content for m in request.messages)], request.sampling.stop,
+            "messages" if request.messages else "prompt")
+        if problems:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "; ".join(v.description for v in problems),
+                        "REQUEST_TOO_LARGE", problems)
 
     async def GetStats(self, request, context):
         s = self.engine.stats()
@@ -161,7 +185,8 @@ def _plan(message: common_pb2.SpeculationPlan) -> SpeculationPlan | None:
         return None
     if message.max_depth <= 0:
         return None
-    return SpeculationPlan(message.method, message.max_depth, max(message.max_nodes, message.max_depth))
+    return SpeculationPlan(message.method, message.max_depth, max(message.max_nodes, message.max_depth),
+                           message.load_aware)
 
 
 def _final_chunk(out: StepOutput) -> common_pb2.GenerateChunk:
@@ -173,6 +198,8 @@ def _final_chunk(out: StepOutput) -> common_pb2.GenerateChunk:
         usage.accepted_tokens = out.speculation.accepted
         usage.rejected_tokens = out.speculation.rejected
         usage.acceptance_length = out.speculation.acceptance_length
+        usage.verify_passes = out.speculation.verify_passes
+        usage.fallback_steps = out.speculation.fallback_steps
     if out.confidence is not None:
         usage.mean_logprob = out.confidence.mean_logprob
         usage.min_logprob = out.confidence.min_logprob
@@ -197,4 +224,5 @@ def _record_usage(span, out: StepOutput) -> None:
 
 
 def add_to_server(server: grpc.aio.Server, service: TargetService) -> None:
-    target_service_pb2_grpc.add_TargetServiceServicer_to_server(service, server)
+    # Requests that do not parse (invalid UTF-8, truncated bytes) get INVALID_ARGUMENT.
+    target_service_pb2_grpc.add_TargetServiceServicer_to_server(service, guard_malformed(server))
