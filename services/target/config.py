@@ -7,6 +7,7 @@ from pathlib import Path
 
 import torch
 
+from services.common.limits import RequestLimits
 from services.common.tls import MeshTls
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -35,6 +36,8 @@ class EngineConfig:
     # The target's mesh identity for its calls to the draft service (services/common/tls.py
     # MeshTls); None = plaintext (dev mode, tests).
     mesh_tls: MeshTls | None = None
+    # Prompt bytes and stop sequences, checked before tokenizing (services/common/limits.py).
+    limits: RequestLimits = RequestLimits()
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -24,7 +24,7 @@ from services.target.config import EngineConfig
 from services.target.confidence import Confidence
 from services.target.detokenizer import IncrementalDetokenizer
 from services.target.draft_client import DraftClient
-from services.target.engine_types import EngineStats, InvalidRequest, Overloaded
+from services.target.engine_types import DuplicateRequest, EngineStats, InvalidRequest, Overloaded
 from services.target.kv_events import KVEventLog
 from services.target.model_runner import ModelRunner, load_model
 from services.target.model_runner_inputs import StepInput
@@ -140,7 +140,7 @@ class Engine:
             if self._stopped:
                 raise Overloaded("engine is shutting down")
             if request_id in self._ids:
-                raise InvalidRequest(f"request id {request_id!r} is already in flight; use a unique id")
+                raise DuplicateRequest(f"request id {request_id!r} is already in flight; use a unique id")
             if self._num_pending >= self.config.max_num_seqs + self.config.max_queued_requests:
                 raise Overloaded(f"{self._num_pending} requests in flight; queue limit reached")
             if self._queued_tokens + len(prompt_ids) > self.config.max_queued_tokens:
