@@ -11,7 +11,7 @@ from typing import Literal, get_args, get_origin
 
 from services.common.env import Settings, read_settings, setting_help
 
-SERVICES = ("router", "target", "draft", "cache")
+SERVICES = ("router", "target", "draft", "cache", "gateway")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -112,7 +112,26 @@ def build_server(service: str, settings: Settings, config: ServerConfig | None =
     raise ValueError(f"unknown service {service!r}; expected router, target, draft or cache")
 
 
+def gateway_config(settings: Settings, port: int | None = None):
+    from services.gateway.app import GatewayConfig
+    ca = Path(settings.router_ca).expanduser().read_bytes() if settings.router_ca else None
+    return GatewayConfig(host=settings.host, port=settings.gateway_port if port is None else port,
+                         router_address=settings.router_address, router_ca_pem=ca)
+
+
+async def run_gateway(settings: Settings) -> int:
+    """`specmesh serve gateway`: the OpenAI-compatible HTTP front of a running router."""
+    from services.gateway.app import Gateway
+    gateway = Gateway(gateway_config(settings))
+    await gateway.start()
+    print(f"gateway serving on http://{gateway.address}/v1 (router {settings.router_address})", flush=True)
+    await run_until_signal([gateway])
+    return 0
+
+
 async def run_one(service: str, settings: Settings) -> int:
+    if service == "gateway":
+        return await run_gateway(settings)
     setup_telemetry(TelemetryConfig(f"specmesh-{service}", settings.otlp_endpoint or None))
     server = build_server(service, settings)
     await server.start()
@@ -152,6 +171,13 @@ async def _run_all(settings: Settings) -> int:
         servers[service] = build_server(service, settings, config)
         await servers[service].start()
         print(f"{service:>6} serving on {servers[service].address}", flush=True)
+    front = []
+    if settings.gateway_port:
+        from services.gateway.app import Gateway
+        settings.router_address = servers["router"].address
+        front = [Gateway(gateway_config(settings))]
+        await front[0].start()
+        print(f"gateway serving on http://{front[0].address}/v1 (OpenAI-compatible)", flush=True)
     print(f"ready: specmesh generate \"Hello\" --address {servers['router'].address}", flush=True)
-    await run_until_signal([servers[s] for s in ("router", "target", "draft", "cache")])
+    await run_until_signal(front + [servers[s] for s in ("router", "target", "draft", "cache")])
     return 0

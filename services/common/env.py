@@ -39,7 +39,8 @@ class Settings(BaseModel):
     port: int = Field(0, ge=0, le=65535, description="listening port; 0 = the service's default "
                       "(for `up`: the router's port, target/draft/cache take the next three)")
     gateway_port: int = Field(DEFAULT_PORTS["gateway"], ge=0, le=65535,
-                              description="OpenAI-compatible HTTP gateway port (`up` and `serve gateway`)")
+                              description="OpenAI-compatible HTTP gateway port (`serve gateway`; "
+                              "for `up`: 0 = no gateway)")
     model: str = Field("default", description="target model: 'default' (Gemma 3 270M) or a local "
                        "Hugging Face model directory")
     model_cache: str = Field(str(Path.home() / ".cache" / "specmesh" / "models"),

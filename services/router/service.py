@@ -20,6 +20,7 @@ from services.common.tls import internal_channel
 from services.router.auth import TenantAuth, Unauthenticated
 from services.router.buckets import bucket_of
 from services.router.config import RouterConfig
+from services.router.models_list import list_models
 from services.router.speculation_policy import PolicyConfig, SpeculationPolicy
 
 tracer = trace.get_tracer("specmesh.router")
@@ -114,6 +115,13 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
         return common_pb2.SpeculationPlan(
             method=common_pb2.SpeculationMethod.Value(f"SPECULATION_METHOD_{method.upper()}"),
             max_depth=depth, max_nodes=max(self.config.speculation_nodes, depth))
+
+    async def ListModels(self, request, context):
+        try:
+            self.auth.tenant(context.invocation_metadata())
+        except Unauthenticated as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+        return list_models(self.routing.pools)
 
     async def drain(self) -> None:
         self._draining = True

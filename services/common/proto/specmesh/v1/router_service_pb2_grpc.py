@@ -42,6 +42,11 @@ class RouterServiceStub:
                 request_serializer=specmesh_dot_v1_dot_router__service__pb2.GenerateRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_router__service__pb2.GenerateResponse.FromString,
                 _registered_method=True)
+        self.ListModels = channel.unary_unary(
+                '/specmesh.v1.RouterService/ListModels',
+                request_serializer=specmesh_dot_v1_dot_router__service__pb2.ListModelsRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_router__service__pb2.ListModelsResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServiceServicer:
@@ -65,6 +70,16 @@ class RouterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListModels(self, request, context):
+        """Lists the model pools (what `GenerateRequest.model` may name; the
+        gateway's GET /v1/models) with each replica's health and its last polled
+        KV and queue numbers (`specmesh status`).
+        Errors: UNAUTHENTICATED (missing or unknown token).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -72,6 +87,11 @@ def add_RouterServiceServicer_to_server(servicer, server):
                     servicer.Generate,
                     request_deserializer=specmesh_dot_v1_dot_router__service__pb2.GenerateRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_router__service__pb2.GenerateResponse.SerializeToString,
+            ),
+            'ListModels': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListModels,
+                    request_deserializer=specmesh_dot_v1_dot_router__service__pb2.ListModelsRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_router__service__pb2.ListModelsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -104,6 +124,33 @@ class RouterService:
             '/specmesh.v1.RouterService/Generate',
             specmesh_dot_v1_dot_router__service__pb2.GenerateRequest.SerializeToString,
             specmesh_dot_v1_dot_router__service__pb2.GenerateResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListModels(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.RouterService/ListModels',
+            specmesh_dot_v1_dot_router__service__pb2.ListModelsRequest.SerializeToString,
+            specmesh_dot_v1_dot_router__service__pb2.ListModelsResponse.FromString,
             options,
             channel_credentials,
             insecure,

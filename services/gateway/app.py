@@ -1,0 +1,203 @@
+"""The OpenAI-compatible HTTP gateway: a thin aiohttp server in front of the router.
+
+    POST /v1/chat/completions   chat (messages), streaming (SSE) or not
+    POST /v1/completions        plain prompt, streaming (SSE) or not
+    GET  /v1/models             the router's model pools
+    GET  /healthz               200 when the gateway runs (it does not call the router)
+
+The caller's `Authorization: Bearer ...` header is passed to the router as gRPC metadata;
+the router authenticates. Router errors come back as OpenAI-style JSON errors with the
+matching HTTP status (services/gateway/openai_api.py ERRORS). The gateway holds no model
+and no state beyond one gRPC channel.
+
+aiohttp because it is one well-kept dependency that serves HTTP (with streaming responses)
+on the same asyncio loop as grpc.aio, with no separate ASGI server process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+from dataclasses import dataclass
+
+import grpc
+from aiohttp import web
+
+from services.common.proto.specmesh.v1 import router_service_pb2, router_service_pb2_grpc
+from services.gateway.openai_api import (
+    Answer,
+    BadRequest,
+    Parsed,
+    error_body,
+    grpc_error,
+    parse_chat,
+    parse_completion,
+)
+
+log = logging.getLogger(__name__)
+MAX_BODY_BYTES = 4 * 1024 * 1024
+
+
+@dataclass(frozen=True)
+class GatewayConfig:
+    host: str = "127.0.0.1"
+    port: int = 8000  # 0 = any free port (tests)
+    router_address: str = "127.0.0.1:50051"
+    router_ca_pem: bytes | None = None  # verify the router's public TLS with this CA; None = plaintext
+    timeout_s: float = 600.0  # deadline of one router call
+    models_timeout_s: float = 10.0
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port must be in 0..65535, got {self.port}")
+        if not self.router_address:
+            raise ValueError("router_address must not be empty")
+        if self.timeout_s <= 0 or self.models_timeout_s <= 0:
+            raise ValueError("timeouts must be > 0")
+
+
+class Gateway:
+    """Owns the HTTP site and the router channel. `start()`, then `address`, then `stop()`."""
+
+    def __init__(self, config: GatewayConfig) -> None:
+        self.config = config
+        self._runner: web.AppRunner | None = None
+        self._channel: grpc.aio.Channel | None = None
+        self._router: router_service_pb2_grpc.RouterServiceStub | None = None
+        self.port = config.port
+
+    @property
+    def address(self) -> str:
+        return f"{self.config.host}:{self.port}"
+
+    async def start(self) -> None:
+        if self.config.router_ca_pem is not None:
+            creds = grpc.ssl_channel_credentials(root_certificates=self.config.router_ca_pem)
+            self._channel = grpc.aio.secure_channel(self.config.router_address, creds)
+        else:
+            self._channel = grpc.aio.insecure_channel(self.config.router_address)
+        self._router = router_service_pb2_grpc.RouterServiceStub(self._channel)
+        app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_json_errors])
+        app.add_routes([web.post("/v1/chat/completions", self._chat),
+                        web.post("/v1/completions", self._completions),
+                        web.get("/v1/models", self._models),
+                        web.get("/healthz", self._health)])
+        self._runner = web.AppRunner(app, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, self.config.host, self.config.port)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]  # the bound port when port=0
+
+    async def stop(self, grace: float = 5.0) -> None:
+        if self._runner is not None:
+            await self._runner.shutdown()
+            await self._runner.cleanup()
+        if self._channel is not None:
+            await self._channel.close(grace)
+
+    # ---- handlers ---------------------------------------------------------------
+    async def _chat(self, http: web.Request) -> web.StreamResponse:
+        return await self._generate(http, parse_chat)
+
+    async def _completions(self, http: web.Request) -> web.StreamResponse:
+        return await self._generate(http, parse_completion)
+
+    async def _models(self, http: web.Request) -> web.Response:
+        try:
+            response = await self._router.ListModels(router_service_pb2.ListModelsRequest(),
+                                                     metadata=_auth(http), timeout=self.config.models_timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            return _error_response(*grpc_error(exc))
+        data = [{"id": p.name, "object": "model", "created": 0, "owned_by": "specmesh"} for p in response.pools]
+        return web.json_response({"object": "list", "data": data})
+
+    async def _health(self, http: web.Request) -> web.Response:
+        return web.json_response({"status": "ok"})
+
+    async def _generate(self, http: web.Request, parse) -> web.StreamResponse:
+        try:
+            body = await http.json()
+        except (json.JSONDecodeError, UnicodeDecodeError):
+            return _error_response(400, error_body("the body is not valid JSON", "invalid_request_error"))
+        if not isinstance(body, dict):
+            return _error_response(400, error_body("the body must be a JSON object", "invalid_request_error"))
+        try:
+            parsed = parse(body)
+        except BadRequest as exc:
+            return _error_response(400, error_body(str(exc), "invalid_request_error", param=exc.param))
+        call = self._router.Generate(parsed.request, metadata=_auth(http), timeout=self.config.timeout_s)
+        try:
+            if parsed.stream:
+                return await _stream(http, call, parsed)
+            answer = Answer(parsed)
+            async for response in call:
+                answer.add(response.chunk)
+            return web.json_response(answer.full())
+        except grpc.aio.AioRpcError as exc:
+            return _error_response(*grpc_error(exc))
+        finally:
+            call.cancel()  # no-op when finished; a client that went away frees the router's work
+
+
+async def _stream(http: web.Request, call, parsed: Parsed) -> web.StreamResponse:
+    """Server-sent events as OpenAI sends them. Errors before the first token are plain HTTP
+    errors; after it, an `error` event and the end of the stream (never a silent [DONE])."""
+    answer = Answer(parsed)
+    iterator = call.__aiter__()
+    try:
+        first = await iterator.__anext__()  # the router's errors arrive before any token
+    except StopAsyncIteration:
+        first = None
+    response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+    await response.prepare(http)
+    sent_first = False
+    try:
+        pending = [first] if first is not None else []
+        while True:
+            for item in pending:
+                chunk = item.chunk
+                answer.add(chunk)
+                finish = answer.finish_reason if chunk.finish_reason else None
+                if chunk.text or not sent_first or finish:
+                    await _send(response, answer.delta(chunk.text, first=not sent_first, finish_reason=finish))
+                    sent_first = True
+            try:
+                pending = [await iterator.__anext__()]
+            except StopAsyncIteration:
+                break
+        if parsed.include_usage and answer.usage is not None:
+            await _send(response, answer.usage_event())
+        await response.write(b"data: [DONE]\n\n")
+    except grpc.aio.AioRpcError as exc:
+        _, body, _ = grpc_error(exc)
+        await _send(response, body)
+    except (ConnectionResetError, asyncio.CancelledError):
+        raise  # the client went away; the caller cancels the router call
+    await response.write_eof()
+    return response
+
+
+async def _send(response: web.StreamResponse, event: dict) -> None:
+    await response.write(b"data: " + json.dumps(event, separators=(",", ":")).encode() + b"\n\n")
+
+
+def _auth(http: web.Request) -> tuple[tuple[str, str], ...]:
+    header = http.headers.get("Authorization", "")
+    return (("authorization", header),) if header else ()
+
+
+def _error_response(status: int, body: dict, headers: dict | None = None) -> web.Response:
+    return web.json_response(body, status=status, headers=headers)
+
+
+@web.middleware
+async def _json_errors(request: web.Request, handler):
+    """aiohttp's own errors (404, 405, body too large) as OpenAI-style JSON too."""
+    try:
+        return await handler(request)
+    except web.HTTPException as exc:
+        if exc.status < 400:
+            raise
+        kind = "not_found_error" if exc.status == 404 else "invalid_request_error"
+        return _error_response(exc.status, error_body(exc.reason, kind))

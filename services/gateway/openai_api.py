@@ -1,0 +1,217 @@
+"""OpenAI HTTP API <-> specmesh protos: request parsing, response and error shapes.
+
+Translation only (DESIGN section 2): no policy, no state. Parsing raises `BadRequest`,
+which the app turns into a 400 OpenAI-style error before anything is sent to the router.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+import uuid
+from dataclasses import dataclass
+
+import grpc
+
+from services.common.proto.specmesh.v1 import common_pb2, router_service_pb2
+
+MAX_STOP_STRINGS = 16
+
+# gRPC status -> (HTTP status, OpenAI error type)
+ERRORS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (403, "permission_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.CANCELLED: (499, "cancelled"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+_FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_STOP_SEQUENCE: "stop",
+           common_pb2.FINISH_REASON_LENGTH: "length"}
+
+
+class BadRequest(ValueError):
+    """The HTTP body is not a valid request; `param` names the offending field."""
+
+    def __init__(self, message: str, param: str | None = None) -> None:
+        super().__init__(message)
+        self.param = param
+
+
+@dataclass
+class Parsed:
+    """A parsed OpenAI request: the router request plus how to answer."""
+
+    request: router_service_pb2.GenerateRequest
+    model: str
+    stream: bool
+    include_usage: bool
+    chat: bool
+
+
+def parse_chat(body: dict) -> Parsed:
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages:
+        raise BadRequest("'messages' must be a non-empty list of {role, content}", "messages")
+    turns = [common_pb2.ChatMessage(role=_role(m, i), content=_content(m, i)) for i, m in enumerate(messages)]
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
+    return _parsed(body, router_service_pb2.GenerateRequest(messages=turns), max_tokens, chat=True)
+
+
+def parse_completion(body: dict) -> Parsed:
+    prompt = body.get("prompt")
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    if not isinstance(prompt, str) or not prompt:
+        raise BadRequest("'prompt' must be a non-empty string (one prompt per request)", "prompt")
+    if body.get("echo"):
+        raise BadRequest("'echo' is not supported", "echo")
+    max_tokens = body.get("max_tokens", 16)  # OpenAI's default for completions
+    return _parsed(body, router_service_pb2.GenerateRequest(prompt=prompt), max_tokens, chat=False)
+
+
+def error_body(message: str, kind: str, code: str | None = None, param: str | None = None) -> dict:
+    return {"error": {"message": message, "type": kind, "param": param, "code": code}}
+
+
+def grpc_error(exc: grpc.aio.AioRpcError) -> tuple[int, dict, dict]:
+    """(HTTP status, OpenAI error body, extra headers) for a router error."""
+    status, kind = ERRORS.get(exc.code(), (500, "api_error"))
+    headers = {}
+    for key, value in exc.trailing_metadata() or ():
+        if key == "grpc-retry-pushback-ms" and str(value).isdigit():
+            headers["Retry-After"] = str(max(1, math.ceil(int(value) / 1000)))
+    body = error_body(exc.details() or exc.code().name, kind, code=exc.code().name.lower())
+    return status, body, headers
+
+
+class Answer:
+    """Builds the OpenAI response objects of one request from the router's chunks."""
+
+    def __init__(self, parsed: Parsed) -> None:
+        self.parsed = parsed
+        self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.text: list[str] = []
+        self.finish_reason: str | None = None
+        self.usage: dict | None = None
+
+    def add(self, chunk: common_pb2.GenerateChunk) -> None:
+        self.text.append(chunk.text)
+        if chunk.finish_reason:
+            self.finish_reason = _FINISH.get(chunk.finish_reason, "stop")
+        if chunk.HasField("usage"):
+            u = chunk.usage
+            self.usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
+                          "total_tokens": u.prompt_tokens + u.completion_tokens,
+                          "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+
+    def full(self) -> dict:
+        """The non-streaming response."""
+        text = "".join(self.text)
+        if self.parsed.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": None, "finish_reason": self.finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
+        return {**self._head(chunk=False), "choices": [choice], "usage": self.usage}
+
+    def delta(self, text: str, first: bool = False, finish_reason: str | None = None) -> dict:
+        """One streamed event."""
+        if self.parsed.chat:
+            delta = {"role": "assistant", "content": text} if first else {"content": text}
+            if finish_reason is not None and not text:
+                delta = {}
+            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+        event = {**self._head(chunk=True), "choices": [choice]}
+        if self.parsed.include_usage:
+            event["usage"] = None
+        return event
+
+    def usage_event(self) -> dict:
+        return {**self._head(chunk=True), "choices": [], "usage": self.usage}
+
+    def _head(self, chunk: bool) -> dict:
+        kind = ("chat.completion" + (".chunk" if chunk else "")) if self.parsed.chat else "text_completion"
+        return {"id": self.id, "object": kind, "created": self.created, "model": self.parsed.model}
+
+
+# ---- helpers ----------------------------------------------------------------
+def _parsed(body: dict, request: router_service_pb2.GenerateRequest, max_tokens, chat: bool) -> Parsed:
+    model = body.get("model")
+    if not isinstance(model, str):
+        raise BadRequest("'model' must be a string (a pool name from GET /v1/models)", "model")
+    if body.get("n", 1) != 1:
+        raise BadRequest("only n=1 is supported", "n")
+    request.model = model
+    request.sampling.CopyFrom(_sampling(body, max_tokens))
+    stream = _bool(body, "stream")
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise BadRequest("'stream_options' must be an object", "stream_options")
+    return Parsed(request, model, stream, bool(options.get("include_usage")), chat)
+
+
+def _sampling(body: dict, max_tokens) -> common_pb2.SamplingParams:
+    sampling = common_pb2.SamplingParams(
+        max_tokens=_number(max_tokens, "max_tokens", int, 1),
+        temperature=_number(body.get("temperature", 1.0), "temperature", float, 0.0),
+        top_p=_number(body.get("top_p", 1.0), "top_p", float, 0.0),
+        top_k=_number(body.get("top_k", 0), "top_k", int, 0))
+    if sampling.top_p >= 1.0:
+        sampling.top_p = 0.0  # 1.0 = off; the router's 0 means off
+    seed = body.get("seed")
+    if seed is not None:
+        sampling.seed, sampling.has_seed = _number(seed, "seed", int, 0), True
+    stop = body.get("stop")
+    stops = [stop] if isinstance(stop, str) else (stop or [])
+    if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOP_STRINGS:
+        raise BadRequest(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
+    sampling.stop.extend(stops)
+    return sampling
+
+
+def _number(value, name: str, kind: type, minimum):
+    if value is None:
+        raise BadRequest(f"'{name}' must be a number", name)
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value):
+        raise BadRequest(f"'{name}' must be a finite number", name)
+    if kind is int and value != int(value):
+        raise BadRequest(f"'{name}' must be an integer", name)
+    if value < minimum:
+        raise BadRequest(f"'{name}' must be >= {minimum}, got {value}", name)
+    return kind(value)
+
+
+def _bool(body: dict, name: str) -> bool:
+    value = body.get(name, False)
+    if not isinstance(value, bool):
+        raise BadRequest(f"'{name}' must be true or false", name)
+    return value
+
+
+def _role(message, index: int) -> str:
+    if not isinstance(message, dict) or not isinstance(message.get("role"), str):
+        raise BadRequest(f"messages[{index}] needs a string 'role'", "messages")
+    role = message["role"]
+    return "system" if role == "developer" else role  # OpenAI's newer name for the system turn
+
+
+def _content(message: dict, index: int) -> str:
+    content = message.get("content")
+    if isinstance(content, str):
+        return content
+    if isinstance(content, list):  # content parts: text only
+        parts = []
+        for part in content:
+            if not isinstance(part, dict) or part.get("type") != "text" or not isinstance(part.get("text"), str):
+                raise BadRequest(f"messages[{index}].content: only text parts are supported", "messages")
+            parts.append(part["text"])
+        return "".join(parts)
+    raise BadRequest(f"messages[{index}].content must be a string or a list of text parts", "messages")

@@ -1,0 +1,28 @@
+"""ListModels: the router's pools and each replica's last polled health, KV and queue."""
+
+from __future__ import annotations
+
+from services.common.proto.specmesh.v1 import router_service_pb2
+
+
+def list_models(pools) -> router_service_pb2.ListModelsResponse:
+    """`pools`: name -> services.router.pools.Pool (the router's routing table)."""
+    return router_service_pb2.ListModelsResponse(pools=[_pool(p) for p in pools.values()])
+
+
+def _pool(pool) -> router_service_pb2.ModelPool:
+    return router_service_pb2.ModelPool(
+        name=pool.name, model=pool.config.model, max_context=pool.config.max_context,
+        replicas=[_replica(r) for r in pool.replicas.replicas])
+
+
+def _replica(replica) -> router_service_pb2.ReplicaStatus:
+    status = router_service_pb2.ReplicaStatus(address=replica.address, healthy=replica.healthy,
+                                              in_flight=replica.in_flight)
+    s = replica.stats
+    if s is not None:
+        status.has_stats = True
+        status.running_requests, status.waiting_requests = s.running, s.waiting
+        status.queued_tokens, status.num_blocks = s.queued_tokens, s.num_blocks
+        status.free_blocks, status.cached_blocks = s.free_blocks, s.cached_blocks
+    return status
