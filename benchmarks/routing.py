@@ -65,7 +65,7 @@ async def start_mesh(model_dir: Path, pools: list[tuple[str, int, int]], num_blo
                     for i, (name, first, n, limit) in enumerate(pools)),
         tenants=tuple(TenantConfig(name=t, token=f"tok-{t}") for t in tenants))
     service = RouterService(RouterConfig(target_address="", mesh=mesh, cache_address=cache.address,
-                                         replica_policy=policy, poll_interval_s=0.2, speculation_method="off",
+                                         replica_policy=policy, poll_interval_s=0.5, speculation_method="off",
                                          max_tokens_limit=256))
     router = GrpcServer(ServerConfig(port=0), lambda s: add_to_server(s, service), [SERVICE_NAME],
                         on_stopped=service.close)

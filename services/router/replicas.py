@@ -31,6 +31,8 @@ from services.common.proto.specmesh.v1 import target_service_pb2, target_service
 
 log = logging.getLogger(__name__)
 POLICIES = ("kv_aware", "least_loaded", "round_robin")
+CHECK_TIMEOUT_S = 2.0  # a busy replica answers health and stats slowly, not never
+EJECT_AFTER_SLOW_CHECKS = 3  # consecutive timed-out checks before a replica is ejected
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Replica:
         self.stub = target_service_pb2_grpc.TargetServiceStub(channel)
         self._health = health_pb2_grpc.HealthStub(channel)
         self.healthy = True  # optimistic until a check fails
+        self.failed_checks = 0  # consecutive
         self.stats: ReplicaStats | None = None
         self.in_flight = 0  # requests this router has on it now
         self.in_flight_tokens = 0  # their prompt + max_tokens, until they finish
@@ -71,18 +74,25 @@ class Replica:
         s = self.stats
         return s.cached_blocks / s.num_blocks if s and s.num_blocks else 0.0
 
-    async def check(self, timeout: float) -> bool:
-        """Health SERVING and stats read; updates `healthy` and `stats`."""
+    async def check(self, timeout: float, eject_after: int = 1) -> bool:
+        """Health SERVING and stats read; updates `healthy` and `stats`.
+
+        Refused connections and NOT_SERVING eject at once; a slow answer (a busy replica) only
+        after `eject_after` consecutive failed checks.
+        """
         try:
             health = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
             if health.status != health_pb2.HealthCheckResponse.SERVING:
                 raise ConnectionError("not serving")
             s = await self.stub.GetStats(target_service_pb2.GetStatsRequest(), timeout=timeout)
         except (grpc.aio.AioRpcError, ConnectionError) as exc:
-            if self.healthy:
+            self.failed_checks += 1
+            slow = isinstance(exc, grpc.aio.AioRpcError) and exc.code() == grpc.StatusCode.DEADLINE_EXCEEDED
+            if self.healthy and (not slow or self.failed_checks >= eject_after):
                 log.warning("replica %s ejected: %s", self.address, getattr(exc, "code", lambda: exc)())
-            self.healthy = False
+                self.healthy = False
             return False
+        self.failed_checks = 0
         self.stats = ReplicaStats(s.running_requests, s.waiting_requests, s.queued_tokens, s.num_blocks,
                                   s.free_blocks, s.cached_blocks, s.block_size or 16, s.cache_model_id)
         if not self.healthy:
@@ -153,7 +163,7 @@ class ReplicaSet:
 
     def refresh(self, replica: Replica) -> None:
         """Re-reads one replica's stats soon (after a request finished there), not waiting for it."""
-        task = asyncio.get_running_loop().create_task(replica.check(timeout=1.0))
+        task = asyncio.get_running_loop().create_task(replica.check(CHECK_TIMEOUT_S, EJECT_AFTER_SLOW_CHECKS))
         self._refreshes.add(task)
         task.add_done_callback(self._refreshes.discard)
 
@@ -167,8 +177,8 @@ class ReplicaSet:
 
     async def poll_once(self) -> None:
         await self._resolve()
-        timeout = max(0.2, min(2.0, self.poll_interval_s))
-        await asyncio.gather(*(r.check(timeout) for r in list(self._replicas.values())))
+        await asyncio.gather(*(r.check(CHECK_TIMEOUT_S, EJECT_AFTER_SLOW_CHECKS)
+                               for r in list(self._replicas.values())))
 
     async def close(self) -> None:
         for task in [self._task, *self._refreshes]:
