@@ -152,6 +152,7 @@ async def run_all(settings: Settings) -> int:
         if not (settings.tls_dir or settings.tls_ca or settings.tls_cert or settings.tls_key
                 or settings.dev):
             settings.tls_dir = str(make_dev_certs(certs, hosts=[settings.host]))
+            print(f"mesh certificates for this run in {certs} (removed at exit)", flush=True)
         if settings.salt_secret == DEV_SALT_SECRET:
             settings.salt_secret = secrets.token_hex(32)
         return await _run_all(settings)
