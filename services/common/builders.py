@@ -10,7 +10,7 @@ from pathlib import Path
 
 from services.common.env import DEFAULT_PORTS, DEV_SALT_SECRET, Settings
 from services.common.server import GrpcServer, ServerConfig, run_until_signal
-from services.common.telemetry import TelemetryConfig, setup_telemetry
+from services.common.telemetry import TelemetryConfig, serve_metrics, setup_telemetry
 from services.common.tls import MeshTls, PublicTls, ServerTls, make_dev_certs
 
 log = logging.getLogger(__name__)
@@ -69,7 +69,14 @@ def engine_config(settings: Settings, model_dir: Path):
                         max_queued_requests=settings.max_queued_requests,
                         max_tokens_limit=settings.max_tokens_limit, kernels=settings.kernels,
                         draft_address="" if settings.speculation_method == "off" else settings.draft_address,
-                        draft_timeout_s=settings.draft_timeout_ms / 1000)
+                        draft_timeout_s=settings.draft_timeout_ms / 1000, limits=request_limits(settings))
+
+
+def request_limits(settings: Settings):
+    from services.common.limits import RequestLimits
+    return RequestLimits(max_prompt_bytes=settings.max_prompt_bytes,
+                         max_stop_sequences=settings.max_stop_sequences,
+                         max_stop_bytes=settings.max_stop_bytes)
 
 
 def build_server(service: str, settings: Settings, config: ServerConfig | None = None) -> GrpcServer:
@@ -87,9 +94,11 @@ def build_server(service: str, settings: Settings, config: ServerConfig | None =
             mesh_tls=mesh,
             target_address=settings.target_address, tokens=parse_tokens(settings.tokens),
             salt_secret=settings.salt_secret, max_tokens_limit=settings.max_tokens_limit,
+            limits=request_limits(settings),
             speculation_method=settings.speculation_method, speculation_depth=settings.speculation_depth,
             speculation_nodes=settings.speculation_nodes,
-            speculation_policy=settings.speculation_policy))
+            speculation_policy=settings.speculation_policy, cache_address=settings.cache_address,
+            **routing_settings(settings)))
     if service == "target":
         from services.target.app import build_target_server, load_engine
         model_dir = resolve_model(settings)
@@ -108,8 +117,52 @@ def build_server(service: str, settings: Settings, config: ServerConfig | None =
         from services.cache.app import build_cache_server
         from services.cache.config import CacheConfig
         return build_cache_server(CacheConfig(server=config, backend=settings.cache_backend,
-                                              redis_url=settings.redis_url or None, mesh_tls=mesh))
+                                              redis_url=settings.redis_url or None,
+                                              replicas=cache_replicas(settings), mesh_tls=mesh,
+                                              max_memory_bytes=settings.cache_max_memory_mb << 20,
+                                              retrieval_mode=settings.retrieval_mode,
+                                              embedding_model=settings.embedding_model))
     raise ValueError(f"unknown service {service!r}; expected router, target, draft or cache")
+
+
+def routing_settings(settings: Settings) -> dict:
+    """The router's pools (mesh config file, else one pool `default` over target_address) and
+    replica policy, as RouterConfig fields."""
+    from services.common.mesh_config import default_mesh_config, load_mesh_config
+    from services.router.config import parse_tokens
+    if settings.config:
+        mesh = load_mesh_config(settings.config)
+    else:
+        addresses = [a.strip() for a in settings.target_address.split(",") if a.strip()]
+        mesh = default_mesh_config(addresses, parse_tokens(settings.tokens), model=settings.model)
+    return dict(mesh=mesh, replica_policy=settings.replica_policy,
+                poll_interval_s=settings.replica_poll_seconds, model_cache=settings.model_cache)
+
+
+def cache_replicas(settings: Settings) -> tuple[str, ...]:
+    """Targets the cache's prefix index follows: `cache_replicas`, else every pool replica of
+    the mesh config file, else `target_address` (comma-separated)."""
+    listed = settings.cache_replicas
+    if not listed and settings.config:
+        from services.common.mesh_config import load_mesh_config
+        mesh = load_mesh_config(settings.config)
+        return tuple(dict.fromkeys(r for pool in mesh.pools for r in pool.replicas))
+    listed = listed or settings.target_address
+    return tuple(dict.fromkeys(a.strip() for a in listed.split(",") if a.strip()))
+
+
+def start_metrics(service: str, host: str, port: int) -> int | None:
+    """Serves the service's Prometheus /metrics on host:port (0 = none); a taken port is
+    logged, not fatal (the service itself still runs). Returns the bound port."""
+    if not port:
+        return None
+    try:
+        bound = serve_metrics(service, host, port)
+    except OSError as exc:
+        log.error("%s: cannot serve /metrics on %s:%d: %s", service, host, port, exc)
+        return None
+    print(f"{service:>6} metrics on http://{host}:{bound}/metrics", flush=True)
+    return bound
 
 
 def gateway_config(settings: Settings, port: int | None = None):
@@ -132,10 +185,12 @@ async def run_gateway(settings: Settings) -> int:
 async def run_one(service: str, settings: Settings) -> int:
     if service == "gateway":
         return await run_gateway(settings)
-    setup_telemetry(TelemetryConfig(f"specmesh-{service}", settings.otlp_endpoint or None))
+    setup_telemetry(TelemetryConfig(settings.service_name or f"specmesh-{service}",
+                                    settings.otlp_endpoint or None))
     server = build_server(service, settings)
     await server.start()
     print(f"{service} serving on {server.address}", flush=True)
+    start_metrics(service, settings.host, settings.metrics_port)
     await run_until_signal([server])
     return 0
 
@@ -159,19 +214,31 @@ async def run_all(settings: Settings) -> int:
 
 
 async def _run_all(settings: Settings) -> int:
-    setup_telemetry(TelemetryConfig("specmesh", settings.otlp_endpoint or None))
+    name = f"{settings.service_name}-{{service}}" if settings.service_name else "specmesh-{service}"
+    setup_telemetry(TelemetryConfig(name, settings.otlp_endpoint or None))
     ports = dict(DEFAULT_PORTS)
     if settings.port:
         ports = {name: settings.port + i for i, name in enumerate(("router", "target", "draft", "cache"))}
     for name in ("target", "draft", "cache"):
         setattr(settings, f"{name}_address", f"{settings.host}:{ports[name]}")
+    # `--replicas N`: more targets of the default pool after the cache port.
+    extra = [ports["cache"] + i for i in range(1, settings.replicas)]
+    settings.target_address = ",".join(f"{settings.host}:{p}" for p in [ports["target"], *extra])
     servers = {}
+    for i, port in enumerate(extra, start=2):  # extra replicas first: they load the model too
+        servers[f"target-{i}"] = build_server("target", settings, ServerConfig(settings.host, port,
+                                                                               settings.grace_seconds))
+        await servers[f"target-{i}"].start()
+        print(f"target-{i} serving on {servers[f'target-{i}'].address}", flush=True)
     # The target first (it loads the model), the router last (it is the front door).
     for service in ("target", "draft", "cache", "router"):
         config = ServerConfig(settings.host, ports[service], settings.grace_seconds)
         servers[service] = build_server(service, settings, config)
         await servers[service].start()
         print(f"{service:>6} serving on {servers[service].address}", flush=True)
+        if settings.metrics_base_port:  # router, target, draft, cache: base .. base+3
+            start_metrics(service, settings.host,
+                          settings.metrics_base_port + ("router", "target", "draft", "cache").index(service))
     front = []
     if settings.gateway_port:
         from services.gateway.app import Gateway
@@ -180,5 +247,6 @@ async def _run_all(settings: Settings) -> int:
         await front[0].start()
         print(f"gateway serving on http://{front[0].address}/v1 (OpenAI-compatible)", flush=True)
     print(f"ready: specmesh generate \"Hello\" --address {servers['router'].address}", flush=True)
-    await run_until_signal(front + [servers[s] for s in ("router", "target", "draft", "cache")])
+    await run_until_signal(front + [servers[s] for s in ("router", "target", *(f"target-{i}" for i in range(
+        2, settings.replicas + 1)), "draft", "cache")])
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import uuid
+from collections.abc import Callable
 
 import grpc
 from opentelemetry import trace
@@ -13,18 +14,32 @@ from services.common.proto.specmesh.v1 import (
     router_service_pb2,
     router_service_pb2_grpc,
     target_service_pb2,
-    target_service_pb2_grpc,
 )
-from services.common.sampling_params import SamplingConfig, sampling_from_proto
+from services.common.metrics import method_name
+from services.common.metrics_interceptor import status_of
+from services.common.metrics_router import RequestTimer
+from services.common.errors import Refusal, Violation, abort, abort_refusal, guard_malformed
+from services.common.sampling_params import SamplingConfig
+from services.common.telemetry import record_error
 from services.common.tls import internal_channel
 from services.router.auth import TenantAuth, Unauthenticated
 from services.router.buckets import bucket_of
 from services.router.config import RouterConfig
 from services.router.models_list import list_models
+from services.router.objective import NoPool
+from services.router.quotas import QuotaExceeded, TenantQuotas
+from services.router.retrieval import Retrieval, annotate, tenant_labels
+from services.router.routing import Decision, RouteRequest, Routing, UpstreamError
 from services.router.speculation_policy import PolicyConfig, SpeculationPolicy
+from services.router.target_health import TargetHealthWatch
+from services.router.validation import validate
 
 tracer = trace.get_tracer("specmesh.router")
 SERVICE_NAME = router_service_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
+# Reconnect to a restarted replica within about a health-poll interval (gRPC's default
+# backoff grows to two minutes).
+REPLICA_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
+                           ("grpc.max_reconnect_backoff_ms", 2000)]
 # Target errors the caller should see as they are; anything else becomes UNAVAILABLE.
 # (A target-side CANCELLED is not the caller's doing: it becomes UNAVAILABLE.)
 _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -35,8 +50,16 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.auth = TenantAuth(config.tokens, config.salt_secret)
-        self._channel = internal_channel(config.target_address, config.mesh_tls)
-        self._target = target_service_pb2_grpc.TargetServiceStub(self._channel)
+        self.routing = Routing(
+            config.mesh, lambda address: internal_channel(address, config.mesh_tls, REPLICA_CHANNEL_OPTIONS),
+            internal_channel(config.cache_address, config.mesh_tls) if config.cache_address else None,
+            config.replica_policy, config.poll_interval_s, config.model_cache)
+        self.quotas = TenantQuotas(config.mesh.tenants)
+        self.retrieval = Retrieval(lambda address: internal_channel(address, config.mesh_tls),
+                                   config.cache_address, tenant_labels(config.mesh))
+        self._routing_started: asyncio.Task | None = None
+        # NOT_SERVING while no target replica is healthy (started with the server).
+        self.health_watch = TargetHealthWatch(self.routing.any_healthy, config.poll_interval_s)
         self._in_flight = 0
         self._draining = False
         self.policy = SpeculationPolicy(PolicyConfig(mode=config.speculation_policy),
@@ -48,73 +71,74 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
         try:
             tenant = self.auth.tenant(context.invocation_metadata())
         except Unauthenticated as exc:
-            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+            await abort(context, grpc.StatusCode.UNAUTHENTICATED, str(exc), "UNAUTHENTICATED")
+        request_span = trace.get_current_span()  # the server span: ERROR status when the call fails
         with tracer.start_as_current_span("route") as span:
             sampling = await self._validate(request, context)
+            rag = await self.retrieval.augment(request, tenant, context)  # may rewrite request.prompt
             bucket = bucket_of(request.prompt or "\n".join(m.content for m in request.messages), sampling)
             span.set_attribute("specmesh.bucket", bucket)
-            span.set_attribute("specmesh.route", "default")
             span.set_attribute("specmesh.speculation", self.config.speculation_method)
             span.set_attribute("gen_ai.request.max_tokens", sampling.max_tokens)
             target_request = target_service_pb2.TargetGenerateRequest(
                 request_id=uuid.uuid4().hex, prompt=request.prompt, messages=request.messages,
                 sampling=request.sampling,
                 tenant_salt=self.auth.salt(tenant), bucket=bucket,
-                speculation=self._plan(bucket))
+                speculation=self._plan(bucket, sampling))
+            route_request = RouteRequest(target_request, tenant, sampling.max_tokens, request.model)
+            release = await self._admit(route_request, context)
+            try:
+                decision = await self._decide(route_request, context)
+            except BaseException:
+                release()
+                raise
         remaining = context.time_remaining()
         timeout = self.config.default_timeout_s if remaining is None else max(remaining, 0.001)
         self._in_flight += 1
-        call = self._target.Generate(target_request, timeout=timeout)
+        timer = RequestTimer(bucket, decision.pool.name, method_name(target_request.speculation.method))
+        status, usage = None, None
         try:
-            async for response in call:
+            async for response in annotate(rag, self.routing.execute(decision, route_request, timeout)):
+                timer.chunk(len(response.chunk.token_ids))
                 if response.chunk.HasField("usage"):
                     usage = response.chunk.usage
                     self.policy.observe(bucket, usage.proposed_tokens, usage.accepted_tokens)
-                yield router_service_pb2.GenerateResponse(chunk=response.chunk)
-        except grpc.aio.AioRpcError as exc:
-            code = exc.code()
-            pushback = [(k, v) for k, v in (exc.trailing_metadata() or ())
-                        if k == "grpc-retry-pushback-ms"]
-            if pushback:
-                context.set_trailing_metadata(tuple(pushback))
-            if code in _PASS_THROUGH:
-                await context.abort(code, exc.details() or code.name)
-            await context.abort(grpc.StatusCode.UNAVAILABLE,
-                                f"target {self.config.target_address} unavailable: {exc.details()}")
+                yield response
+            status = "OK"
+        except UpstreamError as exc:
+            code = exc.code if exc.code in _PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
+            status = code.name
+            trailers = tuple((k, v) for k, v in exc.trailers if k != "grpc-status-details-bin" or code == exc.code)
+            await context.abort(code, exc.details or code.name, trailers)
+        except BaseException as exc:  # the caller cancelled or its deadline passed
+            status = status_of(context, exc)
+            raise
         finally:
             self._in_flight -= 1
-            call.cancel()  # no-op when finished; frees the target's blocks when we were cancelled
+            release()
+            timer.finish(status or "UNKNOWN", usage)
+            if status != "OK":
+                record_error(request_span, status or "UNKNOWN")
 
     async def _validate(self, request, context) -> SamplingConfig:
-        problems = []
-        if request.prompt and request.messages:
-            problems.append("set prompt or messages, not both")
-        elif request.messages:
-            if not any(m.content.strip() for m in request.messages):
-                problems.append("messages are empty")
-        elif not request.prompt.strip():
-            problems.append("prompt is empty")
+        """services/router/validation.py; INVALID_ARGUMENT with field violations."""
         try:
-            sampling = sampling_from_proto(request.sampling)
-        except ValueError as exc:
-            problems.append(str(exc))
-            sampling = None
-        if sampling is not None and sampling.max_tokens > self.config.max_tokens_limit:
-            problems.append(f"max_tokens {sampling.max_tokens} is above the limit "
-                            f"{self.config.max_tokens_limit}")
-        if problems:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
-        return sampling
+            return validate(request, self.config.limits, self.config.max_tokens_limit)
+        except Refusal as refusal:
+            await abort_refusal(context, refusal)
 
-    def _plan(self, bucket: str) -> common_pb2.SpeculationPlan:
-        """The speculation plan for a bucket: the configured method, depth from the policy."""
+    def _plan(self, bucket: str, sampling: SamplingConfig) -> common_pb2.SpeculationPlan:
+        """The speculation plan for a request: the configured method, depth from the policy
+        (services/router/speculation_policy.py: task, temperature, requested length, measured
+        acceptance; load-aware plans let the target shorten it per step)."""
         method = self.config.speculation_method
-        depth = 0 if method == "off" else self.policy.depth(bucket)
+        depth = 0 if method == "off" else self.policy.depth(bucket, sampling.max_tokens, sampling.temperature)
         if depth == 0:
             return common_pb2.SpeculationPlan(method=common_pb2.SPECULATION_METHOD_OFF)
         return common_pb2.SpeculationPlan(
             method=common_pb2.SpeculationMethod.Value(f"SPECULATION_METHOD_{method.upper()}"),
-            max_depth=depth, max_nodes=max(self.config.speculation_nodes, depth))
+            max_depth=depth, max_nodes=max(self.config.speculation_nodes, depth),
+            load_aware=self.policy.load_aware)
 
     async def ListModels(self, request, context):
         try:
@@ -128,9 +152,37 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
         while self._in_flight:
             await asyncio.sleep(0.05)
 
+    async def _admit(self, route_request: RouteRequest, context) -> Callable[[], None]:
+        """Per-tenant quotas (services/router/quotas.py); over quota -> RESOURCE_EXHAUSTED + pushback."""
+        estimate = len(route_request.text.encode()) // 4 + route_request.max_tokens
+        try:
+            return self.quotas.acquire(route_request.tenant, estimate)
+        except QuotaExceeded as exc:  # RetryInfo and the grpc-retry-pushback-ms trailer
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, str(exc), "TENANT_QUOTA",
+                        retry_after_s=exc.retry_after_ms / 1000)
+
+    async def start(self) -> None:
+        """One health/stats poll of every replica and the pools' tokenizers, then polls go on
+        in the background (once; also on the first request if the server did not call it)."""
+        if self._routing_started is None:
+            self._routing_started = asyncio.ensure_future(self.routing.start())
+        await asyncio.shield(self._routing_started)
+
+    async def _decide(self, route_request: RouteRequest, context) -> Decision:
+        """Pool and replica plan (services/router/routing.py); an unknown `model` is INVALID_ARGUMENT."""
+        await self.start()
+        try:
+            return await self.routing.decide(route_request)
+        except NoPool as exc:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), "NO_POOL",
+                        [Violation("model", str(exc))] if route_request.model else ())
+
     async def close(self) -> None:
-        await self._channel.close()
+        await self.health_watch.close()
+        await self.routing.close()
+        await self.retrieval.close()
 
 
 def add_to_server(server: grpc.aio.Server, service: RouterService) -> None:
-    router_service_pb2_grpc.add_RouterServiceServicer_to_server(service, server)
+    # Requests that do not parse (invalid UTF-8, truncated bytes) get INVALID_ARGUMENT.
+    router_service_pb2_grpc.add_RouterServiceServicer_to_server(service, guard_malformed(server))
