@@ -209,6 +209,8 @@ class Routing:
                                     f"no healthy replica in pool {pool.name!r}")
             tried.add(replica.address)
             attempt.replica, attempt.retried = replica.address, try_number > 0
+            attempt.held.clear()  # a held answer that failed midway is dropped whole
+            attempt.final = None
             attempt.predicted_cached = cached.get(replica.address, 0)
             try:
                 async for response in self._call(pool, replica, req, deadline, prompt_tokens, attempt, hold):
