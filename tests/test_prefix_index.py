@@ -20,6 +20,7 @@ from services.common.proto.specmesh.v1 import (
     target_service_pb2_grpc,
 )
 from services.common.server import GrpcServer, ServerConfig
+from services.common.tls import MeshTls, internal_channel, make_dev_certs
 from services.target.app import build_target_server
 from services.target.config import EngineConfig
 from services.target.engine import Engine
@@ -28,16 +29,19 @@ SALT = "salt-a"
 
 
 class Replica:
-    def __init__(self, model_dir, num_blocks: int) -> None:
+    def __init__(self, model_dir, num_blocks: int, certs=None) -> None:
         self.engine = Engine.load(EngineConfig(
             model_dir=model_dir, dtype="float32", num_blocks=num_blocks, block_size=4,
             max_batched_tokens=64, max_tokens_limit=64, kernels="reference"))
-        self.server = build_target_server(ServerConfig(port=0), self.engine, "tiny")
+        self.certs = certs  # mesh certificates: the target serves mutual TLS, we call as the router
+        tls = MeshTls.from_dir(certs, "target").server_tls() if certs else None
+        self.server = build_target_server(ServerConfig(port=0, tls=tls), self.engine, "tiny")
         self.channel = None
 
     async def start(self) -> None:
         await self.server.start()
-        self.channel = grpc.aio.insecure_channel(self.server.address)
+        self.channel = internal_channel(self.server.address,
+                                        MeshTls.from_dir(self.certs, "router") if self.certs else None)
 
     async def generate(self, prompt: str, max_tokens: int = 3) -> None:
         stub = target_service_pb2_grpc.TargetServiceStub(self.channel)
@@ -137,6 +141,23 @@ async def test_gap_and_restart_resync_to_real_contents(replicas):
         assert cache.service.index.size == len(a.cached()) + len(b.cached()) > 0
     finally:
         await cache.stop(0)
+
+
+async def test_index_follows_a_target_over_mutual_tls(tiny_llama_dir, tmp_path):
+    """Targets serve mutual TLS: the cache subscribes with its own mesh certificate."""
+    certs = make_dev_certs(tmp_path)
+    replica = Replica(tiny_llama_dir, 32, certs)
+    await replica.start()
+    cache = build_cache_server(CacheConfig(replicas=(replica.server.address,),
+                                           mesh_tls=MeshTls.from_dir(certs, "cache")))
+    await cache.start()
+    try:
+        await replica.generate("the quick brown fox jumps over the lazy dog")
+        await until_index_equals(cache.service.index, [replica])
+        assert cache.service.index.size == len(replica.cached()) > 0
+    finally:
+        await cache.stop(0)
+        await replica.stop()
 
 
 class _JumpyTarget(target_service_pb2_grpc.TargetServiceServicer):
