@@ -198,11 +198,13 @@ class LoadAwareDepth:
     Returns one depth for every candidate (0 = decode normally this step).
     """
 
-    def __init__(self, cost: StepCostModel | None = None, ewma: float = 0.2, min_alpha: float = 0.05) -> None:
+    def __init__(self, cost: StepCostModel | None = None, ewma: float = 0.2, min_alpha: float = 0.05,
+                 margin: float = 1.05) -> None:
         self.cost = cost or StepCostModel()
         self.draft_seconds: float | None = None  # moving mean of one batched draft call
         self.ewma = ewma
         self.min_alpha = min_alpha
+        self.margin = margin  # speculation must beat plain decoding by this factor (model error)
 
     def observe_draft(self, seconds: float) -> None:
         w = self.ewma
@@ -223,13 +225,14 @@ class LoadAwareDepth:
             tokens = plain_tokens + sum(1 + k for k in depths)
             committed = plain_outputs + sum(expected_tokens(a, k) if k else 1.0 for a, k in zip(alphas, depths))
             rate = committed / max(self.cost.predict(tokens) + draft, 1e-9)
-            if rate > best_rate * 1.0001:
+            if rate > best_rate * (self.margin if best_depth == 0 else 1.0001):
                 best_depth, best_rate = d, rate
         return best_depth
 
 
-def sequence_alpha(proposed: int, accepted: int, prior: float = 0.5, prior_tokens: float = 4.0) -> float:
-    """A sequence's acceptance estimate: its own counts, with a weak prior."""
+def sequence_alpha(proposed: int, accepted: int, prior: float = 0.3, prior_tokens: float = 2.0) -> float:
+    """A sequence's acceptance estimate: its own counts, with a weak prior (one pass of
+    rejected drafts is enough to stop a sequence that does not accept)."""
     return (accepted + prior * prior_tokens) / (proposed + prior_tokens)
 
 

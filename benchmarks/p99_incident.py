@@ -1,0 +1,220 @@
+"""The seed's P99 incident: speculation raises the mean and hurts the tail of some buckets.
+
+    python benchmarks/p99_incident.py                  # default model, calibrated load
+    python benchmarks/p99_incident.py --model tiny --num-requests 40
+
+One target (+ draft service) in this process; three routers in front of it, one after the
+other, each sending the same open-loop Poisson schedule (same seed) of a mixed workload:
+high-acceptance buckets (summarize a given text, code edit, QA over a given text) and
+low-acceptance ones (creative writing at temperature 1, tool-agent-like 6-token outputs),
+at a load near saturation (a fraction of the measured no-speculation capacity):
+
+- off:      no speculation,
+- fixed:    prompt lookup at a fixed depth for every request,
+- adaptive: the router's per-bucket prediction + measured acceptance, and the target's
+            load-aware depth per step (services/router/speculation_policy.py).
+
+Each router first serves a warm-up schedule (so the adaptive one has measured its buckets),
+then the measured one. Writes docs/p99_incident.{json,md,png}. Ratios are what to read:
+these machines are shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import grpc
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from services.bench.report import ALL, Slo, summarize  # noqa: E402
+from services.bench.runner import run_schedule  # noqa: E402
+from services.bench.schedule import poisson_schedule  # noqa: E402
+from services.bench.workload import WorkloadItem  # noqa: E402
+from services.common.server import ServerConfig  # noqa: E402
+from services.router.app import build_router_server  # noqa: E402
+from services.router.config import RouterConfig  # noqa: E402
+from services.target.app import build_target_server  # noqa: E402
+from services.target.config import EngineConfig  # noqa: E402
+from services.target.engine import Engine  # noqa: E402
+from tests.mesh import TOKEN_A, start_draft  # noqa: E402
+
+ROOT = Path(__file__).resolve().parent.parent
+ARMS = {"off": {"speculation_method": "off"},
+        "fixed": {"speculation_method": "prompt_lookup", "speculation_policy": "fixed"},
+        "adaptive": {"speculation_method": "prompt_lookup", "speculation_policy": "adaptive"}}
+
+_TEXT = ("The city council met on Tuesday to discuss the new public library. The library will be "
+         "built on the site of the old train station, which has been empty for ten years. "
+         "Construction will start in March and is expected to take two years. The council approved "
+         "a budget of twelve million dollars, of which four million will come from a state grant.")
+_CODE = ("def total(items):\n    result = 0\n    for item in items:\n        result = result + item.price\n"
+         "    return result\n")
+
+
+def workload() -> list[WorkloadItem]:
+    high = [WorkloadItem("summarize", f"Summarize the following text.\n\n{_TEXT}\n\nSummary:", 48),
+            WorkloadItem("code_edit", f"Rename the variable result to acc in this code.\n\n{_CODE}\nNew code:\n", 48),
+            WorkloadItem("qa", f"{_TEXT}\n\nQuestion: where will the library be built? Answer with the "
+                         "sentence from the text.\nAnswer:", 32)]
+    low = [WorkloadItem("creative", "Write a short poem about the sea at night.", 48, temperature=1.0),
+           WorkloadItem("tool", "Call the weather tool for Paris. Reply with JSON only:", 6)]
+    return high + low
+
+
+async def main() -> None:
+    args = _args()
+    from services.common.models.loading import resolve_model_dir
+    if args.model == "tiny":
+        from services.common.models.tiny import build_tiny_model
+        model_dir = build_tiny_model(Path("/tmp/specmesh-p99-tiny"), arch="llama", seed=0)
+    else:
+        model_dir = resolve_model_dir(args.model, Path.home() / ".cache" / "specmesh" / "models")
+    draft = await start_draft()
+    engine = Engine.load(EngineConfig(model_dir=model_dir, dtype=args.dtype, max_num_seqs=args.max_num_seqs,
+                                      max_batched_tokens=256, num_blocks=4096, block_size=16,
+                                      draft_address=draft.address))
+    target = build_target_server(ServerConfig(port=0), engine, "bench")
+    await target.start()
+    while not engine.speculator.client.connected:
+        await asyncio.sleep(0.05)
+    items = workload()
+    try:
+        qps = args.qps or await calibrate(target.address, items, args)
+        results = {}
+        for arm, plan in ARMS.items():
+            results[arm] = await run_arm(target.address, items, plan, qps, args)
+            print(_line(arm, results[arm]), flush=True)
+    finally:
+        await target.stop(grace=1)
+        await draft.stop(grace=0)
+    write(results, qps, args)
+
+
+async def calibrate(address: str, items, args) -> float:
+    """Capacity without speculation: a burst of requests all at once, completed per second."""
+    burst = poisson_schedule(1000.0, args.seed + 99, len(items), num_requests=args.max_num_seqs * 2)
+    records = await _serve(address, items, ARMS["off"], burst, args)
+    elapsed = max(r.sent_s + (r.e2e_s or 0) for r in records)
+    capacity = len(records) / elapsed
+    print(f"capacity without speculation ~{capacity:.2f} req/s; offering {args.load:.0%} of it", flush=True)
+    return capacity * args.load
+
+
+async def run_arm(address: str, items, plan: dict, qps: float, args) -> dict:
+    warmup = poisson_schedule(qps, args.seed + 1, len(items), num_requests=args.warmup)
+    measured = poisson_schedule(qps, args.seed, len(items), num_requests=args.num_requests)
+    start = time.perf_counter()
+    records = await _serve(address, items, plan, measured, args, warmup=warmup)
+    requests = [r.to_json() for r in records]
+    duration = max(r.sent_s + (r.e2e_s or 0) for r in records)
+    return {"plan": plan, "qps": qps, "duration_s": duration, "wall_s": time.perf_counter() - start,
+            "requests": requests, "summary": summarize(requests, duration, Slo())}
+
+
+async def _serve(address: str, items, plan: dict, schedule, args, warmup=None):
+    router = build_router_server(ServerConfig(port=0), RouterConfig(
+        target_address=address, tokens={TOKEN_A: "bench"}, max_tokens_limit=1024,
+        speculation_depth=args.depth, **plan))
+    await router.start()
+    try:
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            if warmup:
+                await run_schedule(channel, items, warmup, TOKEN_A, timeout_s=600)
+            return await run_schedule(channel, items, schedule, TOKEN_A, timeout_s=600)
+    finally:
+        await router.stop(grace=1)
+
+
+def write(results: dict, qps: float, args) -> None:
+    docs = ROOT / "docs"
+    docs.mkdir(exist_ok=True)
+    (docs / "p99_incident.json").write_text(json.dumps(
+        {"qps": qps, "args": vars(args), "arms": {a: {k: v for k, v in r.items() if k != "requests"}
+                                                  for a, r in results.items()}}, indent=1))
+    (docs / "p99_incident.md").write_text(markdown(results, qps, args))
+    plot(results, docs / "p99_incident.png", qps, args)
+    print(f"wrote {docs / 'p99_incident.md'} and {docs / 'p99_incident.png'}")
+
+
+def markdown(results: dict, qps: float, args) -> str:
+    off = results["off"]["summary"]
+    lines = [f"# P99 incident: model `{args.model}`, {qps:.2f} req/s ({args.load:.0%} of measured capacity), "
+             f"{args.num_requests} requests per arm, seed {args.seed}", "",
+             "P99 in ms; in brackets the ratio to no speculation (> 1.05 = more than 5% worse).", "",
+             "| bucket | arm | TTFT P99 | TPOT P99 | TPOT mean | e2e P99 | accept. length | rejected tok |",
+             "|---|---|---:|---:|---:|---:|---:|---:|"]
+    for bucket in off:
+        for arm, result in results.items():
+            s = result["summary"].get(bucket)
+            if s is None:
+                continue
+            lines.append(f"| {bucket} | {arm} | {_cell(s, off[bucket], 'ttft_s')} | {_cell(s, off[bucket], 'tpot_s')} "
+                         f"| {_ms(s['tpot_s']['mean'])} | {_cell(s, off[bucket], 'e2e_s')} "
+                         f"| {s['acceptance_length']:.2f} | {s['rejected_tokens']} |")
+    lines += ["", "Output tokens per second over the measured window (all buckets):", ""]
+    for arm, result in results.items():
+        tokens = result["summary"][ALL]["completion_tokens"]
+        lines.append(f"- {arm}: {tokens / result['duration_s']:.1f} tok/s, mean TPOT "
+                     f"{_ms(result['summary'][ALL]['tpot_s']['mean'])} ms")
+    return "\n".join(lines) + "\n"
+
+
+def plot(results: dict, path: Path, qps: float, args) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    buckets = [b for b in results["off"]["summary"]]
+    fig, axes = plt.subplots(1, 2, figsize=(14, 4.5))
+    width = 0.8 / len(results)
+    for ax, metric, title in zip(axes, ("ttft_s", "tpot_s"), ("P99 TTFT", "P99 TPOT")):
+        for i, (arm, result) in enumerate(results.items()):
+            base = results["off"]["summary"]
+            ratios = [(result["summary"][b][metric]["p99"] or 0) / (base[b][metric]["p99"] or 1) for b in buckets]
+            ax.bar([x + (i - (len(results) - 1) / 2) * width for x in range(len(buckets))], ratios, width, label=arm)
+        ax.axhline(1.05, color="red", linestyle="--", linewidth=1, label="off + 5%")
+        ax.set_xticks(range(len(buckets)), buckets)
+        ax.set_ylabel("P99 / P99 without speculation")
+        ax.set_title(f"{title} per bucket ({args.model}, {qps:.2f} req/s)")
+        ax.grid(axis="y", alpha=0.3)
+    axes[0].legend()
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+
+
+def _cell(s: dict, base: dict, metric: str) -> str:
+    p99, ref = s[metric]["p99"], base[metric]["p99"]
+    return "-" if p99 is None else f"{p99 * 1000:.0f} ({p99 / ref:.2f})" if ref else f"{p99 * 1000:.0f}"
+
+
+def _ms(value) -> str:
+    return "-" if value is None else f"{value * 1000:.1f}"
+
+
+def _line(arm: str, result: dict) -> str:
+    s = result["summary"][ALL]
+    return (f"{arm:>8}: TTFT P99 {_ms(s['ttft_s']['p99'])} ms, TPOT P99 {_ms(s['tpot_s']['p99'])} ms, "
+            f"mean TPOT {_ms(s['tpot_s']['mean'])} ms, errors {s['errors']}, {result['wall_s']:.0f} s")
+
+
+def _args():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--model", default="default", help="'default' (Gemma 3 270M), 'tiny', or a directory")
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--qps", type=float, help="offered load; default: --load x measured capacity")
+    p.add_argument("--load", type=float, default=0.85, help="fraction of the no-speculation capacity")
+    p.add_argument("--num-requests", type=int, default=60)
+    p.add_argument("--warmup", type=int, default=20)
+    p.add_argument("--depth", type=int, default=5, help="fixed arm's draft depth (adaptive: its start)")
+    p.add_argument("--max-num-seqs", type=int, default=16)
+    p.add_argument("--seed", type=int, default=0)
+    return p.parse_args()
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
