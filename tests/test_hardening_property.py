@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 
 import grpc
+import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
@@ -52,6 +53,7 @@ async def _code(make_call) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
+@pytest.mark.filterwarnings("ignore::hypothesis.errors.HypothesisDeprecationWarning")  # servers draw random ids
 async def test_arbitrary_requests_never_fail_another_tenant_or_the_server(tiny_llama_dir):
     mesh = await start_mesh(tiny_llama_dir)
     loop = asyncio.get_running_loop()
