@@ -22,6 +22,7 @@ from services.common.proto.specmesh.v1 import cache_service_pb2, cache_service_p
 
 DEFAULT_K = 4
 MAX_K = 20
+DEFAULT_QUERY_CHARS = 2000  # a query defaulting to the prompt uses its first characters
 HEADER = "Answer the question using the documents below.\n\n"
 DOCUMENT = "[document {id} v{version}]\n{text}\n\n"
 QUESTION = "Question: {question}\nAnswer:"
@@ -94,7 +95,8 @@ class Retrieval:
         if self._stub is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "retrieval is not configured on this router (no cache service address)")
-        reply = await self._retrieve(spec.corpus, spec.query or request.prompt, k, tenant, context)
+        query = spec.query or request.prompt[:DEFAULT_QUERY_CHARS]
+        reply = await self._retrieve(spec.corpus, query, k, tenant, context)
         docs = sorted(((r.document.id, r.document.version, r.document.text) for r in reply.documents),
                       key=lambda d: (d[0], d[1]))
         request.prompt = build_prompt(docs, request.prompt)
