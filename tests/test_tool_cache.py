@@ -104,6 +104,7 @@ async def test_twenty_concurrent_lookups_on_two_instances_compute_once(namespace
         assert sorted(r.outcome for r in replies) == [LEASE] + [WAITED] * 19
         assert [r.value for r in replies if r.outcome == WAITED] == [b"18 degrees"] * 19
         assert (await second.lookup()).outcome == HIT
+        assert first.server.service.tools._stored == second.server.service.tools._stored == {}
         # The lease is released; the value lives under the tenant's namespace.
         keys = await redis_keys(namespace)
         assert len(keys) == 1 and keys[0].startswith(f"{namespace}:t:tenant-a:tool:weather:1:".encode())
@@ -120,6 +121,7 @@ async def test_expired_lease_passes_to_a_waiter_and_the_late_store_is_refused():
         await cache.store(second.lease_id, value=b"fresh")
         reply = await cache.lookup()
         assert (reply.outcome, reply.value) == (HIT, b"fresh")
+        assert cache.server.service.tools._stored == {}  # no wake-up entry outlives its waiters
 
 
 async def test_waiter_gives_up_at_its_deadline():

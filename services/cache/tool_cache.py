@@ -87,6 +87,9 @@ class ToolCache:
         self.config = config
         self.backend = backend
         self.waiting = 0  # lookups now waiting for another caller's lease
+        # Wakes this process's waiters at once when a store happens here; waiters on other
+        # instances notice by polling the backend.
+        self._stored: dict[str, list] = {}  # value key -> [event, waiters in this process]
 
     async def lookup(self, key: ToolKey, lease_ms: int, wait_seconds: float) -> ToolResult:
         """A stored result, the lease, or (after waiting for the holder) its result."""
@@ -95,12 +98,19 @@ class ToolCache:
         if stored is not None:
             return _result(HIT, stored)
         self.waiting += 1
+        entry = self._stored.setdefault(value_key, [asyncio.Event(), 0])
+        entry[1] += 1
         try:
-            return await self._wait_or_lease(value_key, lease_ms, time.monotonic() + wait_seconds)
+            return await self._wait_or_lease(value_key, lease_ms, time.monotonic() + wait_seconds,
+                                             entry[0])
         finally:
             self.waiting -= 1
+            entry[1] -= 1
+            if entry[1] == 0 and self._stored.get(value_key) is entry:
+                del self._stored[value_key]
 
-    async def _wait_or_lease(self, value_key: str, lease_ms: int, deadline: float) -> ToolResult:
+    async def _wait_or_lease(self, value_key: str, lease_ms: int, deadline: float,
+                             stored_here: asyncio.Event) -> ToolResult:
         poll = _POLL_FIRST_S
         waited = False
         while True:
@@ -114,7 +124,10 @@ class ToolCache:
             waited = True
             if time.monotonic() + poll > deadline:
                 raise WaitTimeout("the deadline passed while waiting for another caller's tool result")
-            await asyncio.sleep(poll)
+            try:
+                await asyncio.wait_for(stored_here.wait(), poll)
+            except asyncio.TimeoutError:
+                pass
             poll = min(poll * 2, _POLL_MAX_S)
             stored = await self.backend.get(value_key)
             if stored is not None:
@@ -136,6 +149,9 @@ class ToolCache:
         await self.backend.set(value_key, payload, ttl_seconds * 1000)
         if lease_id:
             await self.backend.delete_if_equals(value_key + ":lease", lease_id.encode())
+        entry = self._stored.pop(value_key, None)
+        if entry is not None:
+            entry[0].set()
 
 
 def _result(outcome: str, stored: bytes) -> ToolResult:
