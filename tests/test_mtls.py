@@ -32,7 +32,9 @@ from services.common.env import read_settings
 from services.common.healthcheck import check
 from services.common.server import GrpcServer, ServerConfig
 from services.common.tls import (
+    ALLOWED_CALLERS,
     SERVICE_IDENTITIES,
+    allowed_for,
     MeshTls,
     internal_channel,
     make_dev_certs,
@@ -89,6 +91,26 @@ def test_dev_certs_add_extra_hosts_and_are_kept_unless_forced(tmp_path):
     assert (tmp_path / "target.pem").read_bytes() == cert_pem
     make_dev_certs(tmp_path, services=["target"], force=True)
     assert (tmp_path / "target.pem").read_bytes() != cert_pem
+
+
+# ---- who may call what ------------------------------------------------------------------
+
+def test_allowed_callers_per_method():
+    assert {m: allowed_for(m, ALLOWED_CALLERS) for m in (
+        "/specmesh.v1.TargetService/Generate", "/specmesh.v1.TargetService/GetStats",
+        "/specmesh.v1.TargetService/SubscribeKVEvents", "/specmesh.v1.DraftService/ProposeStream",
+        "/specmesh.v1.CacheService/Put", "/specmesh.v1.RouterService/Generate",
+        "/grpc.health.v1.Health/Check", "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo",
+    )} == {
+        "/specmesh.v1.TargetService/Generate": {"router"},
+        "/specmesh.v1.TargetService/GetStats": {"router"},
+        "/specmesh.v1.TargetService/SubscribeKVEvents": {"router", "cache"},
+        "/specmesh.v1.DraftService/ProposeStream": {"target"},
+        "/specmesh.v1.CacheService/Put": {"router"},
+        "/specmesh.v1.RouterService/Generate": frozenset(),  # not served with mutual TLS
+        "/grpc.health.v1.Health/Check": None,  # any mesh certificate
+        "/grpc.reflection.v1alpha.ServerReflection/ServerReflectionInfo": None,
+    }
 
 
 # ---- the draft service: who may call ----------------------------------------------------
@@ -173,9 +195,9 @@ async def test_draft_serves_the_target(secured_draft, certs):
     assert len(service.store) == 1
 
 
-# ---- the cache service: router and targets only -----------------------------------------
+# ---- the cache service: the router only --------------------------------------------------
 
-async def test_cache_serves_router_and_target_and_refuses_the_rest(certs, other_certs):
+async def test_cache_serves_the_router_and_refuses_the_rest(certs, other_certs):
     config = CacheConfig(server=ServerConfig(port=0, tls=MeshTls.from_dir(certs, "cache").server_tls()))
     server = build_cache_server(config)
     await server.start()
@@ -187,16 +209,14 @@ async def test_cache_serves_router_and_target_and_refuses_the_rest(certs, other_
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await cache_service_pb2_grpc.CacheServiceStub(channel).Get(get, metadata=tenant, timeout=5)
                 assert info.value.code() == UNAVAILABLE, what
-        for identity in ("draft", "gateway", "cache"):
+        for identity in ("target", "draft", "gateway", "cache"):
             async with internal_channel(server.address, MeshTls.from_dir(certs, identity)) as channel:
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await cache_service_pb2_grpc.CacheServiceStub(channel).Get(get, metadata=tenant, timeout=5)
                 assert info.value.code() == UNAUTHENTICATED, identity
-        for identity in ("router", "target"):
-            async with internal_channel(server.address, MeshTls.from_dir(certs, identity)) as channel:
-                response = await cache_service_pb2_grpc.CacheServiceStub(channel).Get(
-                    get, metadata=tenant, timeout=5)
-                assert response.found is False
+        async with internal_channel(server.address, MeshTls.from_dir(certs, "router")) as channel:
+            response = await cache_service_pb2_grpc.CacheServiceStub(channel).Get(get, metadata=tenant, timeout=5)
+            assert response.found is False
     finally:
         await server.stop(0)
 
@@ -222,7 +242,7 @@ async def test_tiny_mesh_over_mutual_tls_generates_and_speculates_and_refuses_ou
         generate = target_service_pb2.TargetGenerateRequest(
             request_id="direct", prompt="hello", tenant_salt="someone-else",
             sampling=common_pb2.SamplingParams(max_tokens=2))
-        for identity in ("gateway", "draft"):
+        for identity in ("gateway", "draft", "cache"):
             async with internal_channel(mesh.target.address, MeshTls.from_dir(certs, identity)) as channel:
                 stub = target_service_pb2_grpc.TargetServiceStub(channel)
                 for call in (stub.GetStats(stats, timeout=5), _drain(stub.Generate(generate, timeout=5))):
@@ -289,7 +309,9 @@ async def test_router_public_port_serves_tls_when_given_a_certificate(certs):
         ca = (certs / "ca.pem").read_bytes()
         async with public_channel(server.address, ca) as channel:  # no client certificate
             health = await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
-            assert health.status == health_pb2.HealthCheckResponse.SERVING
+            # It answers over TLS (NOT_SERVING: no target runs behind this router).
+            assert health.status in (health_pb2.HealthCheckResponse.SERVING,
+                                     health_pb2.HealthCheckResponse.NOT_SERVING)
         async with public_channel(server.address) as channel:
             with pytest.raises(grpc.aio.AioRpcError) as info:
                 await health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)

@@ -38,10 +38,9 @@ CA_FILE = "ca.pem"
 # (`_OPEN_PREFIXES`) accept any mesh certificate.
 ALLOWED_CALLERS: Mapping[str, frozenset[str]] = {
     "/specmesh.v1.TargetService/": frozenset({"router"}),
-    "/specmesh.v1.TargetService/SubscribeKVEvents": frozenset({"router", "cache"}),
-    "/specmesh.v1.TargetService/GetStats": frozenset({"router", "cache"}),
+    "/specmesh.v1.TargetService/SubscribeKVEvents": frozenset({"router", "cache"}),  # prefix index
     "/specmesh.v1.DraftService/": frozenset({"target"}),
-    "/specmesh.v1.CacheService/": frozenset({"router", "target"}),
+    "/specmesh.v1.CacheService/": frozenset({"router"}),
 }
 _OPEN_PREFIXES = ("/grpc.health.v1.Health/", "/grpc.reflection.")
 
