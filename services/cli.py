@@ -59,8 +59,9 @@ def _parser() -> argparse.ArgumentParser:
     certs.add_argument("--out", default="certs", help="directory for ca.pem, SERVICE.pem and "
                        "SERVICE-key.pem (default ./certs)")
     certs.add_argument("--san", action="append", dest="cert_hosts", default=[], metavar="HOST",
-                       help="extra DNS name or IP address in every certificate (repeatable); "
-                       "each already has its service name, localhost, 127.0.0.1 and ::1")
+                       help="extra DNS name (wildcards allowed) or IP address in every certificate, "
+                       "or SERVICE=HOST for one service's (repeatable); each already has its "
+                       "service name, localhost, 127.0.0.1 and ::1")
     certs.add_argument("--days", type=int, default=365, help="validity in days (default 365)")
     certs.add_argument("--force", action="store_true", help="replace certificates that exist")
     certs.set_defaults(func=_cmd_certs)

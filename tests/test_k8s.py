@@ -39,7 +39,7 @@ def test_manifests_validate_against_the_kubernetes_schemas():
     assert {("Deployment", f"specmesh-{s}") for s in ("router", "cache", "draft")} <= set(kinds)
 
 
-def test_targets_have_gpus_a_headless_service_and_every_container_grpc_probes():
+def test_targets_have_gpus_a_headless_service_and_every_container_health_probes():
     docs = _documents()
     services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
     target = next(d for d in docs if d["kind"] == "StatefulSet")
@@ -49,7 +49,13 @@ def test_targets_have_gpus_a_headless_service_and_every_container_grpc_probes():
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
     for _, c in _containers(docs):
         port = c["ports"][0]["containerPort"]
-        assert c["readinessProbe"]["grpc"]["port"] == port and c["livenessProbe"]["grpc"]["port"] == port
+        for probe in (c["readinessProbe"], c["livenessProbe"]):
+            if c["name"] == "router":  # the public port: kubelet's native gRPC probe
+                assert probe["grpc"]["port"] == port
+            else:  # mutual TLS: the healthcheck module with the service's own certificate
+                assert probe["exec"]["command"] == ["python", "-m", "services.common.healthcheck",
+                                                    f"127.0.0.1:{port}", "--tls-as", c["name"]]
+                assert {"name": "SPECMESH_CONFIG", "value": "/etc/specmesh/mesh.yaml"} in c["env"]
 
 
 def test_pool_replicas_are_the_statefulset_pods_dns_names():

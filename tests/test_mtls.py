@@ -80,13 +80,21 @@ def test_dev_certs_name_each_service_its_hosts_and_are_signed_by_the_ca(certs):
         assert stat.S_IMODE((certs / f"{name}-key.pem").stat().st_mode) == 0o600
 
 
-def test_dev_certs_add_extra_hosts_and_are_kept_unless_forced(tmp_path):
-    make_dev_certs(tmp_path, services=["target"], hosts=["gpu-1.internal", "10.0.0.7", "localhost"])
-    cert_pem = (tmp_path / "target.pem").read_bytes()
-    sans = x509.load_pem_x509_certificate(cert_pem).extensions.get_extension_for_class(
+def _sans(path) -> x509.SubjectAlternativeName:
+    return x509.load_pem_x509_certificate(path.read_bytes()).extensions.get_extension_for_class(
         x509.SubjectAlternativeName).value
-    assert sans.get_values_for_type(x509.DNSName) == ["target", "localhost", "gpu-1.internal"]
+
+
+def test_dev_certs_add_extra_hosts_and_are_kept_unless_forced(tmp_path):
+    make_dev_certs(tmp_path, services=["target", "draft"],
+                   hosts=["gpu-1.internal", "10.0.0.7", "localhost", "target=*.targets.svc"])
+    cert_pem = (tmp_path / "target.pem").read_bytes()
+    sans = _sans(tmp_path / "target.pem")
+    assert sans.get_values_for_type(x509.DNSName) == ["target", "localhost", "gpu-1.internal", "*.targets.svc"]
     assert [str(ip) for ip in sans.get_values_for_type(x509.IPAddress)] == ["127.0.0.1", "::1", "10.0.0.7"]
+    assert _sans(tmp_path / "draft.pem").get_values_for_type(x509.DNSName) == ["draft", "localhost", "gpu-1.internal"]
+    with pytest.raises(ValueError, match="'gateway' is not one of target, draft"):
+        make_dev_certs(tmp_path / "bad", services=["target", "draft"], hosts=["gateway=x"])
     make_dev_certs(tmp_path, services=["target"])
     assert (tmp_path / "target.pem").read_bytes() == cert_pem
     make_dev_certs(tmp_path, services=["target"], force=True)

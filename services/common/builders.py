@@ -11,7 +11,7 @@ from pathlib import Path
 from services.common.env import DEFAULT_PORTS, DEV_SALT_SECRET, Settings
 from services.common.server import GrpcServer, ServerConfig, run_until_signal
 from services.common.telemetry import TelemetryConfig, serve_metrics, setup_telemetry
-from services.common.tls import MeshTls, PublicTls, ServerTls, make_dev_certs
+from services.common.tls import MeshTls, PublicTls, ServerTls, load_mesh_tls, make_dev_certs
 
 log = logging.getLogger(__name__)
 INTERNAL_SERVICES = ("target", "draft", "cache")  # serve only mutual TLS (unless dev plaintext)
@@ -32,20 +32,7 @@ def server_config(settings: Settings, service: str, mesh: MeshTls | None = None)
 
 def mesh_tls(settings: Settings, identity: str) -> MeshTls | None:
     """`identity`'s mesh credentials from settings; None (plaintext) only in dev mode."""
-    if settings.tls_dir or settings.tls_ca or settings.tls_cert or settings.tls_key:
-        directory = Path(settings.tls_dir) if settings.tls_dir else None
-        paths = []
-        for value, default in ((settings.tls_ca, "ca.pem"), (settings.tls_cert, f"{identity}.pem"),
-                               (settings.tls_key, f"{identity}-key.pem")):
-            if not value and directory is None:
-                raise ValueError("tls_ca, tls_cert and tls_key go together (or give tls_dir)")
-            paths.append(value or directory / default)
-        return MeshTls.from_files(identity, *paths)
-    if settings.dev:
-        return None
-    raise ValueError("internal services need mesh certificates: run `specmesh certs --out DIR` and "
-                     "pass --tls-dir DIR (or SPECMESH_TLS_DIR), or pass --dev for plaintext on a "
-                     "development machine")
+    return load_mesh_tls(settings, identity)
 
 
 def check_salt_secret(settings: Settings) -> None:

@@ -28,9 +28,9 @@ def main(argv: list[str]) -> int:
         if at + 1 >= len(argv):
             print(__doc__, file=sys.stderr)
             return 2
-        from services.common.builders import mesh_tls
         from services.common.env import read_settings
-        tls = mesh_tls(read_settings(), argv[at + 1])
+        from services.common.tls import load_mesh_tls
+        tls = load_mesh_tls(read_settings(), argv[at + 1])
         argv = argv[:at] + argv[at + 2:]
     if not argv:
         print(__doc__, file=sys.stderr)

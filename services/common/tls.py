@@ -83,6 +83,25 @@ class MeshTls:
         return ServerTls(self.cert_pem, self.key_pem, client_ca_pem=self.ca_pem)
 
 
+def load_mesh_tls(settings, identity: str) -> MeshTls | None:
+    """`identity`'s mesh credentials from Settings (tls_dir, or tls_ca/tls_cert/tls_key);
+    None (plaintext) only in dev mode. Raises ValueError saying what to do otherwise."""
+    if settings.tls_dir or settings.tls_ca or settings.tls_cert or settings.tls_key:
+        directory = Path(settings.tls_dir) if settings.tls_dir else None
+        paths = []
+        for value, default in ((settings.tls_ca, CA_FILE), (settings.tls_cert, f"{identity}.pem"),
+                               (settings.tls_key, f"{identity}-key.pem")):
+            if not value and directory is None:
+                raise ValueError("tls_ca, tls_cert and tls_key go together (or give tls_dir)")
+            paths.append(value or directory / default)
+        return MeshTls.from_files(identity, *paths)
+    if settings.dev:
+        return None
+    raise ValueError("internal services need mesh certificates: run `specmesh certs --out DIR` and "
+                     "pass --tls-dir DIR (or SPECMESH_TLS_DIR), or pass --dev for plaintext on a "
+                     "development machine")
+
+
 @dataclass(frozen=True)
 class PublicTls:
     """The router's public port: server certificate and key, no client certificate."""
@@ -223,11 +242,20 @@ def make_dev_certs(out: str | Path, services: Iterable[str] = SERVICE_IDENTITIES
                    hosts: Iterable[str] = (), days: int = 365, force: bool = False) -> Path:
     """Writes a development CA (`ca.pem`) and, per service, `<name>.pem` and `<name>-key.pem`
     into `out`. Each certificate's common name is the service name; its subject alternative
-    names are the service name (compose), localhost, 127.0.0.1, ::1 and `hosts`; it serves
-    and calls (server and client auth). The CA key is not kept: make new certificates
-    with a new CA instead of adding to an old one. Existing files are kept unless `force`."""
+    names are the service name (compose), localhost, 127.0.0.1, ::1 and `hosts` (DNS names,
+    wildcards or IP addresses; "SERVICE=HOST" adds HOST to that service's certificate only);
+    it serves and calls (server and client auth). The CA key is not kept: make new
+    certificates with a new CA instead of adding to an old one. Existing files are kept
+    unless `force`."""
     out = Path(out).expanduser()
     services = list(services)
+    extra: dict[str, list[str]] = {name: [] for name in services}
+    for host in hosts:
+        service, sep, name = host.partition("=")
+        if sep and service not in extra:
+            raise ValueError(f"{host!r}: {service!r} is not one of {', '.join(services)}")
+        for s in ([service] if sep else services):
+            extra[s].append(name if sep else host)
     wanted = [out / CA_FILE] + [out / f"{s}{suffix}" for s in services for suffix in (".pem", "-key.pem")]
     if not force and all(p.is_file() for p in wanted):
         return out
@@ -235,7 +263,7 @@ def make_dev_certs(out: str | Path, services: Iterable[str] = SERVICE_IDENTITIES
     ca_key, ca_cert = _make_ca(days)
     _write(out / CA_FILE, _pem_cert(ca_cert), private=False)
     for name in services:
-        key, cert = _make_leaf(name, [name, "localhost", *hosts], ca_key, ca_cert, days)
+        key, cert = _make_leaf(name, [name, "localhost", *extra[name]], ca_key, ca_cert, days)
         _write(out / f"{name}.pem", _pem_cert(cert), private=False)
         _write(out / f"{name}-key.pem", _pem_key(key), private=True)
     return out
