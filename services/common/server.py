@@ -13,7 +13,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
 from services.common.metrics_interceptor import MetricsInterceptor
-from services.common.telemetry import client_interceptors, server_interceptors, service_of
+from services.common.telemetry import server_interceptors, service_of
 from services.common.tls import ServerTls
 
 log = logging.getLogger(__name__)
@@ -136,8 +136,3 @@ async def run_until_signal(servers: Sequence[GrpcServer]) -> None:
     # Stop front to back: the first server (router) stops taking work first.
     for server in servers:
         await server.stop()
-
-
-def insecure_channel(address: str) -> grpc.aio.Channel:
-    """A client channel with tracing interceptors, so trace context crosses the hop."""
-    return grpc.aio.insecure_channel(address, interceptors=client_interceptors())
