@@ -212,6 +212,17 @@ async def test_corpus_size_limit_counts_replacements_once():
         assert [r.document.text for r in (await cache.retrieve("y2")).documents] == ["y2"]
 
 
+async def test_only_the_most_recent_indexes_stay_in_memory(monkeypatch):
+    import services.cache.retrieval as retrieval
+    monkeypatch.setattr(retrieval, "MAX_INDEXES", 1)
+    async with Instance(retrieval_cache=False) as cache:
+        await cache.ingest({"a1": "apple pie"}, corpus="one")
+        await cache.ingest({"b1": "banana bread"}, corpus="two")
+        for corpus, query, expected in (("one", "apple", "a1"), ("two", "banana", "b1"), ("one", "pie", "a1")):
+            assert ranked(await cache.retrieve(query, corpus=corpus)) == [expected]
+        assert list(cache.server.service.corpora._indexes) == [("tenant-a", "one")]
+
+
 async def test_retrieve_span_and_identity_required(cache, spans):
     await cache.ingest(CORPUS)
     await cache.retrieve("secret cat")

@@ -22,6 +22,7 @@ import asyncio
 import hashlib
 import json
 import re
+from collections import OrderedDict
 from dataclasses import dataclass
 from urllib.parse import quote
 
@@ -38,6 +39,7 @@ _CORPUS_NAME = re.compile(r"^[A-Za-z0-9._-]{1,128}$")
 _TOKEN = re.compile(r"\w+")
 MAX_ID_BYTES = 256
 MAX_LABELS = 64
+MAX_INDEXES = 256  # corpora whose index one process keeps in memory
 
 
 @dataclass(frozen=True)
@@ -64,7 +66,9 @@ class Corpora:
     def __init__(self, config: CacheConfig, backend) -> None:
         self.config = config
         self.backend = backend
-        self._indexes: dict[tuple[str, str], _Index] = {}
+        # (tenant, corpus) -> index, least recently used first; at most MAX_INDEXES are kept
+        # (an evicted corpus is rebuilt from the backend on its next query).
+        self._indexes: OrderedDict[tuple[str, str], _Index] = OrderedDict()
         self.embedder = None
         if config.retrieval_mode != "bm25":
             from services.cache.embeddings import Embedder
@@ -129,8 +133,10 @@ class Corpora:
     async def _index(self, tenant: str, corpus: str, known_version: int) -> _Index:
         """This process's index of the corpus, rebuilt when the stored version moved on."""
         local = self._indexes.get((tenant, corpus))
-        if local is not None and local.version == known_version:
-            return local
+        if local is not None:
+            self._indexes.move_to_end((tenant, corpus))
+            if local.version == known_version:
+                return local
         version, fields = await self.backend.hash_read(self._key(tenant, corpus, "docs"),
                                                        self._key(tenant, corpus, "version"))
         if version is None:
@@ -141,6 +147,8 @@ class Corpora:
         vectors = local.vectors if local is not None else {}
         index = await asyncio.to_thread(_Index, version, documents, self.embedder, vectors)
         self._indexes[(tenant, corpus)] = index
+        while len(self._indexes) > MAX_INDEXES:
+            self._indexes.popitem(last=False)
         return index
 
     def _key(self, tenant: str, corpus: str, part: str) -> str:
