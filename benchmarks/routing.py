@@ -84,10 +84,15 @@ async def one(stub, tenant: str, prompt: str, max_tokens: int, start: float) -> 
     """Streams one request; returns its TTFT, end time and usage."""
     req = router_service_pb2.GenerateRequest(prompt=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
     first, last = None, None
-    async for response in stub.Generate(req, metadata=(("authorization", f"Bearer tok-{tenant}"),)):
-        if first is None and response.chunk.token_ids:
-            first = time.monotonic()
-        last = response
+    try:
+        async for response in stub.Generate(req, metadata=(("authorization", f"Bearer tok-{tenant}"),),
+                                            timeout=1800):
+            if first is None and response.chunk.token_ids:
+                first = time.monotonic()
+            last = response
+    except grpc.aio.AioRpcError as exc:
+        print(f"request failed: {exc.code().name}: {exc.details()}", flush=True)
+        return dict(failed=True)
     usage = last.chunk.usage
     return dict(ttft=first - start, end=time.monotonic(), prompt=usage.prompt_tokens,
                 cached=usage.cached_prompt_tokens, completion=usage.completion_tokens, replica=last.route.replica)
@@ -95,12 +100,14 @@ async def one(stub, tenant: str, prompt: str, max_tokens: int, start: float) -> 
 
 async def poisson(stub, plan: list[tuple[str, str, int]], rate: float, seed: int) -> list[dict]:
     """Sends plan's (tenant, prompt, max_tokens) with exponential gaps of mean 1/rate."""
-    rng = random.Random(seed)
+    rng = random.Random(seed + 1)
     tasks, t0 = [], time.monotonic()
     for tenant, prompt, max_tokens in plan:
         tasks.append(asyncio.ensure_future(one(stub, tenant, prompt, max_tokens, time.monotonic())))
         await asyncio.sleep(rng.expovariate(rate))
-    results = await asyncio.gather(*tasks)
+    results = [r for r in await asyncio.gather(*tasks) if not r.get("failed")]
+    if len(results) < len(plan):
+        print(f"{len(plan) - len(results)} of {len(plan)} requests failed", flush=True)
     for r in results:
         r["t0"] = t0
     return results
