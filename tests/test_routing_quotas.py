@@ -84,7 +84,7 @@ async def test_high_priority_tenant_is_admitted_before_queued_low_priority(tiny_
         finished.append(name)
 
     async def waiting(n):
-        for _ in range(500):
+        for _ in range(3000):  # a bound for a loaded machine, not a timing assertion
             if (await stats.GetStats(target_service_pb2.GetStatsRequest())).waiting_requests == n:
                 return
             await asyncio.sleep(0.01)
