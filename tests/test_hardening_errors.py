@@ -90,6 +90,15 @@ async def test_invalid_sampling_lists_every_field_violation(mesh):
         "sampling.max_tokens", "sampling.temperature", "sampling.top_k", "sampling.top_p"]
 
 
+async def test_a_targets_rich_error_reaches_the_caller_through_the_router(mesh):
+    """The router re-stamps the target's details with its own message (grpc-status's
+    from_call refuses details whose message differs from the call's)."""
+    error = await _code_of(mesh.router_stub.Generate(request("word " * 600, 4), metadata=AUTH_A))
+    assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "exceeds the model context" in error.details()
+    assert details_of(error)["ErrorInfo"].reason == "INVALID_REQUEST"
+
+
 async def test_overload_carries_retry_info(tiny_llama_dir):
     mesh = await start_mesh(tiny_llama_dir, max_num_seqs=1, max_queued_requests=0)
     try:

@@ -11,7 +11,6 @@ import asyncio
 import contextlib
 import threading
 
-import pytest
 
 from services.common.proto.specmesh.v1 import common_pb2
 from services.common.sampling_params import SamplingConfig

@@ -27,6 +27,7 @@ from grpc_status import rpc_status
 
 DOMAIN = "specmesh.dev"
 RETRY_PUSHBACK_KEY = "grpc-retry-pushback-ms"
+DETAILS_KEY = "grpc-status-details-bin"
 
 
 @dataclass(frozen=True)
@@ -86,23 +87,25 @@ async def abort_refusal(context: grpc.aio.ServicerContext, refusal: Refusal) -> 
                 refusal.retry_after_s)
 
 
-async def pass_through(context: grpc.aio.ServicerContext, error: grpc.aio.AioRpcError,
-                       code: grpc.StatusCode | None = None, message: str | None = None) -> None:
-    """Re-raises a dependency's error to our caller with its rich details and retry trailer.
-
-    `code` / `message` replace the original's (e.g. UNAVAILABLE for a dependency's
-    CANCELLED); the details travel only when the code is unchanged.
-    """
-    code = code or error.code()
-    message = message or error.details() or code.name
-    trailers = tuple((k, v) for k, v in (error.trailing_metadata() or ())
-                     if k == RETRY_PUSHBACK_KEY or (k == "grpc-status-details-bin" and code == error.code()))
-    await context.abort(code, message, trailers)
+def relay_trailers(trailers, code: grpc.StatusCode, message: str) -> tuple:
+    """A dependency's trailers for our own status (`code`, `message`): the retry pushback as
+    is, the rich details re-stamped with our message (clients check that they agree), and
+    dropped when we answer with another code than the dependency did."""
+    out = []
+    for key, value in trailers or ():
+        if key == RETRY_PUSHBACK_KEY:
+            out.append((key, value))
+        elif key == DETAILS_KEY:
+            status = status_pb2.Status.FromString(value)
+            if status.code == code.value[0]:
+                status.message = message
+                out.append((key, status.SerializeToString()))
+    return tuple(out)
 
 
 def details_of(error: grpc.RpcError) -> dict[str, Message]:
     """The rich details of a failed call by kind: {"ErrorInfo": ..., "BadRequest": ..., ...}."""
-    status = rpc_status.from_call(error)
+    status = rpc_status.from_call(error)  # also checks that code and message agree
     out: dict[str, Message] = {}
     for any_ in status.details if status is not None else ():
         for cls in (error_details_pb2.ErrorInfo, error_details_pb2.BadRequest, error_details_pb2.RetryInfo):
