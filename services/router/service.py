@@ -18,7 +18,14 @@ from services.common.proto.specmesh.v1 import (
 from services.common.metrics import method_name
 from services.common.metrics_interceptor import status_of
 from services.common.metrics_router import RequestTimer
-from services.common.errors import Refusal, Violation, abort, abort_refusal, guard_malformed
+from services.common.errors import (
+    Refusal,
+    Violation,
+    abort,
+    abort_refusal,
+    guard_malformed,
+    relay_trailers,
+)
 from services.common.sampling_params import SamplingConfig
 from services.common.telemetry import record_error
 from services.common.tls import internal_channel
@@ -108,8 +115,8 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
         except UpstreamError as exc:
             code = exc.code if exc.code in _PASS_THROUGH else grpc.StatusCode.UNAVAILABLE
             status = code.name
-            trailers = tuple((k, v) for k, v in exc.trailers if k != "grpc-status-details-bin" or code == exc.code)
-            await context.abort(code, exc.details or code.name, trailers)
+            message = exc.details or code.name
+            await context.abort(code, message, relay_trailers(exc.trailers, code, message))
         except BaseException as exc:  # the caller cancelled or its deadline passed
             status = status_of(context, exc)
             raise
