@@ -234,15 +234,24 @@ async def test_health_serving_and_span_attributes(spans):  # `spans`: tests/conf
             reply = await health.Check(health_pb2.HealthCheckRequest(service=service))
             assert reply.status == health_pb2.HealthCheckResponse.SERVING
         stub = draft_service_pb2_grpc.DraftServiceStub(channel)
-        assert await propose(stub, seq("s", [11, 12, 13, 11, 12]), seq("t", [21])) == [[13, 11, 12], []]
+        traced = seq("s", [11, 12, 13, 11, 12])
+        traced.traceparent = f"00-{'ab' * 16}-{'cd' * 8}-01"  # the target's request span
+        assert await propose(stub, traced, seq("t", [21])) == [[13, 11, 12], []]
+        assert await propose(stub, seq("s", [13])) == [[11, 12, 13]]
+        await stub.Release(draft_service_pb2.ReleaseRequest(sequence_ids=["s", "t"]))
     finally:
         await channel.close()
         await server.stop(0)
-    proposals = [s for s in spans.get_finished_spans() if s.name == "draft.propose"]
-    assert len(proposals) == 1 and proposals[0].parent is not None  # inside the gRPC server span
+    # One span per traced sequence, in the request's trace, ended at Release; none per step.
+    assert not [s for s in spans.get_finished_spans() if s.name == "draft.propose"]
+    proposals = [s for s in spans.get_finished_spans() if s.name == "draft.sequence"]
+    assert len(proposals) == 1
+    assert proposals[0].context.trace_id == int("ab" * 16, 16)
+    assert proposals[0].parent.span_id == int("cd" * 8, 16)
+    assert proposals[0].resource.attributes["service.name"].endswith("draft")
     attributes = dict(proposals[0].attributes)
-    assert attributes["specmesh.num_sequences"] == 2
-    assert attributes["specmesh.proposed_tokens"] == 3
+    assert attributes["specmesh.draft.proposals"] == 2
+    assert attributes["specmesh.proposed_tokens"] == 6
     for span in proposals:
         for value in span.attributes.values():
             assert not isinstance(value, (list, tuple)), "token contents must not be recorded"
@@ -432,5 +441,6 @@ async def test_concurrent_model_and_lookup_requests_are_serialized(model_draft, 
     for sid, response in zip(prompts, responses):
         assert chain_of(response.trees[0]) == _hf_greedy(tiny_llama_dir, prompts[sid], 3)
     assert all(chain_of(r.trees[0]) == [7, 5, 6] for r in responses[3:])
-    proposals = [s for s in spans.get_finished_spans() if s.name == "draft.propose"]
-    assert len(proposals) == 6 and all(s.parent is not None for s in proposals)  # thread keeps the context
+    # One server span per call, none failed (the draft's per-request spans: test_health_serving_...).
+    calls = [s for s in spans.get_finished_spans() if s.name == "/specmesh.v1.DraftService/Propose"]
+    assert len(calls) == 6 and all(s.status.is_ok for s in calls)
