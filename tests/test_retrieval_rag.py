@@ -9,14 +9,9 @@ import pytest
 
 from services.cache.app import build_cache_server
 from services.cache.config import CacheConfig
-from services.cache.identity import caller_metadata
 from services.common.mesh_config import TenantConfig, default_mesh_config
 from services.common.proto.specmesh.v1 import cache_service_pb2 as cpb
-from services.common.proto.specmesh.v1 import (
-    cache_service_pb2_grpc,
-    router_service_pb2,
-    router_service_pb2_grpc,
-)
+from services.common.proto.specmesh.v1 import router_service_pb2, router_service_pb2_grpc
 from services.common.server import ServerConfig
 from services.router.app import build_router_server
 from services.router.config import RouterConfig
@@ -52,13 +47,13 @@ async def mesh(tiny_llama_dir):
         target_address=target.address, tokens=tokens, max_tokens_limit=256, speculation_method="off",
         mesh=mesh_config, cache_address=cache.address))
     await router.start()
-    async with grpc.aio.insecure_channel(cache.address) as cache_channel:
-        cache_stub = cache_service_pb2_grpc.CacheServiceStub(cache_channel)
-        await cache_stub.Ingest(cpb.IngestRequest(corpus="kb", documents=[
-            cpb.Document(id=i, text=t, version=3, labels=["hr"] if i.startswith("hr") else [])
-            for i, t in DOCS.items()]), metadata=caller_metadata("tenant-a"))
-        async with grpc.aio.insecure_channel(router.address) as channel:
-            yield engine, channel
+    async with grpc.aio.insecure_channel(router.address) as channel:
+        ingested = await router_service_pb2_grpc.RouterServiceStub(channel).IngestDocuments(
+            router_service_pb2.IngestDocumentsRequest(corpus="kb", documents=[
+                cpb.Document(id=i, text=t, version=3, labels=["hr"] if i.startswith("hr") else [])
+                for i, t in DOCS.items()]), metadata=AUTH_A)
+        assert (ingested.corpus_version, ingested.num_documents) == (1, 4)
+        yield engine, channel
     await router.stop(0)
     await cache.stop(0)
     await target.stop(0)
@@ -106,6 +101,28 @@ async def test_query_defaults_to_the_prompt_and_labels_come_from_the_tenant(mesh
         await generate(channel, rag("cat"), metadata=AUTH_B)
     assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "unknown corpus 'kb'" in info.value.details()
+
+
+async def test_documents_are_removed_through_the_router_and_the_next_request_sees_it(mesh):
+    _, channel = mesh
+    stub = router_service_pb2_grpc.RouterServiceStub(channel)
+    before = await generate(channel, rag("What does the cat eat?", query="cat"))
+    removed = await stub.RemoveDocuments(router_service_pb2.RemoveDocumentsRequest(corpus="kb", ids=["d1"]),
+                                         metadata=AUTH_A)
+    assert (removed.corpus_version, removed.removed) == (2, 1)
+    after = await generate(channel, rag("What does the cat eat?", query="cat"))
+    assert [d.id for d in before.retrieval.documents] == ["d1", "d2"]
+    assert ([d.id for d in after.retrieval.documents], after.retrieval.cache_hit,
+            after.retrieval.corpus_version) == (["d2"], False, 2)
+    for call in (stub.RemoveDocuments(router_service_pb2.RemoveDocumentsRequest(corpus="kb", ids=["d2"])),
+                 stub.IngestDocuments(router_service_pb2.IngestDocumentsRequest(corpus="kb"))):
+        with pytest.raises(grpc.aio.AioRpcError) as info:
+            await call  # no token
+        assert info.value.code() == grpc.StatusCode.UNAUTHENTICATED
+    with pytest.raises(grpc.aio.AioRpcError) as info:  # tenant b has no corpus "kb" to remove from
+        await stub.RemoveDocuments(router_service_pb2.RemoveDocumentsRequest(corpus="kb", ids=["d2"]),
+                                   metadata=AUTH_B)
+    assert info.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 @pytest.mark.parametrize("spec,text", [(dict(k=21), "retrieval.k 21 is out of range [1, 20]"),

@@ -92,11 +92,9 @@ class Retrieval:
             problems.append("retrieval needs a prompt (the question), not messages")
         if problems:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
-        if self._stub is None:
-            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
-                                "retrieval is not configured on this router (no cache service address)")
         query = spec.query or request.prompt[:DEFAULT_QUERY_CHARS]
-        reply = await self._retrieve(spec.corpus, query, k, tenant, context)
+        reply = await self._forward("Retrieve", cache_service_pb2.RetrieveRequest(
+            corpus=spec.corpus, query=query, k=k), tenant, context)
         docs = sorted(((r.document.id, r.document.version, r.document.text) for r in reply.documents),
                       key=lambda d: (d[0], d[1]))
         request.prompt = build_prompt(docs, request.prompt)
@@ -107,16 +105,34 @@ class Retrieval:
             documents=[router_service_pb2.RetrievedDocumentRef(id=i, version=v) for i, v, _ in docs],
             cache_hit=reply.cache_hit, corpus_version=reply.corpus_version))
 
+    async def ingest(self, request, tenant: str, context) -> router_service_pb2.IngestDocumentsResponse:
+        """Forwards IngestDocuments to the cache service as `tenant`."""
+        reply = await self._forward("Ingest", cache_service_pb2.IngestRequest(
+            corpus=request.corpus, documents=request.documents), tenant, context)
+        return router_service_pb2.IngestDocumentsResponse(corpus_version=reply.corpus_version,
+                                                          num_documents=reply.num_documents)
+
+    async def remove(self, request, tenant: str, context) -> router_service_pb2.RemoveDocumentsResponse:
+        """Forwards RemoveDocuments to the cache service as `tenant`."""
+        reply = await self._forward("DeleteDocuments", cache_service_pb2.DeleteDocumentsRequest(
+            corpus=request.corpus, ids=request.ids), tenant, context)
+        return router_service_pb2.RemoveDocumentsResponse(corpus_version=reply.corpus_version,
+                                                          removed=reply.deleted)
+
     async def close(self) -> None:
         if self._stub is not None:
             await self._channel.close()
 
-    async def _retrieve(self, corpus: str, query: str, k: int, tenant: str, context):
+    async def _forward(self, method: str, message, tenant: str, context):
+        """Calls the cache service's `method` as `tenant` (with its labels) within the caller's
+        deadline; its errors become the caller's INVALID_ARGUMENT / DEADLINE_EXCEEDED / UNAVAILABLE."""
+        if self._stub is None:
+            await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
+                                "retrieval is not configured on this router (no cache service address)")
         remaining = context.time_remaining()
         try:
-            return await self._stub.Retrieve(
-                cache_service_pb2.RetrieveRequest(corpus=corpus, query=query, k=k),
-                metadata=caller_metadata(tenant, self._labels(tenant)),
+            return await getattr(self._stub, method)(
+                message, metadata=caller_metadata(tenant, self._labels(tenant)),
                 timeout=None if remaining is None else max(remaining, 0.001))
         except grpc.aio.AioRpcError as exc:
             code = exc.code()

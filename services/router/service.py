@@ -154,6 +154,18 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
             await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
         return list_models(self.routing.pools)
 
+    async def IngestDocuments(self, request, context):  # services/router/retrieval.py
+        return await self.retrieval.ingest(request, await self._tenant(context), context)
+
+    async def RemoveDocuments(self, request, context):
+        return await self.retrieval.remove(request, await self._tenant(context), context)
+
+    async def _tenant(self, context) -> str:
+        try:
+            return self.auth.tenant(context.invocation_metadata())
+        except Unauthenticated as exc:
+            await context.abort(grpc.StatusCode.UNAUTHENTICATED, str(exc))
+
     async def drain(self) -> None:
         self._draining = True
         while self._in_flight:

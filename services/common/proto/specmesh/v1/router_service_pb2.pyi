@@ -1,3 +1,4 @@
+from services.common.proto.specmesh.v1 import cache_service_pb2 as _cache_service_pb2
 from services.common.proto.specmesh.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
@@ -6,6 +7,38 @@ from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class IngestDocumentsRequest(_message.Message):
+    __slots__ = ("corpus", "documents")
+    CORPUS_FIELD_NUMBER: _ClassVar[int]
+    DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    corpus: str
+    documents: _containers.RepeatedCompositeFieldContainer[_cache_service_pb2.Document]
+    def __init__(self, corpus: _Optional[str] = ..., documents: _Optional[_Iterable[_Union[_cache_service_pb2.Document, _Mapping]]] = ...) -> None: ...
+
+class IngestDocumentsResponse(_message.Message):
+    __slots__ = ("corpus_version", "num_documents")
+    CORPUS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    NUM_DOCUMENTS_FIELD_NUMBER: _ClassVar[int]
+    corpus_version: int
+    num_documents: int
+    def __init__(self, corpus_version: _Optional[int] = ..., num_documents: _Optional[int] = ...) -> None: ...
+
+class RemoveDocumentsRequest(_message.Message):
+    __slots__ = ("corpus", "ids")
+    CORPUS_FIELD_NUMBER: _ClassVar[int]
+    IDS_FIELD_NUMBER: _ClassVar[int]
+    corpus: str
+    ids: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, corpus: _Optional[str] = ..., ids: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class RemoveDocumentsResponse(_message.Message):
+    __slots__ = ("corpus_version", "removed")
+    CORPUS_VERSION_FIELD_NUMBER: _ClassVar[int]
+    REMOVED_FIELD_NUMBER: _ClassVar[int]
+    corpus_version: int
+    removed: int
+    def __init__(self, corpus_version: _Optional[int] = ..., removed: _Optional[int] = ...) -> None: ...
 
 class ListModelsRequest(_message.Message):
     __slots__ = ()

@@ -47,6 +47,16 @@ class RouterServiceStub:
                 request_serializer=specmesh_dot_v1_dot_router__service__pb2.ListModelsRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_router__service__pb2.ListModelsResponse.FromString,
                 _registered_method=True)
+        self.IngestDocuments = channel.unary_unary(
+                '/specmesh.v1.RouterService/IngestDocuments',
+                request_serializer=specmesh_dot_v1_dot_router__service__pb2.IngestDocumentsRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_router__service__pb2.IngestDocumentsResponse.FromString,
+                _registered_method=True)
+        self.RemoveDocuments = channel.unary_unary(
+                '/specmesh.v1.RouterService/RemoveDocuments',
+                request_serializer=specmesh_dot_v1_dot_router__service__pb2.RemoveDocumentsRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_router__service__pb2.RemoveDocumentsResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServiceServicer:
@@ -80,6 +90,26 @@ class RouterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def IngestDocuments(self, request, context):
+        """Adds or replaces documents in one of the caller's tenant's corpora (created
+        on first ingest) for retrieval-augmented generation; bumps its version.
+        Errors: UNAUTHENTICATED, INVALID_ARGUMENT (bad corpus name, empty or
+        duplicate ids, empty or oversized text, corpus size limit),
+        FAILED_PRECONDITION (no cache service configured), UNAVAILABLE (cache down).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def RemoveDocuments(self, request, context):
+        """Removes documents by id from one of the caller's tenant's corpora.
+        Errors: UNAUTHENTICATED, INVALID_ARGUMENT (unknown corpus, no ids),
+        FAILED_PRECONDITION, UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -92,6 +122,16 @@ def add_RouterServiceServicer_to_server(servicer, server):
                     servicer.ListModels,
                     request_deserializer=specmesh_dot_v1_dot_router__service__pb2.ListModelsRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_router__service__pb2.ListModelsResponse.SerializeToString,
+            ),
+            'IngestDocuments': grpc.unary_unary_rpc_method_handler(
+                    servicer.IngestDocuments,
+                    request_deserializer=specmesh_dot_v1_dot_router__service__pb2.IngestDocumentsRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_router__service__pb2.IngestDocumentsResponse.SerializeToString,
+            ),
+            'RemoveDocuments': grpc.unary_unary_rpc_method_handler(
+                    servicer.RemoveDocuments,
+                    request_deserializer=specmesh_dot_v1_dot_router__service__pb2.RemoveDocumentsRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_router__service__pb2.RemoveDocumentsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -151,6 +191,60 @@ class RouterService:
             '/specmesh.v1.RouterService/ListModels',
             specmesh_dot_v1_dot_router__service__pb2.ListModelsRequest.SerializeToString,
             specmesh_dot_v1_dot_router__service__pb2.ListModelsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def IngestDocuments(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.RouterService/IngestDocuments',
+            specmesh_dot_v1_dot_router__service__pb2.IngestDocumentsRequest.SerializeToString,
+            specmesh_dot_v1_dot_router__service__pb2.IngestDocumentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RemoveDocuments(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.RouterService/RemoveDocuments',
+            specmesh_dot_v1_dot_router__service__pb2.RemoveDocumentsRequest.SerializeToString,
+            specmesh_dot_v1_dot_router__service__pb2.RemoveDocumentsResponse.FromString,
             options,
             channel_credentials,
             insecure,
