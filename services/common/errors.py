@@ -3,7 +3,7 @@
 Every refusal of the router and the target goes through `abort`: the status code and
 message as before, plus a `google.rpc.Status` in the `grpc-status-details-bin` trailer
 (via grpcio-status) with
-- `ErrorInfo`: a stable machine-readable `reason` (e.g. PROMPT_TOO_LARGE) and domain,
+- `ErrorInfo`: a stable machine-readable `reason` (e.g. REQUEST_TOO_LARGE) and domain,
 - `BadRequest`: one field violation per invalid field (INVALID_ARGUMENT),
 - `RetryInfo`: when to retry (RESOURCE_EXHAUSTED / UNAVAILABLE).
 Clients read them back with `details_of(rpc_error)`.
