@@ -144,8 +144,9 @@ def write(results: dict, qps: float, args) -> None:
 
 def markdown(results: dict, qps: float, args) -> str:
     off = results["off"]["summary"]
-    lines = [f"# P99 incident: model `{args.model}`, {qps:.2f} req/s ({args.load:.0%} of measured capacity), "
-             f"{args.num_requests} requests per arm, seed {args.seed}", "",
+    load = f"{args.load:.0%} of measured capacity" if args.qps is None else "given with --qps"
+    lines = [f"# P99 incident: model `{args.model}`, {qps:.3f} req/s ({load}), "
+             f"{args.num_requests} requests per arm after {args.warmup} warm-up, seed {args.seed}", "",
              "P99 in ms; in brackets the ratio to no speculation (> 1.05 = more than 5% worse).", "",
              "| bucket | arm | TTFT P99 | TPOT P99 | TPOT mean | e2e P99 | accept. length | rejected tok |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
