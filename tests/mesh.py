@@ -33,13 +33,18 @@ class Mesh:
     target: GrpcServer
     router: GrpcServer
     channel: grpc.aio.Channel
+    router_tls: MeshTls | None = None  # the router's mesh identity when the mesh runs mutual TLS
 
     @property
     def router_stub(self) -> router_service_pb2_grpc.RouterServiceStub:
         return router_service_pb2_grpc.RouterServiceStub(self.channel)
 
     def target_stub(self) -> target_service_pb2_grpc.TargetServiceStub:
-        return target_service_pb2_grpc.TargetServiceStub(grpc.aio.insecure_channel(self.target.address))
+        """A direct stub to the target; under mutual TLS it presents the router's certificate."""
+        if self.router_tls is None:
+            return target_service_pb2_grpc.TargetServiceStub(grpc.aio.insecure_channel(self.target.address))
+        return target_service_pb2_grpc.TargetServiceStub(
+            grpc.aio.secure_channel(self.target.address, self.router_tls.channel_credentials()))
 
     async def stop(self) -> None:
         await self.channel.close()
@@ -67,11 +72,12 @@ async def start_mesh(model_dir: Path, speculation: dict | None = None, tls_dir: 
                 break
             await asyncio.sleep(0.02)
     plan = {"speculation_method": "off", **(speculation or {})}
+    router_tls = MeshTls.from_dir(tls_dir, "router") if tls_dir else None
     router = build_router_server(ServerConfig(port=0), RouterConfig(
         target_address=target.address, tokens={TOKEN_A: "tenant-a", TOKEN_B: "tenant-b"},
-        max_tokens_limit=256, mesh_tls=MeshTls.from_dir(tls_dir, "router") if tls_dir else None, **plan))
+        max_tokens_limit=256, mesh_tls=router_tls, **plan))
     await router.start()
-    return Mesh(engine, target, router, grpc.aio.insecure_channel(router.address))
+    return Mesh(engine, target, router, grpc.aio.insecure_channel(router.address), router_tls)
 
 
 def request(prompt: str, max_tokens: int = 16, **sampling) -> router_service_pb2.GenerateRequest:

@@ -257,9 +257,8 @@ async def test_tiny_mesh_over_mutual_tls_generates_and_speculates_and_refuses_ou
                     with pytest.raises(grpc.aio.AioRpcError) as info:
                         await call
                     assert info.value.code() == UNAUTHENTICATED, identity
-        async with internal_channel(mesh.target.address, MeshTls.from_dir(certs, "router")) as channel:
-            response = await target_service_pb2_grpc.TargetServiceStub(channel).GetStats(stats, timeout=5)
-            assert response.running_requests == 0
+        response = await mesh.target_stub().GetStats(stats, timeout=5)  # as the router
+        assert response.running_requests == 0
     finally:
         await mesh.stop()
         await draft.stop(0)
