@@ -174,7 +174,7 @@ def _next_tokens(engine, contexts: list[list[int]]) -> list[int]:
 def test_fp8_kv_matches_bf16_kv_and_halves_kv_bytes(tmp_path):
     from services.common.models.tiny import build_tiny_model
     model_dir = build_tiny_model(tmp_path / "tiny64", arch="llama", seed=3, head_dim=64)
-    reference = _engine(model_dir)
+    reference = _engine(model_dir, kv_dtype="bfloat16")  # "auto" is float32 on the CPU
     fp8 = _engine(model_dir, kv_dtype="fp8")
     try:
         prompts = [reference.tokenize(p) for p in

@@ -9,7 +9,7 @@ from dataclasses import replace
 from pathlib import Path
 
 from services.common.env import DEFAULT_PORTS, DEV_SALT_SECRET, Settings
-from services.common.server import GrpcServer, ServerConfig, run_until_signal
+from services.common.server import GrpcServer, ServerConfig, check_port_free, run_until_signal
 from services.common.telemetry import TelemetryConfig, serve_metrics, setup_telemetry
 from services.common.tls import MeshTls, PublicTls, ServerTls, load_mesh_tls, make_dev_certs
 
@@ -55,6 +55,7 @@ def engine_config(settings: Settings, model_dir: Path):
                         max_batched_tokens=settings.max_batched_tokens,
                         max_queued_requests=settings.max_queued_requests,
                         max_tokens_limit=settings.max_tokens_limit, kernels=settings.kernels,
+                        weights=settings.weights,
                         draft_address="" if settings.speculation_method == "off" else settings.draft_address,
                         draft_timeout_s=settings.draft_timeout_ms / 1000, limits=request_limits(settings))
 
@@ -208,31 +209,38 @@ async def _run_all(settings: Settings) -> int:
         ports = {name: settings.port + i for i, name in enumerate(("router", "target", "draft", "cache"))}
     for name in ("target", "draft", "cache"):
         setattr(settings, f"{name}_address", f"{settings.host}:{ports[name]}")
+    for port in [*(ports[s] for s in ("router", "target", "draft", "cache")), settings.gateway_port]:
+        check_port_free(settings.host, port)  # before the model loads: a taken port fails at once
     # `--replicas N`: more targets of the default pool after the cache port.
     extra = [ports["cache"] + i for i in range(1, settings.replicas)]
     settings.target_address = ",".join(f"{settings.host}:{p}" for p in [ports["target"], *extra])
     servers = {}
-    for i, port in enumerate(extra, start=2):  # extra replicas first: they load the model too
-        servers[f"target-{i}"] = build_server("target", settings, ServerConfig(settings.host, port,
-                                                                               settings.grace_seconds))
-        await servers[f"target-{i}"].start()
-        print(f"target-{i} serving on {servers[f'target-{i}'].address}", flush=True)
-    # The target first (it loads the model), the router last (it is the front door).
-    for service in ("target", "draft", "cache", "router"):
-        config = ServerConfig(settings.host, ports[service], settings.grace_seconds)
-        servers[service] = build_server(service, settings, config)
-        await servers[service].start()
-        print(f"{service:>6} serving on {servers[service].address}", flush=True)
-        if settings.metrics_base_port:  # router, target, draft, cache: base .. base+3
-            start_metrics(service, settings.host,
-                          settings.metrics_base_port + ("router", "target", "draft", "cache").index(service))
     front = []
-    if settings.gateway_port:
-        from services.gateway.app import Gateway
-        settings.router_address = servers["router"].address
-        front = [Gateway(gateway_config(settings))]
-        await front[0].start()
-        print(f"gateway serving on http://{front[0].address}/v1 (OpenAI-compatible)", flush=True)
+    try:
+        for i, port in enumerate(extra, start=2):  # extra replicas first: they load the model too
+            servers[f"target-{i}"] = build_server("target", settings, ServerConfig(settings.host, port,
+                                                                                   settings.grace_seconds))
+            await servers[f"target-{i}"].start()
+            print(f"target-{i} serving on {servers[f'target-{i}'].address}", flush=True)
+        # The target first (it loads the model), the router last (it is the front door).
+        for service in ("target", "draft", "cache", "router"):
+            config = ServerConfig(settings.host, ports[service], settings.grace_seconds)
+            servers[service] = build_server(service, settings, config)
+            await servers[service].start()
+            print(f"{service:>6} serving on {servers[service].address}", flush=True)
+            if settings.metrics_base_port:  # router, target, draft, cache: base .. base+3
+                start_metrics(service, settings.host,
+                              settings.metrics_base_port + ("router", "target", "draft", "cache").index(service))
+        if settings.gateway_port:
+            from services.gateway.app import Gateway
+            settings.router_address = servers["router"].address
+            front = [Gateway(gateway_config(settings))]
+            await front[0].start()
+            print(f"gateway serving on http://{front[0].address}/v1 (OpenAI-compatible)", flush=True)
+    except BaseException:  # a half-started mesh stops what it started (no stray servers, no noise)
+        for server in [*front, *reversed(servers.values())]:
+            await server.stop(0)
+        raise
     print(f"ready: specmesh generate \"Hello\" --address {servers['router'].address}", flush=True)
     await run_until_signal(front + [servers[s] for s in ("router", "target", *(f"target-{i}" for i in range(
         2, settings.replicas + 1)), "draft", "cache")])

@@ -15,6 +15,10 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from services.target.kernels.paged_attention_cpu import (
+    paged_attention_cpu_planned,
+    plan_cpu_attention,
+)
 from services.target.kernels.paged_attention import (
     paged_attention_planned,
     plan_paged_attention,
@@ -85,6 +89,15 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     meta.kernels.store_kv(k, v, pool.k_caches[layer], pool.v_caches[layer],
                           meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
     scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    if meta.kernels.backend == "cpu":
+        plan = meta.plans.get(sliding_window)  # per-sequence block ranges, shared by the layers
+        if plan is None:
+            plan = meta.plans[sliding_window] = plan_cpu_attention(
+                pool.k_caches[layer].shape[1], meta.block_tables, meta.context_lens,
+                meta.query_start_loc, meta.query_positions, sliding_window, meta.tree_mask)
+        out = paged_attention_cpu_planned(q, pool.k_caches[layer], pool.v_caches[layer], plan, scale,
+                                          k_scale=k_scale, v_scale=v_scale)
+        return out.unsqueeze(0), None
     if meta.kernels.backend == "reference":
         # Index and mask tensors depend only on the step, not the layer: build them once.
         plan = meta.plans.get(sliding_window)

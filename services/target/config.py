@@ -12,7 +12,8 @@ from services.common.tls import MeshTls
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn}
-_KERNELS = ("auto", "triton", "reference")
+_KERNELS = ("auto", "triton", "cpu", "reference")
+_WEIGHTS = ("auto", "none", "fp16", "int8")  # services/target/linear.py
 
 
 @dataclass(frozen=True)
@@ -32,6 +33,7 @@ class EngineConfig:
     kernels: str = "auto"
     name: str = ""  # model id in prefix-cache keys and metrics; "" = the model directory's name
     draft_address: str = ""  # draft service for speculative decoding; "" = never speculate
+    weights: str = "auto"  # linear-layer format: auto (fp16-packed for bf16 on the CPU), none, fp16, int8
     draft_timeout_s: float = 0.5  # per-step deadline of a draft call; past it the step decodes normally
     # The target's mesh identity for its calls to the draft service (services/common/tls.py
     # MeshTls); None = plaintext (dev mode, tests).
@@ -44,6 +46,8 @@ class EngineConfig:
             raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
         if self.kv_dtype != "auto" and self.kv_dtype not in _KV_DTYPES:
             raise ValueError(f"kv_dtype must be 'auto' or one of {sorted(_KV_DTYPES)}, got {self.kv_dtype!r}")
+        if self.weights not in _WEIGHTS:
+            raise ValueError(f"weights must be one of {_WEIGHTS}, got {self.weights!r}")
         if self.kernels not in _KERNELS:
             raise ValueError(f"kernels must be one of {_KERNELS}, got {self.kernels!r}")
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_batched_tokens", "max_tokens_limit",
@@ -61,4 +65,11 @@ class EngineConfig:
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:
-        return self.torch_dtype if self.kv_dtype == "auto" else _KV_DTYPES[self.kv_dtype]
+        """"auto": the model dtype, except float32 for 16-bit models on the CPU, where attention
+        computes in float32 anyway (bf16 values are exact in float32, so outputs are unchanged
+        and no kv entry is converted per layer per step)."""
+        if self.kv_dtype != "auto":
+            return _KV_DTYPES[self.kv_dtype]
+        if torch.device(self.device).type == "cpu" and self.dtype in ("bfloat16", "float16"):
+            return torch.float32
+        return self.torch_dtype

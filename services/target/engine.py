@@ -76,7 +76,8 @@ class Engine:
         torch_thread = TorchThread()
 
         def build() -> "Engine":
-            model, tokenizer, spec = load_model(config.model_dir, config.torch_dtype, config.device)
+            model, tokenizer, spec = load_model(config.model_dir, config.torch_dtype, config.device,
+                                               config.weights)
             return cls(config, model, tokenizer, spec, torch_thread)
         return torch_thread.submit(build).result()
 
@@ -250,7 +251,7 @@ class Engine:
         proposals = self.speculator.propose(batch) if self.speculator else {}
         with self._lock:
             inputs, trees = self._step_inputs(batch, proposals)
-        with verify_span(trees, batch):
+        with verify_span(trees, batch, self.speculator):
             logits = self.runner.forward(inputs)  # [num_rows, vocab]
         plain, plain_rows, accepted, failed, rows_of = [], [], {}, {}, {}
         offset = 0

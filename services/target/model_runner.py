@@ -14,6 +14,7 @@ from services.target.attention import (
 )
 from services.target.block_manager import BlockManager
 from services.target.kernels.select import get_kernels
+from services.target.linear import prepack_linears, resolve_weight_format
 from services.target.model_runner_inputs import StepInput
 
 
@@ -123,14 +124,19 @@ def _tree_mask(inputs: list[StepInput]) -> torch.Tensor | None:
     return torch.cat(rows)
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu"):
-    """Loads any local Hugging Face causal LM with paged attention; returns (model, tokenizer, spec)."""
+def load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu", weights: str = "none"):
+    """Loads any local Hugging Face causal LM with paged attention; returns (model, tokenizer, spec).
+
+    `weights` picks how linear layers are stored and multiplied (services/target/linear.py).
+    """
     from services.common.models.loading import load_causal_lm
 
     attn = register_paged_attention()
     model, tokenizer = load_causal_lm(model_dir, dtype=dtype, device=device, attn_implementation=attn)
     model.eval()
-    return model, tokenizer, model_spec(model, tokenizer)
+    spec = model_spec(model, tokenizer)
+    prepack_linears(model, resolve_weight_format(weights, dtype, device))
+    return model, tokenizer, spec
 
 
 def model_spec(model, tokenizer) -> ModelSpec:

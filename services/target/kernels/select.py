@@ -5,7 +5,9 @@ choice is made in one place. The backend string comes from the caller (e.g. the
 engine's config, which may take it from SPECMESH_KERNELS); this module never reads the
 environment itself.
 
-  "auto"      -> "triton" when torch.cuda.is_available(), else "reference"
+  "auto"      -> "triton" when torch.cuda.is_available(), else "cpu"
+  "cpu"       -> plain PyTorch kernels with the CPU attention that reads each sequence's
+                 blocks in place (paged_attention_cpu.py); same signatures as the reference
   "triton"    -> Triton kernels (needs CUDA, or TRITON_INTERPRET=1 set before the
                  first call, for CPU tests; tensors must then live on the CPU)
   "reference" -> plain PyTorch kernels (any device)
@@ -20,16 +22,17 @@ import torch
 
 from .kv_store import store_kv_reference
 from .paged_attention import paged_attention_reference
+from .paged_attention_cpu import paged_attention_cpu
 from .tree_accept import accept_tree_greedy_reference, accept_tree_sampling_reference
 
-BACKENDS = ("auto", "triton", "reference")
+BACKENDS = ("auto", "triton", "cpu", "reference")
 
 
 @dataclass(frozen=True)
 class Kernels:
     """The kernel entry points of one backend (signatures: see each kernel module)."""
 
-    backend: str  # "triton" or "reference"
+    backend: str  # "triton", "cpu" or "reference"
     store_kv: Callable[..., None]
     paged_attention: Callable[..., torch.Tensor]
     accept_tree_greedy: Callable[..., tuple[torch.Tensor, torch.Tensor, torch.Tensor]]
@@ -37,16 +40,16 @@ class Kernels:
 
 
 def get_kernels(backend: str = "auto") -> Kernels:
-    """Return the kernels of `backend` ("auto", "triton" or "reference")."""
+    """Return the kernels of `backend` ("auto", "triton", "cpu" or "reference")."""
     if backend not in BACKENDS:
         raise ValueError(f"kernel backend must be one of {BACKENDS}, got {backend!r}")
     if backend == "auto":
-        backend = "triton" if torch.cuda.is_available() else "reference"
-    if backend == "reference":
+        backend = "triton" if torch.cuda.is_available() else "cpu"
+    if backend in ("reference", "cpu"):
         return Kernels(
-            backend="reference",
+            backend=backend,
             store_kv=store_kv_reference,
-            paged_attention=paged_attention_reference,
+            paged_attention=paged_attention_reference if backend == "reference" else paged_attention_cpu,
             accept_tree_greedy=accept_tree_greedy_reference,
             accept_tree_sampling=accept_tree_sampling_reference,
         )

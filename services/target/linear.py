@@ -1,0 +1,109 @@
+"""Prepacked linear layers for CPU serving: how the target's weights are stored and multiplied.
+
+Measured on this project's CPU (AVX2, no native bf16: AMD EPYC, 1 thread, min of 15 runs;
+/tmp scripts in H3's note): torch's bf16 `F.linear` converts in a slow path — 5 GB/s at one
+token and 8x slower than fbgemm at 18 tokens — so bf16 weights are the wrong format to
+multiply here, although they are the right format to store.
+
+  weights="auto"  bf16/fp16 models on the CPU: fbgemm fp16 packed weights (`fp16`); else `none`.
+  weights="none"  the model's own nn.Linear (float32 models always use it: MKL sgemm is
+                  already at the FMA peak, and HF-exactness tests run in float32).
+  weights="fp16"  each weight converted once to fp16 and packed for fbgemm; activations go in
+                  as float32 and products accumulate in float32. bf16 values are exact in fp16
+                  except the 0.02% of Gemma 3 270M weights below fp16's normal range (< 6.1e-5),
+                  which become fp16 subnormals (error < 3e-8 absolute each).
+  weights="int8"  int8 weights with one scale per output channel (symmetric, amax / 127) through
+                  fbgemm's dynamic-quantized linear: the activations are also quantized per call
+                  (uint8, one scale per tensor), so this trades accuracy for half the bytes; the
+                  accuracy is measured in tests/test_quantization.py and README (weight-only int8
+                  kernels in torch measured slower here than fp16 fbgemm, so they do not pay).
+The lm_head keeps float32 outputs (no bf16 rounding of the logits before sampling).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import torch
+from torch import nn
+
+WEIGHT_FORMATS = ("auto", "none", "fp16", "int8")
+
+
+class PackedLinearFP16(nn.Module):
+    """y = x W^T + b with W stored as fbgemm-packed fp16 (accumulation in float32)."""
+
+    def __init__(self, linear: nn.Linear, out_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()  # [out_features, in_features]
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_dtype = out_dtype
+        with warnings.catch_warnings():  # deprecated in name only; no replacement for the CPU
+            warnings.simplefilter("ignore")
+            self.packed = torch.fbgemm_pack_gemm_matrix_fp16(w)
+        bias = linear.bias.detach().float() if linear.bias is not None else torch.zeros(self.out_features)
+        self.register_buffer("bias", bias, persistent=False)  # [out_features] f32
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        flat = x.reshape(-1, self.in_features).float()  # [rows, in] f32
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore")
+            y = torch.fbgemm_linear_fp16_weight(flat, self.packed, self.bias)  # [rows, out] f32
+        return y.to(self.out_dtype or x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+class Int8Linear(nn.Module):
+    """int8 weights, one float scale per output channel, through fbgemm's dynamic linear."""
+
+    def __init__(self, linear: nn.Linear, out_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        w = linear.weight.detach().float()  # [out, in]
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_dtype = out_dtype
+        self.scales = int8_scales(w)  # [out] f32
+        zero = torch.zeros(self.out_features, dtype=torch.long)
+        with warnings.catch_warnings():  # deprecated in name only; fbgemm has no other entry point
+            warnings.simplefilter("ignore")
+            q = torch.quantize_per_channel(w, self.scales.double(), zero, 0, torch.qint8)
+        bias = linear.bias.detach().float() if linear.bias is not None else None
+        self.packed = torch.ops.quantized.linear_prepack(q, bias)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        flat = x.reshape(-1, self.in_features).float()  # [rows, in] f32
+        y = torch.ops.quantized.linear_dynamic(flat, self.packed, True)  # [rows, out] f32
+        return y.to(self.out_dtype or x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+def int8_scales(w: torch.Tensor) -> torch.Tensor:
+    """w: [out, in] float -> per-output-channel scales [out] f32, symmetric: w ≈ round(w / s) * s."""
+    return (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).float()
+
+
+def resolve_weight_format(weights: str, dtype: torch.dtype, device: str) -> str:
+    if weights not in WEIGHT_FORMATS:
+        raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+    if weights != "auto":
+        return weights
+    on_cpu = torch.device(device).type == "cpu"
+    return "fp16" if on_cpu and dtype in (torch.bfloat16, torch.float16) else "none"
+
+
+def prepack_linears(model: nn.Module, weights: str) -> int:
+    """Replaces every nn.Linear of `model` by its packed form (in place); returns how many.
+
+    The lm_head is replaced too (its outputs stay float32); a tied input embedding keeps its
+    own tensor, so embedding lookups are unchanged.
+    """
+    if weights == "none":
+        return 0
+    if weights not in ("fp16", "int8"):
+        raise ValueError(f"cannot pack linear layers as {weights!r}")
+    cls = PackedLinearFP16 if weights == "fp16" else Int8Linear
+    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    for name, module in targets:
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        out_dtype = torch.float32 if module is lm_head else None
+        setattr(parent, attr, cls(module, out_dtype))
+    return len(targets)
