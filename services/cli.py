@@ -27,12 +27,18 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, FileNotFoundError) as exc:
         print(f"specmesh: error: {exc}", file=sys.stderr)
         return 2
+    except OSError as exc:  # a taken port, an unreadable file: one line, no traceback
+        print(f"specmesh: error: {exc.strerror or exc}", file=sys.stderr)
+        return 1
     except KeyboardInterrupt:
         return 130
 
 
 def _parser() -> argparse.ArgumentParser:
+    from specmesh import __version__
+
     parser = argparse.ArgumentParser(prog="specmesh", description=__doc__)
+    parser.add_argument("--version", action="version", version=f"specmesh {__version__}")
     sub = parser.add_subparsers(dest="command", required=True)
 
     models = sub.add_parser("models", help="manage model files")
@@ -82,6 +88,13 @@ def _parser() -> argparse.ArgumentParser:
     gen.add_argument("--system", default="", help="a system message before the question (chat only)")
     _setting_flags(gen, ("config", "router_ca"))
     gen.set_defaults(func=_cmd_generate)
+
+    status = sub.add_parser("status", help="health of every service, the router's pools and each "
+                            "replica's KV use and queue", usage="specmesh status [--port BASE] [options]")
+    status.add_argument("--address", dest="router_address", help=setting_help("router_address"))
+    _setting_flags(status, ("config", "host", "port", "draft_address", "cache_address", "gateway_port",
+                            "token", "router_ca", "tls_dir", "dev"))
+    status.set_defaults(func=_cmd_status)
 
     sub.add_parser("bench", add_help=False, help="open-loop load against a router: per-bucket "
                    "latency report and plots (`specmesh bench --help`); `specmesh bench compare A B`")
@@ -160,6 +173,11 @@ def _cmd_certs(args, settings: Settings) -> int:
     print(f"mesh certificates for {', '.join(SERVICE_IDENTITIES)} in {out} "
           f"(start services with --tls-dir {out})")
     return 0
+
+
+def _cmd_status(args, settings: Settings) -> int:
+    from services.status import print_status
+    return print_status(settings)
 
 
 def _cmd_generate(args, settings: Settings) -> int:

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import errno
 import logging
 import signal
+import socket
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 
@@ -70,6 +72,7 @@ class GrpcServer:
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         reflection.enable_server_reflection(
             [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server)
+        check_port_free(config.host, config.port)
         if config.tls is None:
             self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
         else:
@@ -136,3 +139,21 @@ async def run_until_signal(servers: Sequence[GrpcServer]) -> None:
     # Stop front to back: the first server (router) stops taking work first.
     for server in servers:
         await server.stop()
+
+
+def check_port_free(host: str, port: int) -> None:
+    """Raises OSError with a one-line reason when host:port cannot be bound. gRPC binds with
+    SO_REUSEPORT, so a second server on a taken port would otherwise share it silently (or
+    fail with a C-level log line and a bare RuntimeError)."""
+    if port == 0:
+        return
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    with socket.socket(family, socket.SOCK_STREAM) as probe:
+        # As gRPC does: a port whose old connections linger in TIME_WAIT (a restart) is free.
+        probe.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            probe.bind((host, port))
+        except OSError as exc:
+            reason = "already in use" if exc.errno == errno.EADDRINUSE else exc.strerror
+            raise OSError(exc.errno, f"cannot listen on {host}:{port}: {reason} "
+                                     "(another specmesh running? pick another --port)") from None

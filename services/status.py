@@ -1,0 +1,120 @@
+"""`specmesh status`: health of each service, the router's pools and replicas with their KV
+use and queue (from the router's ListModels, which holds each replica's last GetStats).
+
+    service  address          state
+    router   127.0.0.1:50051  SERVING
+    ...
+    pool default (model default)
+      replica 127.0.0.1:50052  SERVING  KV 3/2048 blocks used, 1 cached, 2045 free  running 0  waiting 0  queued tokens 0
+
+Exit status 0 when every service and replica is SERVING, else 1.
+"""
+
+from __future__ import annotations
+
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from services.common.env import Settings
+from services.common.proto.specmesh.v1 import router_service_pb2, router_service_pb2_grpc
+
+TIMEOUT_S = 3.0
+
+
+def print_status(settings: Settings, out=None) -> int:
+    import sys
+    out = out or sys.stdout
+    lines, ok = status_lines(settings)
+    out.write("\n".join(lines) + "\n")
+    return 0 if ok else 1
+
+
+def status_lines(settings: Settings) -> tuple[list[str], bool]:
+    router, draft, cache = _addresses(settings)
+    public = _router_channel(settings, router)
+    rows = [("router", router, _health(public))]
+    tls, tls_note = _mesh_tls(settings)
+    for name, address in (("draft", draft), ("cache", cache)):
+        with _internal_channel(address, tls) as channel:
+            rows.append((name, address, _health(channel, tls_note)))
+    if settings.gateway_port:
+        rows.append(("gateway", f"http://{settings.host}:{settings.gateway_port}", _http_health(settings)))
+    ok = all(state in ("SERVING", "ok", "not running") for _, _, state in rows)
+    width = max(len(a) for _, a, _ in rows)
+    lines = [f"{'service':<8} {'address':<{width}}  state"]
+    lines += [f"{name:<8} {address:<{width}}  {state}" for name, address, state in rows]
+    try:
+        models = router_service_pb2_grpc.RouterServiceStub(public).ListModels(
+            router_service_pb2.ListModelsRequest(), timeout=TIMEOUT_S,
+            metadata=(("authorization", f"Bearer {settings.token}"),) if settings.token else ())
+    except grpc.RpcError as exc:
+        lines.append(f"pools: the router did not answer ListModels: {exc.code().name}: {exc.details()}")
+        return lines, False
+    finally:
+        public.close()
+    for pool in models.pools:
+        lines.append(f"pool {pool.name} (model {pool.model})")
+        for r in pool.replicas:
+            ok = ok and r.healthy
+            lines.append("  " + replica_line(r))
+    return lines, ok
+
+
+def replica_line(r: router_service_pb2.ReplicaStatus) -> str:
+    state = "SERVING" if r.healthy else "NOT_SERVING"
+    if not r.has_stats:
+        return f"replica {r.address}  {state}  (no stats yet)"
+    return (f"replica {r.address}  {state}  KV {r.num_blocks - r.free_blocks}/{r.num_blocks} blocks used, "
+            f"{r.cached_blocks} cached, {r.free_blocks} free  running {r.running_requests}  "
+            f"waiting {r.waiting_requests}  queued tokens {r.queued_tokens}")
+
+
+# ---- helpers ----------------------------------------------------------------
+def _addresses(settings: Settings) -> tuple[str, str, str]:
+    """router, draft, cache; with `--port BASE` the layout of `specmesh up --port BASE`."""
+    if settings.port:
+        return tuple(f"{settings.host}:{settings.port + i}" for i in (0, 2, 3))
+    return settings.router_address, settings.draft_address, settings.cache_address
+
+
+def _router_channel(settings: Settings, address: str) -> grpc.Channel:
+    if settings.router_ca:
+        ca = Path(settings.router_ca).expanduser().read_bytes()
+        return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca))
+    return grpc.insecure_channel(address)
+
+
+def _mesh_tls(settings: Settings):
+    """Mesh credentials to check internal services with (as the router), or None and a hint."""
+    from services.common.builders import mesh_tls
+    try:
+        return mesh_tls(settings, "router"), ""
+    except (ValueError, OSError):
+        return None, " (internal services may need mesh certificates: pass --tls-dir, or --dev)"
+
+
+def _internal_channel(address: str, tls) -> grpc.Channel:
+    from services.common.tls import internal_sync_channel
+    return internal_sync_channel(address, tls)
+
+
+def _health(channel: grpc.Channel, note: str = "") -> str:
+    try:
+        response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
+                                                             timeout=TIMEOUT_S)
+        return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
+    except grpc.RpcError as exc:
+        return f"{exc.code().name}{note if exc.code() == grpc.StatusCode.UNAVAILABLE else ''}"
+
+
+def _http_health(settings: Settings) -> str:
+    try:
+        with urllib.request.urlopen(f"http://{settings.host}:{settings.gateway_port}/healthz",
+                                    timeout=TIMEOUT_S) as response:
+            return "ok" if response.status == 200 else f"HTTP {response.status}"
+    except (urllib.error.URLError, OSError):
+        return "not running"
