@@ -49,8 +49,12 @@ PROPOSED_TOKENS = "specmesh.speculation.proposed_tokens"
 ACCEPTED_TOKENS = "specmesh.speculation.accepted_tokens"
 REJECTED_TOKENS = "specmesh.speculation.rejected_tokens"
 FALLBACKS = "specmesh.speculation.fallbacks"
+# Recorded by services/router/route_metrics.py (declared here for the dashboard check):
 ROUTES = "specmesh.router.routes"
+ESCALATION_CANDIDATES = "specmesh.router.escalation_candidates"
 UPGRADES = "specmesh.router.upgrades"
+ROUTER_FALLBACKS = "specmesh.router.fallbacks"
+RETRIES = "specmesh.router.retries"
 DRAFT_SEQUENCES = "specmesh.draft.sequences"
 DRAFT_PROPOSED = "specmesh.draft.proposed_tokens"
 CACHE_LOOKUPS = "specmesh.cache.lookups"  # attributes specmesh.cache.kind, specmesh.cache.result
@@ -82,8 +86,11 @@ COUNTERS: dict[str, tuple[str, str]] = {
     ACCEPTED_TOKENS: ("{token}", "draft tokens the target accepted"),
     REJECTED_TOKENS: ("{token}", "draft tokens the target rejected (proposed - accepted)"),
     FALLBACKS: ("{step}", "sequence steps that decoded normally because the draft failed or was late"),
-    ROUTES: ("{request}", "routed requests by bucket, pool and route"),
-    UPGRADES: ("{request}", "requests escalated to a stronger pool"),
+    ROUTES: ("{request}", "answered requests by bucket, pool, replica and reason"),
+    ESCALATION_CANDIDATES: ("{request}", "requests run on a pool configured to escalate"),
+    UPGRADES: ("{request}", "answers below the confidence threshold, discarded and escalated"),
+    ROUTER_FALLBACKS: ("{request}", "requests escalated because their pool failed"),
+    RETRIES: ("{request}", "requests retried on another replica before their first token"),
     DRAFT_SEQUENCES: ("{sequence}", "sequences proposed for, per pass, by method"),
     DRAFT_PROPOSED: ("{token}", "draft tokens proposed, by method"),
     CACHE_LOOKUPS: ("{lookup}", "cache lookups by kind (prefix, retrieval, tool) and result "

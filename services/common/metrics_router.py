@@ -1,7 +1,8 @@
 """The router's per-request metrics: what the caller sees (TTFT, TPOT, end to end), requests
-by status, routes, token usage — per bucket, pool and speculation method.
+by status, token usage — per bucket, pool and speculation method. (Route distribution and
+upgrade rate: services/router/route_metrics.py.)
 
-    timer = RequestTimer(bucket, pool, method, route)   # after routing
+    timer = RequestTimer(bucket, pool, method)           # after routing
     timer.chunk(num_tokens)                              # per streamed chunk
     timer.finish("OK", usage)                            # once, with the gRPC status name
 """
@@ -16,15 +17,13 @@ SERVICE = "router"
 
 
 class RequestTimer:
-    def __init__(self, bucket: str, pool: str, method: str, route: str = "default",
-                 start: float | None = None) -> None:
+    def __init__(self, bucket: str, pool: str, method: str, start: float | None = None) -> None:
         self.attributes = {"specmesh.bucket": bucket, "specmesh.pool": pool,
                            "specmesh.speculation.method": method}
         self.start = time.monotonic() if start is None else start
         self._last: float | None = None
         self._tokens = 0
         self._finished = False
-        m.counter(SERVICE, m.ROUTES).add(1, {**self.attributes, "specmesh.route": route})
 
     def chunk(self, num_tokens: int) -> None:
         if num_tokens <= 0:
@@ -52,8 +51,3 @@ class RequestTimer:
             tokens.add(usage.cached_prompt_tokens, {**self.attributes, "gen_ai.token.type": "cached_input"})
             tokens.add(usage.completion_tokens, {**self.attributes, "gen_ai.token.type": "output"})
 
-
-def upgraded(bucket: str, from_pool: str, to_pool: str) -> None:
-    """One escalation (the routing issue's upgrade rate = upgrades / routes)."""
-    m.counter(SERVICE, m.UPGRADES).add(1, {"specmesh.bucket": bucket, "specmesh.pool": from_pool,
-                                           "specmesh.pool.to": to_pool})
