@@ -12,9 +12,9 @@ from dataclasses import dataclass
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
-from grpc_reflection.v1alpha import reflection
 
 from services.common.metrics_interceptor import MetricsInterceptor
+from services.common.reflection_v1 import enable_reflection
 from services.common.telemetry import server_interceptors, service_of
 from services.common.tls import ServerTls
 
@@ -70,8 +70,7 @@ class GrpcServer:
         self._health = health.aio.HealthServicer() if hasattr(health, "aio") else health.HealthServicer()
         register(self._server)
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
-        reflection.enable_server_reflection(
-            [*self._service_names, health.SERVICE_NAME, reflection.SERVICE_NAME], self._server)
+        enable_reflection(self._server, [*self._service_names, health.SERVICE_NAME])  # v1 and v1alpha
         check_port_free(config.host, config.port)
         if config.tls is None:
             self.port = self._server.add_insecure_port(f"{config.host}:{config.port}")
