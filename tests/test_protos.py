@@ -42,3 +42,36 @@ def test_protos_follow_the_house_style():
             if stripped.startswith("enum "):
                 name = stripped.split()[1]
                 assert "_UNSPECIFIED = 0" in lines[i + 1], f"{name} zero value must be *_UNSPECIFIED"
+
+
+async def test_reflection_v1_and_v1alpha():
+    import grpc
+    from google.protobuf import descriptor_pb2
+    from grpc_reflection.v1alpha import reflection_pb2
+
+    from tests.mesh import start_draft
+    server = await start_draft()
+    try:
+        async with grpc.aio.insecure_channel(server.address) as channel:
+            for version in ("v1", "v1alpha"):
+                call = channel.stream_stream(
+                    f"/grpc.reflection.{version}.ServerReflection/ServerReflectionInfo",
+                    request_serializer=reflection_pb2.ServerReflectionRequest.SerializeToString,
+                    response_deserializer=reflection_pb2.ServerReflectionResponse.FromString)
+                requests = [reflection_pb2.ServerReflectionRequest(list_services=""),
+                            reflection_pb2.ServerReflectionRequest(file_containing_symbol="specmesh.v1.DraftService"),
+                            reflection_pb2.ServerReflectionRequest(
+                                file_containing_symbol="grpc.reflection.v1.ServerReflection")]
+                listed, draft, v1 = [r async for r in call(iter(requests))]
+                assert sorted(s.name for s in listed.list_services_response.service) == [
+                    "grpc.health.v1.Health", "grpc.reflection.v1.ServerReflection",
+                    "grpc.reflection.v1alpha.ServerReflection", "specmesh.v1.DraftService"]
+                names = {descriptor_pb2.FileDescriptorProto.FromString(f).name
+                         for f in draft.file_descriptor_response.file_descriptor_proto}
+                assert "specmesh/v1/draft_service.proto" in names, version
+                v1_file = descriptor_pb2.FileDescriptorProto.FromString(
+                    v1.file_descriptor_response.file_descriptor_proto[0])
+                assert (v1_file.name, v1_file.package) == ("grpc/reflection/v1/reflection.proto",
+                                                           "grpc.reflection.v1")
+    finally:
+        await server.stop(0)
