@@ -143,9 +143,9 @@ def test_services_use_mesh_certificates_from_the_certs_volume_and_internal_ports
     serving = [name for name, s in services.items() if s.get("command", [])[:2] == ["specmesh", "serve"]]
     assert {"router", "target", "draft", "cache"} <= set(serving)
     for name in serving:
-        service = services[name]
-        assert "certs:/certs:ro" in service["volumes"], name
-        assert service["depends_on"]["certs"] == {"condition": "service_completed_successfully"}, name
+        assert "certs:/certs:ro" in services[name]["volumes"], name
+    for name in ("router", "target", "draft", "cache"):  # the mesh: certificates before they start
+        assert services[name]["depends_on"]["certs"] == {"condition": "service_completed_successfully"}, name
     for name in ("target", "draft", "cache"):  # mutual TLS; health checked with the service's own certificate
         service = services[name]
         assert "ports" not in service and service["expose"] == [str(DEFAULT_PORTS[name])], name
