@@ -60,7 +60,7 @@ async def start_mesh(model_dir: Path, speculation: dict | None = None, tls_dir: 
     the router's public port stays plaintext."""
     target_tls = MeshTls.from_dir(tls_dir, "target") if tls_dir else None
     config = EngineConfig(model_dir=model_dir, dtype="float32", num_blocks=256, block_size=4,
-                          max_batched_tokens=64, max_tokens_limit=256, kernels="reference",
+                          max_batched_tokens=64, max_tokens_limit=256, kernels="cpu",
                           mesh_tls=target_tls)
     engine = Engine.load(replace(config, **engine_overrides))
     target = build_target_server(ServerConfig(port=0, tls=target_tls and target_tls.server_tls()),

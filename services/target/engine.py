@@ -29,7 +29,7 @@ from services.target.kv_events import KVEventLog
 from services.target.model_runner import ModelRunner, load_model
 from services.target.model_runner_inputs import StepInput
 from services.target.sampler import make_generator, sample
-from services.target.scheduler import Scheduler
+from services.target.scheduler import ScheduledSeq, Scheduler, SeqUpdate, StepResult
 from services.target.sequence import FinishReason, Sequence, SpeculationPlan, StepOutput
 from services.target.speculator import Speculator, verify_span
 from services.target.torch_thread import TorchThread, run_task
@@ -49,7 +49,6 @@ class Engine:
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv_events = KVEventLog()
         self.runner = ModelRunner(model, spec, self.blocks, config.torch_kv_dtype, config.kernels)
-        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batched_tokens)
         self._lock = threading.Condition()
         self._incoming: list[Sequence] = []
         self._aborts: set[str] = set()
@@ -68,6 +67,8 @@ class Engine:
             client = DraftClient(config.draft_address, config.draft_timeout_s, spec.vocab_size,
                                  tls=config.mesh_tls)
             self.speculator = Speculator(client, self.runner.kernels, spec.max_context, self._metrics)
+        self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batched_tokens,
+                                   self.speculator.max_draft_nodes if self.speculator else None)
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
@@ -247,76 +248,63 @@ class Engine:
                 self._finish(seq, FinishReason.ABORTED)
         self._aborts.clear()
 
-    def _run_step(self, batch) -> None:
-        proposals = self.speculator.propose(batch) if self.speculator else {}
-        with self._lock:
-            inputs, trees = self._step_inputs(batch, proposals)
-        with verify_span(trees, batch, self.speculator):
-            logits = self.runner.forward(inputs)  # [num_rows, vocab]
-        plain, plain_rows, accepted, failed, rows_of = [], [], {}, {}, {}
-        offset = 0
-        for item, inp in zip(batch, inputs):
-            rows = logits[offset:offset + inp.num_logits]
-            offset += inp.num_logits
-            if item.seq.seq_id in trees:
-                try:  # one sequence's sampling failure fails that request only
-                    accepted[item.seq.seq_id] = self.speculator.accept(item.seq, rows, trees[item.seq.seq_id])
-                    if item.seq.confidence is not None:
-                        item.seq.confidence.add_tree(rows, trees[item.seq.seq_id], *accepted[item.seq.seq_id])
-                except Exception as exc:
-                    log.exception("verify of %s failed", item.seq.seq_id)
-                    failed[item.seq.seq_id] = exc
-            elif item.samples:
-                plain.append(item)
-                plain_rows.append(rows)
-                rows_of[item.seq.seq_id] = rows
-        sampled = sample(torch.cat(plain_rows), [i.seq.sampling for i in plain],
-                         [i.seq.generator for i in plain]) if plain else []
-        new_tokens = {}
-        for item, token in zip(plain, sampled):
-            if isinstance(token, Exception):
-                failed[item.seq.seq_id] = token
-            else:
-                new_tokens[item.seq.seq_id] = [token]
-                if item.seq.confidence is not None:
-                    item.seq.confidence.add(rows_of[item.seq.seq_id][-1:], [token])
+    def _run_step(self, batch: list[ScheduledSeq]) -> None:
+        """Run the scheduled batch, then let the scheduler do the bookkeeping; emit what committed."""
+        results, failed = self._execute(batch)
         now = time.monotonic()
         with self._lock:
             for item in batch:
                 if item.seq.seq_id in failed:
                     self._finish(item.seq, error=failed[item.seq.seq_id])
-            for item in batch:
-                seq = item.seq
-                seq.num_computed = item.start + item.num_tokens
-                if seq.seq_id in accepted:
-                    path, bonus = accepted[seq.seq_id]
-                    new_tokens[seq.seq_id] = self._commit_tree(seq, item.start, trees[seq.seq_id], path, bonus)
-                if seq.seq_id in self._live:
-                    self._commit_blocks(seq)
-            for item in batch:
-                seq = item.seq
-                tokens = new_tokens.get(seq.seq_id)
-                if not tokens or seq.seq_id not in self._live:
-                    continue
-                if seq.first_token_time is None:
-                    seq.first_token_time = now
-                    self._metrics.first_token(seq, now)
-                elif seq.last_token_time is not None:
-                    self._metrics.next_tokens(seq, now, len(tokens))
-                seq.last_token_time = now
-                self._commit(seq, tokens)
+            for update in self.scheduler.postprocess(batch, results, self.spec.eos_token_ids):
+                self._emit(update, now)
             self.kv_events.append(self.blocks.events)
             self.blocks.events = []
 
+    def _execute(self, batch: list[ScheduledSeq]) -> tuple[dict[str, StepResult], dict[str, Exception]]:
+        """Draft, forward, sample or accept: new tokens per sequence (and per-sequence failures)."""
+        proposals = self.speculator.propose(batch) if self.speculator else {}
+        inputs, trees = self._step_inputs(batch, proposals)
+        with verify_span(trees, batch, self.speculator):
+            logits = self.runner.forward(inputs)  # [num_rows, vocab]
+        results: dict[str, StepResult] = {}
+        plain, plain_rows, failed = [], [], {}
+        offset = 0
+        for item, inp in zip(batch, inputs):
+            seq, rows = item.seq, logits[offset:offset + inp.num_logits]
+            offset += inp.num_logits
+            if seq.seq_id in trees:
+                try:  # one sequence's sampling failure fails that request only
+                    path, bonus = self.speculator.accept(seq, rows, trees[seq.seq_id])
+                    if seq.confidence is not None:
+                        seq.confidence.add_tree(rows, trees[seq.seq_id], path, bonus)
+                    with self._lock:
+                        results[seq.seq_id] = self._compact_tree(seq, item.start, trees[seq.seq_id], path, bonus)
+                except Exception as exc:
+                    log.exception("verify of %s failed", seq.seq_id)
+                    failed[seq.seq_id] = exc
+            elif item.samples:
+                plain.append(item)
+                plain_rows.append(rows)
+        sampled = sample(torch.cat(plain_rows), [i.seq.sampling for i in plain],
+                         [i.seq.generator for i in plain]) if plain else []
+        for item, rows, token in zip(plain, plain_rows, sampled):
+            if isinstance(token, Exception):
+                failed[item.seq.seq_id] = token
+                continue
+            results[item.seq.seq_id] = StepResult([token])
+            if item.seq.confidence is not None:
+                item.seq.confidence.add(rows[-1:], [token])
+        return results, failed
+
     def _step_inputs(self, batch, proposals) -> tuple[list[StepInput], dict]:
-        """One StepInput per scheduled sequence; a tree where a proposal fits in the pool (lock held)."""
+        """One StepInput per scheduled sequence; a tree where the proposal fits the slots the
+        scheduler reserved for it (budget and blocks), else the plain chunk."""
         inputs, trees = [], {}
         for item in batch:
             seq = item.seq
             proposal = proposals.get(seq.seq_id)
-            if proposal is not None and self.blocks.can_reserve(
-                    seq.seq_id, item.start + 1 + len(proposal.token_ids)):
-                self.blocks.reserve(seq.seq_id, item.start + 1 + len(proposal.token_ids))
+            if proposal is not None and len(proposal.token_ids) <= item.num_draft_slots:
                 inputs.append(StepInput.tree(seq.seq_id, seq.token_ids[-1], item.start,
                                              proposal.token_ids, proposal.parents, proposal.depths))
                 trees[seq.seq_id] = proposal
@@ -325,48 +313,29 @@ class Engine:
                 inputs.append(StepInput.chunk(seq.seq_id, tokens, item.start, item.samples))
         return inputs, trees
 
-    def _commit_tree(self, seq: Sequence, context_len: int, proposal, path: list[int],
-                     bonus: int) -> list[int]:
-        """Moves the accepted path's KV into place, frees rejected slots; returns new tokens."""
+    def _compact_tree(self, seq: Sequence, context_len: int, proposal, path: list[int],
+                      bonus: int) -> StepResult:
+        """Moves the accepted path's KV into place (lock held); the scheduler frees the rest."""
         src = [context_len + 1 + node for node in path]
         dst = [context_len + 1 + j for j in range(len(path))]
         moves = [(a, b) for a, b in zip(src, dst) if a != b]
         if moves:
             self.runner.move_kv(seq.seq_id, [a for a, _ in moves], [b for _, b in moves])
-        seq.num_computed = context_len + 1 + len(path)  # root + accepted nodes have KV
-        self.blocks.truncate(seq.seq_id, seq.num_computed)
-        return [proposal.token_ids[node] for node in path] + [bonus]
+        return StepResult([proposal.token_ids[node] for node in path] + [bonus],
+                          num_computed=context_len + 1 + len(path))  # root + accepted nodes have KV
 
-    def _commit(self, seq: Sequence, tokens: list[int]) -> None:
-        """Appends committed tokens until one finishes the request; emits them once."""
-        committed, text, reason = [], "", None
-        for token in tokens:
-            seq.token_ids.append(token)
-            committed.append(token)
-            text += seq.detokenizer.add([token])
-            if seq.detokenizer.stopped:
-                reason = FinishReason.STOP_SEQUENCE
-            elif token in self.spec.eos_token_ids:
-                reason = FinishReason.STOP
-            elif seq.num_output_tokens >= seq.sampling.max_tokens:
-                reason = FinishReason.LENGTH
-            if reason is not None:
-                break
-        self._commit_blocks(seq)  # accepted draft tokens complete blocks whose KV is in place
-        if reason is not None and reason is not FinishReason.STOP_SEQUENCE:
-            text += seq.detokenizer.flush()
-        seq.emit(StepOutput(committed, text))
-        if reason is not None:
-            self._finish(seq, reason)
-
-    def _commit_blocks(self, seq: Sequence) -> None:
-        """Enters the sequence's full blocks into the prefix cache (lock held).
-
-        Only positions that hold both KV and a committed token count: after a verify pass
-        `num_computed` runs ahead of `token_ids` until the accepted tokens are appended,
-        and hashing then would hash a truncated token list.
-        """
-        self.blocks.commit(seq.seq_id, seq.token_ids, min(seq.num_computed, seq.num_tokens), seq.extra_key)
+    def _emit(self, update: SeqUpdate, now: float) -> None:
+        """Streams one sequence's committed tokens; finishes it when they ended it (lock held)."""
+        seq = update.seq
+        if seq.first_token_time is None:
+            seq.first_token_time = now
+            self._metrics.first_token(seq, now)
+        elif seq.last_token_time is not None:
+            self._metrics.next_tokens(seq, now, len(update.token_ids))
+        seq.last_token_time = now
+        seq.emit(StepOutput(update.token_ids, update.text))
+        if update.finish_reason is not None:
+            self._finish(seq, update.finish_reason)
 
     def _finish(self, seq: Sequence, reason: FinishReason | None = None,
                 error: Exception | None = None) -> None:

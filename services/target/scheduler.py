@@ -1,7 +1,12 @@
-"""Continuous batching: which sequences run in the next step, and how many tokens each.
+"""Continuous batching: which sequences run in the next step, how many tokens each, and
+the bookkeeping after the step.
 
-Each step mixes decode steps of running sequences and prefill chunks of new
-ones under a token budget. When blocks run out, the youngest running sequence
+The engine's step is three calls (DESIGN section 8 item 9): `schedule` -> the engine runs
+the batch -> `postprocess`. One token budget per step (`max_batched_tokens`) covers
+everything the forward pass computes: decode tokens of running sequences, their draft-tree
+slots (each draft node is a row of the verify pass), and prefill chunks of new ones. Draft
+slots never preempt anyone: they get what the budget and the free blocks have left.
+When blocks run out, the youngest running sequence
 is preempted by recompute: its blocks go back and it is re-queued at the front.
 Tenant priority orders both: the waiting queue is highest priority first, and the
 lowest-priority (then youngest) running sequence is preempted first.
@@ -10,10 +15,11 @@ lowest-priority (then youngest) running sequence is preempted first.
 from __future__ import annotations
 
 from collections import deque
-from dataclasses import dataclass
+from collections.abc import Callable
+from dataclasses import dataclass, field
 
 from services.target.block_manager import BlockManager
-from services.target.sequence import SeqStatus, Sequence
+from services.target.sequence import FinishReason, SeqStatus, Sequence
 
 
 @dataclass(frozen=True)
@@ -21,18 +27,46 @@ class ScheduledSeq:
     seq: Sequence
     start: int  # index of the first token computed this step
     num_tokens: int
+    num_draft_slots: int = 0  # draft nodes it may verify after its one token (budget and blocks held)
 
     @property
     def samples(self) -> bool:
         """True when this step computes the sequence's last token, so a new token is sampled."""
         return self.start + self.num_tokens == self.seq.num_tokens
 
+    @property
+    def budget_tokens(self) -> int:
+        """Rows this item may add to the forward pass: its tokens plus its draft slots."""
+        return self.num_tokens + self.num_draft_slots
+
+
+@dataclass
+class StepResult:
+    """What the run phase produced for one sequence."""
+
+    tokens: list[int] = field(default_factory=list)  # new tokens (sampled, or accepted path + bonus)
+    num_computed: int | None = None  # KV entries now valid (verify: context + root + accepted); None = as scheduled
+
+
+@dataclass(frozen=True)
+class SeqUpdate:
+    """A sequence's committed tokens after a step, for the engine to emit (and finish)."""
+
+    seq: Sequence
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None
+
 
 class Scheduler:
-    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_batched_tokens: int) -> None:
+    def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_batched_tokens: int,
+                 draft_limit: Callable[[Sequence], int] | None = None) -> None:
+        """`draft_limit(seq)`: the most draft nodes `seq` could verify next step (0 = none);
+        None when the engine has no draft service."""
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
+        self.draft_limit = draft_limit
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -66,6 +100,7 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> list[ScheduledSeq]:
+        """The next step's batch; sum(item.budget_tokens) <= max_batched_tokens."""
         budget = self.max_batched_tokens
         batch: list[ScheduledSeq] = []
         for seq in list(self.running):
@@ -78,6 +113,8 @@ class Scheduler:
                 continue
             batch.append(ScheduledSeq(seq, seq.num_computed, n))
             budget -= n
+        if self.draft_limit is not None and budget > 0:
+            batch, budget = self._add_draft_slots(batch, budget)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             match = self.blocks.match_prefix(seq.token_ids, seq.extra_key)
@@ -95,6 +132,43 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, seq.num_computed, n))
             budget -= n
         return batch
+
+    def postprocess(self, batch: list[ScheduledSeq], results: dict[str, StepResult],
+                    eos_token_ids: frozenset[int]) -> list[SeqUpdate]:
+        """After the forward pass: advances each sequence's computed KV, frees draft slots it did
+        not keep, appends its new tokens (stopping at EOS, a stop sequence or max_tokens) and
+        enters its full blocks into the prefix cache. Sequences no longer running are skipped."""
+        updates = []
+        for item in batch:
+            seq = item.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # failed or finished during the step
+            result = results.get(seq.seq_id) or StepResult()
+            computed = item.start + item.num_tokens
+            seq.num_computed = computed if result.num_computed is None else result.num_computed
+            if item.num_draft_slots:
+                self.blocks.truncate(seq.seq_id, seq.num_computed)  # rejected and unused slots
+            update = _append(seq, result.tokens, eos_token_ids) if result.tokens else None
+            # After the append: only positions holding both KV and a committed token are hashed.
+            self.blocks.commit(seq.seq_id, seq.token_ids, min(seq.num_computed, seq.num_tokens),
+                               seq.extra_key)
+            if update is not None:
+                updates.append(update)
+        return updates
+
+    def _add_draft_slots(self, batch: list[ScheduledSeq], budget: int) -> tuple[list[ScheduledSeq], int]:
+        """Gives decoding sequences draft slots from what the budget has left (blocks reserved too)."""
+        out = []
+        for item in batch:
+            seq = item.seq
+            slots = min(self.draft_limit(seq), budget) if item.samples and item.num_tokens == 1 else 0
+            end = item.start + 1 + slots
+            if slots > 0 and self.blocks.can_reserve(seq.seq_id, end):
+                self.blocks.reserve(seq.seq_id, end)
+                item = ScheduledSeq(seq, item.start, item.num_tokens, slots)
+                budget -= slots
+            out.append(item)
+        return out, budget
 
     def _reserve_or_preempt(self, seq: Sequence, num_tokens: int, batch: list[ScheduledSeq]) -> bool:
         """Reserves room for `seq`, preempting the youngest unscheduled running sequences if needed."""
@@ -117,3 +191,23 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self._enqueue(seq, front=True)
         self.num_preemptions += 1
+
+
+def _append(seq: Sequence, tokens: list[int], eos_token_ids: frozenset[int]) -> SeqUpdate:
+    """Appends committed tokens until one finishes the request."""
+    committed, text, reason = [], "", None
+    for token in tokens:
+        seq.token_ids.append(token)
+        committed.append(token)
+        text += seq.detokenizer.add([token])
+        if seq.detokenizer.stopped:
+            reason = FinishReason.STOP_SEQUENCE
+        elif token in eos_token_ids:
+            reason = FinishReason.STOP
+        elif seq.num_output_tokens >= seq.sampling.max_tokens:
+            reason = FinishReason.LENGTH
+        if reason is not None:
+            break
+    if reason is not None and reason is not FinishReason.STOP_SEQUENCE:
+        text += seq.detokenizer.flush()
+    return SeqUpdate(seq, committed, text, reason)

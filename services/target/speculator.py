@@ -54,12 +54,14 @@ class Speculator:
     def propose(self, batch: list[ScheduledSeq]) -> dict[str, DraftTree]:
         """One batched draft call for every decoding sequence with a plan; {} on fallback."""
         seqs, requests = [], []
+        slots = {item.seq.seq_id: item.num_draft_slots for item in batch}  # budgeted by the scheduler
         for seq, depth in self._depths(batch):
             full = self.client.needs_resync(seq.seq_id)
             new = seq.token_ids if full else seq.token_ids[seq.draft_synced:]
             seqs.append(seq)
             requests.append(DraftRequest(seq.seq_id, new, seq.plan.method, depth,
-                                         max(seq.plan.max_nodes, depth), seq.tenant_salt,
+                                         min(max(seq.plan.max_nodes, depth), slots[seq.seq_id]),
+                                         seq.tenant_salt,
                                          traceparent(seq.span_context) if full else ""))
         if not requests:
             return {}
@@ -122,7 +124,7 @@ class Speculator:
         plain_tokens = plain_outputs = 0
         for item in batch:
             seq = item.seq
-            depth = self._depth(seq)
+            depth = min(self._depth(seq), item.num_draft_slots)
             if seq.plan is None or not item.samples or item.num_tokens != 1 or depth < 1:
                 plain_tokens += item.num_tokens
                 plain_outputs += 1 if item.samples else 0
@@ -140,6 +142,12 @@ class Speculator:
         capped = [(seq, min(depth, cap)) for seq, depth in aware
                   if cap and sequence_alpha(seq.spec.proposed, seq.spec.accepted) >= self.load.min_alpha]
         return fixed + capped
+
+    def max_draft_nodes(self, seq: Sequence) -> int:
+        """The most draft nodes `seq` may propose next step (the scheduler reserves that many
+        slots in the step's token budget, or fewer when the budget runs out)."""
+        depth = self._depth(seq)
+        return max(seq.plan.max_nodes, depth) if depth >= 1 else 0
 
     def _depth(self, seq: Sequence) -> int:
         """Deepest useful draft: leaves room for the bonus token within max_tokens and the context."""
