@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # The main job on the embedded default: install, convert the default model once,
-# start all four services on loopback, ask one question as a chat message (the model's
-# chat template is applied by the target) and stream the answer, shut down cleanly.
+# start all four services on loopback, ask one question as a chat message (the target
+# applies the model's chat template; the default model is a base model without one, so
+# `generate` says so and sends the question as a plain prompt), stream the answer, shut down.
 # Usage: bash scripts/demo.sh ["QUESTION"]
 set -euo pipefail
 cd "$(dirname "$0")/.."

@@ -100,3 +100,29 @@ async def test_bad_chat_requests_are_invalid_argument(chat_dir, tiny_llama_dir):
         assert "this model has no chat template; send a plain prompt instead" in exc.value.details()
     finally:
         await plain.stop()
+
+
+async def run_cli(*argv) -> tuple[int, str, str]:
+    import asyncio
+    import sys
+    proc = await asyncio.create_subprocess_exec(sys.executable, "-m", "services.cli", *argv,
+                                                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+    out, err = await proc.communicate()
+    return proc.returncode, out.decode(), err.decode()
+
+
+async def test_cli_generate_sends_chat_and_falls_back_for_a_base_model(chat_dir, tiny_llama_dir):
+    question = CONVERSATIONS[0][0]["content"]
+    for model_dir, messages in ((chat_dir, CONVERSATIONS[0]), (tiny_llama_dir, None)):
+        mesh = await start_mesh(model_dir)
+        try:
+            req = chat_request(messages, max_tokens=6) if messages else router_service_pb2.GenerateRequest(
+                prompt=question, sampling=common_pb2.SamplingParams(max_tokens=6))
+            _, expected, _ = await collect(mesh.router_stub, req)
+            code, out, err = await run_cli("generate", question, "--address", mesh.router.address,
+                                           "--token", "token-a", "--max-tokens", "6")
+        finally:
+            await mesh.stop()
+        assert code == 0, err
+        assert out == expected + "\n"
+        assert ("no chat template" in err) == (messages is None)

@@ -30,6 +30,9 @@ def router_channel(settings) -> grpc.aio.Channel:
     return public_channel(settings.router_address, ca)
 
 
+_NO_CHAT_TEMPLATE = "has no chat template"  # services/target/chat.py ChatTemplateError
+
+
 async def stream_generate(settings, args) -> int:
     sampling = common_pb2.SamplingParams(
         max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
@@ -49,22 +52,30 @@ async def stream_generate(settings, args) -> int:
     usage = None
     async with router_channel(settings) as channel:
         stub = router_service_pb2_grpc.RouterServiceStub(channel)
-        try:
-            async for response in stub.Generate(request, metadata=metadata):
-                chunk = response.chunk
-                if chunk.token_ids and first is None:
-                    first = time.perf_counter()
-                tokens += len(chunk.token_ids)
-                sys.stdout.write(chunk.text)
-                sys.stdout.flush()
-                if chunk.HasField("usage"):
-                    usage = chunk.usage
-        except grpc.aio.AioRpcError as exc:
-            print(f"\nspecmesh: {exc.code().name}: {exc.details()}", file=sys.stderr)
-            hint = _HINTS.get(exc.code())
-            if hint:
-                print(f"specmesh: {hint.format(address=settings.router_address)}", file=sys.stderr)
-            return 1
+        for attempt in (1, 2):
+            try:
+                async for response in stub.Generate(request, metadata=metadata):
+                    chunk = response.chunk
+                    if chunk.token_ids and first is None:
+                        first = time.perf_counter()
+                    tokens += len(chunk.token_ids)
+                    sys.stdout.write(chunk.text)
+                    sys.stdout.flush()
+                    if chunk.HasField("usage"):
+                        usage = chunk.usage
+                break
+            except grpc.aio.AioRpcError as exc:
+                if attempt == 1 and request.messages and _NO_CHAT_TEMPLATE in (exc.details() or ""):
+                    # A base model (the packaged Gemma 3 270M is one) has no chat template.
+                    print("specmesh: the model has no chat template (a base model): sending the "
+                          "question as a plain prompt (--raw)", file=sys.stderr)
+                    request = router_service_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling)
+                    continue
+                print(f"\nspecmesh: {exc.code().name}: {exc.details()}", file=sys.stderr)
+                hint = _HINTS.get(exc.code())
+                if hint:
+                    print(f"specmesh: {hint.format(address=settings.router_address)}", file=sys.stderr)
+                return 1
     end = time.perf_counter()
     sys.stdout.write("\n")
     ttft = (first - start) if first else float("nan")

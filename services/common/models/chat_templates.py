@@ -1,8 +1,9 @@
-"""Chat templates that model files do not carry, and what a template says about turns.
+"""Gemma 3's chat template, and what a chat template says about turns.
 
-The packaged Gemma 3 270M GGUF has no `tokenizer.chat_template`, so `prepare` writes
-Gemma 3's published template (the one in google/gemma-3-270m-it's tokenizer_config.json)
-next to the converted tokenizer.
+GEMMA3_CHAT_TEMPLATE is Gemma 3's published template (google/gemma-3-270m-it's
+tokenizer_config.json); the tiny chat test models use it. The packaged default model is
+the pretrained base Gemma 3 270M, whose GGUF carries no template, and it is deliberately
+not given this one: the base model was not trained on it and answers worse with it.
 """
 
 from __future__ import annotations

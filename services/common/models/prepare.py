@@ -86,7 +86,6 @@ def prepare_default_model(cache_dir: Path | None = None, force: bool = False, pr
     """
     model_dir = Path(cache_dir).expanduser() if cache_dir is not None else default_model_dir()
     if not force and is_prepared(model_dir):
-        _add_chat_template(model_dir)  # directories prepared before the template was written
         return model_dir
     model_dir.parent.mkdir(parents=True, exist_ok=True)
     _remove_stale_work_dirs(model_dir)
@@ -258,7 +257,6 @@ def _save(out: Path, config, tokenizer, state_dict: dict[str, torch.Tensor]) -> 
     save_file(state_dict, str(out / "model.safetensors"), metadata={"format": "pt"})
     tokenizer.save_pretrained(out)
     _strip_json_keys(out / "tokenizer_config.json", ("gguf_file", "is_local", "local_files_only"))
-    _add_chat_template(out)
     extra_eos = [tokenizer.convert_tokens_to_ids(t) for t in _EXTRA_EOS_TOKENS]
     GenerationConfig(
         bos_token_id=config.bos_token_id,
@@ -267,20 +265,6 @@ def _save(out: Path, config, tokenizer, state_dict: dict[str, torch.Tensor]) -> 
     ).save_pretrained(out)
     for path in out.iterdir():
         path.chmod(0o644)  # safetensors writes 0600; the cache may be shared
-
-
-def _add_chat_template(model_dir: Path) -> None:
-    """Write Gemma 3's chat template (the GGUF has none) as `chat_template.jinja`, which
-    transformers' tokenizer loading picks up; atomic, so concurrent callers are safe."""
-    from services.common.models.chat_templates import GEMMA3_CHAT_TEMPLATE
-
-    path = model_dir / "chat_template.jinja"
-    if path.is_file():
-        return
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    tmp.write_text(GEMMA3_CHAT_TEMPLATE)
-    tmp.chmod(0o644)
-    os.replace(tmp, path)
 
 
 def _strip_json_keys(path: Path, keys: tuple[str, ...]) -> None:
