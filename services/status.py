@@ -12,6 +12,7 @@ Exit status 0 when every service and replica is SERVING, else 1.
 
 from __future__ import annotations
 
+import socket
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -23,6 +24,7 @@ from services.common.env import Settings
 from services.common.proto.specmesh.v1 import router_service_pb2, router_service_pb2_grpc
 
 TIMEOUT_S = 3.0
+LISTENING_TLS = "listening (mutual TLS: pass --tls-dir to check its health)"
 
 
 def print_status(settings: Settings, out=None) -> int:
@@ -37,13 +39,16 @@ def status_lines(settings: Settings) -> tuple[list[str], bool]:
     router, draft, cache = _addresses(settings)
     public = _router_channel(settings, router)
     rows = [("router", router, _health(public))]
-    tls, tls_note = _mesh_tls(settings)
+    tls = _mesh_tls(settings)
     for name, address in (("draft", draft), ("cache", cache)):
         with _internal_channel(address, tls) as channel:
-            rows.append((name, address, _health(channel, tls_note)))
+            state = _health(channel)
+        if state == "UNAVAILABLE" and tls is None and _listening(address):
+            state = LISTENING_TLS  # a mutual-TLS service refuses a plaintext health check
+        rows.append((name, address, state))
     if settings.gateway_port:
         rows.append(("gateway", f"http://{settings.host}:{settings.gateway_port}", _http_health(settings)))
-    ok = all(state in ("SERVING", "ok", "not running") for _, _, state in rows)
+    ok = all(state in ("SERVING", "ok", "not running", LISTENING_TLS) for _, _, state in rows)
     width = max(len(a) for _, a, _ in rows)
     lines = [f"{'service':<8} {'address':<{width}}  state"]
     lines += [f"{name:<8} {address:<{width}}  {state}" for name, address, state in rows]
@@ -89,12 +94,21 @@ def _router_channel(settings: Settings, address: str) -> grpc.Channel:
 
 
 def _mesh_tls(settings: Settings):
-    """Mesh credentials to check internal services with (as the router), or None and a hint."""
+    """Mesh credentials to check internal services with (as the router); None = plaintext."""
     from services.common.builders import mesh_tls
     try:
-        return mesh_tls(settings, "router"), ""
+        return mesh_tls(settings, "router")
     except (ValueError, OSError):
-        return None, " (internal services may need mesh certificates: pass --tls-dir, or --dev)"
+        return None
+
+
+def _listening(address: str) -> bool:
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=TIMEOUT_S):
+            return True
+    except (OSError, ValueError):
+        return False
 
 
 def _internal_channel(address: str, tls) -> grpc.Channel:
@@ -102,13 +116,13 @@ def _internal_channel(address: str, tls) -> grpc.Channel:
     return internal_sync_channel(address, tls)
 
 
-def _health(channel: grpc.Channel, note: str = "") -> str:
+def _health(channel: grpc.Channel) -> str:
     try:
         response = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(),
                                                              timeout=TIMEOUT_S)
         return health_pb2.HealthCheckResponse.ServingStatus.Name(response.status)
     except grpc.RpcError as exc:
-        return f"{exc.code().name}{note if exc.code() == grpc.StatusCode.UNAVAILABLE else ''}"
+        return exc.code().name
 
 
 def _http_health(settings: Settings) -> str:

@@ -94,3 +94,31 @@ def test_every_flag_has_help():
                 yield path, action
     missing = [f"{path} {a.option_strings or a.dest}" for path, a in walk(_parser(), "specmesh") if not a.help]
     assert missing == []
+
+
+def test_serve_gateway_in_front_of_a_running_router(mesh):
+    import json
+    import urllib.request
+
+    from tests.processes import free_port as port_now
+    base, _, _ = mesh
+    port = port_now()
+    proc = subprocess.Popen([*CLI, "serve", "gateway", "--router-address", f"127.0.0.1:{base}",
+                             "--gateway-port", str(port)], stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)
+    try:
+        request = urllib.request.Request(f"http://127.0.0.1:{port}/v1/models",
+                                         headers={"Authorization": "Bearer specmesh-dev-token"})
+        for _ in range(300):
+            try:
+                with urllib.request.urlopen(request, timeout=5) as response:
+                    models = json.loads(response.read())
+                break
+            except OSError:
+                assert proc.poll() is None, proc.stdout.read()
+                time.sleep(0.1)
+        assert [m["id"] for m in models["data"]] == ["default"]
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        out, _ = proc.communicate(timeout=30)
+    assert proc.returncode == 0, out
