@@ -30,6 +30,7 @@ open('/tmp/deps.txt', 'w').write('\n'.join(d for d in deps if d not in torch))" 
 COPY README.md ./
 COPY protos ./protos
 COPY services ./services
+COPY specmesh ./specmesh
 COPY scripts ./scripts
 COPY deploy ./deploy
 RUN pip install --no-deps .
