@@ -1,0 +1,348 @@
+"""specmesh against vLLM's CPU build and Hugging Face `generate`, side by side in one run.
+
+    bash benchmarks/anchors/setup_vllm.sh            # once: vLLM in its own venv
+    python benchmarks/anchors/compare.py             # 3 rounds, 64 tokens, default model
+    python benchmarks/anchors/compare.py --rounds 1 --skip hf
+
+Same nine prompts (14 .. 1,508 tokens) for every system, bf16, greedy, systems interleaved
+within each round, medians over rounds:
+  * single: the nine prompts one after another, decode tok/s ((tokens - 1) / time after the first)
+  * batch18: 18 concurrent requests (the nine prompts twice, max_tokens 16/32/48/64), tok/s in all
+  * cold prefill: TTFT of a ~2,000-token prompt never seen before; cached: the same prompt again
+  * speculation at depth 5 and 10: specmesh prompt lookup vs vLLM n-gram, single-stream tok/s
+specmesh runs through the mesh (router -> target, draft service for speculation), each
+service a `specmesh serve` subprocess (services/common/builders.py assembles them); vLLM is
+its OpenAI server with Intel OpenMP preloaded (one server per speculation setting, started in
+turn). vLLM's worker busy-polls about a second after each request, so every measurement is
+preceded by a pause. Writes JSON + markdown to benchmarks/results/ and prints the table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import grpc
+from tqdm import tqdm
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT))
+
+from services.common.env import DEV_TOKEN  # noqa: E402
+from services.common.proto.specmesh.v1 import common_pb2, router_service_pb2, router_service_pb2_grpc  # noqa: E402
+
+LENGTHS = [14, 40, 90, 180, 300, 500, 750, 1100, 1508]
+PAUSE_S = 1.5  # vLLM's worker busy-polls ~1 s after a request
+PORTS = {"target": 52051, "draft": 52052, "router-off": 52061, "router-5": 52065, "router-10": 52070}
+VLLM_PORT = 52080
+TEXT = (
+    "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a can of oil "
+    "and a notebook in which he wrote the weather, the ships he saw and the state of the lamp. "
+    "def parse(line):\n    key, _, value = line.partition('=')\n    return key.strip(), value.strip()\n"
+    "Summarize the following report in three sentences, keeping every number exact. "
+    "In 1887 the harbour saw 412 ships; in 1888, 455; the storm of March 1889 closed it for 19 days. "
+)
+
+
+def make_prompts(tokenizer) -> list[str]:
+    """Nine prompts of LENGTHS tokens (copy-heavy text, so prompt lookup has something to match)."""
+    ids = tokenizer(TEXT * 80, add_special_tokens=False).input_ids
+    out = []
+    for i, n in enumerate(LENGTHS):
+        start = (i * 37) % 200
+        out.append(tokenizer.decode(ids[start:start + n - 1]))  # + BOS = n tokens
+    return out
+
+
+# ---------------------------------------------------------------- clients
+class Specmesh:
+    def __init__(self, port: int) -> None:
+        self.address = f"127.0.0.1:{port}"
+
+    async def generate(self, prompt: str, max_tokens: int) -> tuple[int, float, float]:
+        """(tokens, seconds to first token, seconds in all)."""
+        async with grpc.aio.insecure_channel(self.address) as channel:
+            stub = router_service_pb2_grpc.RouterServiceStub(channel)
+            req = router_service_pb2.GenerateRequest(
+                prompt=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
+            start, first, n = time.perf_counter(), None, 0
+            async for resp in stub.Generate(req, metadata=(("authorization", f"Bearer {DEV_TOKEN}"),)):
+                if resp.chunk.token_ids:
+                    first = first or time.perf_counter()
+                    n += len(resp.chunk.token_ids)
+            return n, (first or time.perf_counter()) - start, time.perf_counter() - start
+
+
+class VLLM:
+    def __init__(self, port: int, model: str) -> None:
+        self.url, self.model = f"http://127.0.0.1:{port}/v1/completions", model
+
+    async def generate(self, prompt: str, max_tokens: int) -> tuple[int, float, float]:
+        return await asyncio.to_thread(self._generate, prompt, max_tokens)
+
+    def _generate(self, prompt: str, max_tokens: int) -> tuple[int, float, float]:
+        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
+                           "temperature": 0, "stream": True,
+                           "stream_options": {"include_usage": True}}).encode()
+        req = urllib.request.Request(self.url, body, {"Content-Type": "application/json"})
+        start, first, n = time.perf_counter(), None, 0
+        with urllib.request.urlopen(req, timeout=600) as resp:
+            for line in resp:
+                line = line.strip()
+                if not line.startswith(b"data: ") or line == b"data: [DONE]":
+                    continue
+                msg = json.loads(line[6:])
+                if msg.get("choices") and msg["choices"][0].get("text"):
+                    first = first or time.perf_counter()
+                if msg.get("usage"):
+                    n = msg["usage"]["completion_tokens"]
+        return n, (first or time.perf_counter()) - start, time.perf_counter() - start
+
+
+class HF:
+    def __init__(self, model_dir: Path) -> None:
+        import torch
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+        self.torch = torch
+        self.tokenizer = AutoTokenizer.from_pretrained(model_dir)
+        self.model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.bfloat16).eval()
+
+    async def generate(self, prompt: str, max_tokens: int) -> tuple[int, float, float]:
+        ids = self.tokenizer(prompt, return_tensors="pt")
+        start = time.perf_counter()
+        with self.torch.inference_mode():
+            self.model.generate(**ids, max_new_tokens=1, do_sample=False)
+            first = time.perf_counter() - start
+            out = self.model.generate(**ids, max_new_tokens=max_tokens, do_sample=False) if max_tokens > 1 else None
+        n = out.shape[1] - ids.input_ids.shape[1] if out is not None else 1
+        return n, first, time.perf_counter() - start - first  # the second call re-does the prefill
+
+    async def batch(self, prompts: list[str], limits: list[int]) -> float:
+        self.tokenizer.padding_side = "left"
+        enc = self.tokenizer(prompts, return_tensors="pt", padding=True)
+        start = time.perf_counter()
+        with self.torch.inference_mode():
+            out = self.model.generate(**enc, max_new_tokens=max(limits), do_sample=False)
+        new = out[:, enc.input_ids.shape[1]:]
+        useful = sum(min(int((row != self.tokenizer.pad_token_id).sum()), lim) for row, lim in zip(new, limits))
+        return useful / (time.perf_counter() - start)
+
+
+# ---------------------------------------------------------------- scenarios
+async def single(client, prompts: list[str], tokens: int) -> float:
+    """Decode tok/s over the prompts, one at a time: (tokens - 1) / (time after the first token)."""
+    n_sum = t_sum = 0.0
+    for p in prompts:
+        time.sleep(PAUSE_S)
+        n, ttft, total = await client.generate(p, tokens)
+        if isinstance(client, HF):  # total already excludes the first token's prefill
+            n_sum, t_sum = n_sum + n, t_sum + total
+        else:
+            n_sum, t_sum = n_sum + n - 1, t_sum + total - ttft
+    return n_sum / t_sum
+
+
+async def batch18(client, prompts: list[str], tokens: int) -> float:
+    limits = [tokens * (1 + i % 4) // 4 for i in range(18)]
+    reqs = [prompts[i % len(prompts)] for i in range(18)]
+    time.sleep(PAUSE_S)
+    if isinstance(client, HF):
+        return await client.batch(reqs, limits)
+    start = time.perf_counter()
+    results = await asyncio.gather(*(client.generate(p, lim) for p, lim in zip(reqs, limits)))
+    return sum(r[0] for r in results) / (time.perf_counter() - start)
+
+
+async def prefill(client, prompt: str) -> tuple[float, float]:
+    """(cold TTFT, cached TTFT) of one prompt never sent before, then sent again."""
+    time.sleep(PAUSE_S)
+    cold = (await client.generate(prompt, 1))[1]
+    time.sleep(PAUSE_S)
+    cached = (await client.generate(prompt, 1))[1]
+    return cold, cached
+
+
+# ---------------------------------------------------------------- servers
+def start_specmesh(model: str, log_dir: Path) -> list[subprocess.Popen]:
+    env = {**os.environ, "SPECMESH_TOKENS": f"{DEV_TOKEN}=bench", "SPECMESH_METRICS_PORT": "0",
+           "SPECMESH_MODEL": model}
+    cmd = [sys.executable, "-m", "services.cli", "serve"]
+    procs = [subprocess.Popen([*cmd, "draft", "--port", str(PORTS["draft"])], cwd=ROOT, env=env,
+                              stdout=open(log_dir / "draft.log", "w"), stderr=subprocess.STDOUT),
+             subprocess.Popen([*cmd, "target", "--port", str(PORTS["target"]),
+                               "--draft-address", f"127.0.0.1:{PORTS['draft']}"], cwd=ROOT, env=env,
+                              stdout=open(log_dir / "target.log", "w"), stderr=subprocess.STDOUT)]
+    for name, method, depth in (("router-off", "off", 5), ("router-5", "prompt_lookup", 5),
+                                ("router-10", "prompt_lookup", 10)):
+        procs.append(subprocess.Popen(
+            [*cmd, "router", "--port", str(PORTS[name]), "--target-address", f"127.0.0.1:{PORTS['target']}",
+             "--speculation-method", method, "--speculation-depth", str(depth)], cwd=ROOT, env=env,
+            stdout=open(log_dir / f"{name}.log", "w"), stderr=subprocess.STDOUT))
+    return procs
+
+
+def start_vllm(venv: Path, model_dir: Path, depth: int, log_dir: Path) -> subprocess.Popen:
+    py = venv / "bin" / "python"
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    iomp = next(iter((venv / "lib").glob("libiomp5.so")), None)
+    if iomp is not None:
+        env["LD_PRELOAD"] = str(iomp)
+    cmd = [str(py), "-m", "vllm.entrypoints.openai.api_server", "--model", str(model_dir),
+           "--served-model-name", "gemma", "--dtype", "bfloat16", "--port", str(VLLM_PORT),
+           "--max-model-len", "4096", "--max-num-seqs", "32"]
+    if depth:
+        cmd += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": depth,
+                                                    "prompt_lookup_max": 4, "prompt_lookup_min": 2})]
+    return subprocess.Popen(cmd, env=env, stdout=open(log_dir / f"vllm-{depth}.log", "w"),
+                            stderr=subprocess.STDOUT)
+
+
+def wait_http(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}; see its log")
+        try:
+            urllib.request.urlopen(url, timeout=2)
+            return
+        except Exception:
+            time.sleep(2)
+    raise TimeoutError(url)
+
+
+async def wait_grpc(address: str, timeout: float = 600) -> None:
+    client = Specmesh(int(address.rsplit(":", 1)[1]))
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            await client.generate("hello", 1)
+            return
+        except grpc.aio.AioRpcError:
+            await asyncio.sleep(2)
+    raise TimeoutError(address)
+
+
+def stop(procs: list[subprocess.Popen]) -> None:
+    for p in procs:
+        if p.poll() is None:
+            p.terminate()
+    for p in procs:
+        try:
+            p.wait(30)
+        except subprocess.TimeoutExpired:
+            p.kill()
+
+
+# ---------------------------------------------------------------- main
+async def run(args) -> dict:
+    from transformers import AutoTokenizer
+
+    from services.common.models.loading import resolve_model_dir
+    model_dir = resolve_model_dir(args.model, Path.home() / ".cache" / "specmesh" / "models")
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    prompts = make_prompts(tokenizer)[:args.prompts]
+    long_ids = tokenizer(TEXT * 60, add_special_tokens=False).input_ids[:args.prefill_tokens]
+    log_dir = ROOT / "benchmarks" / "results" / "logs"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    res: dict[str, dict[str, list[float]]] = {}
+
+    def note(system: str, metric: str, value: float) -> None:
+        res.setdefault(metric, {}).setdefault(system, []).append(value)
+
+    procs = start_specmesh(args.model, log_dir)
+    hf = HF(model_dir) if "hf" not in args.skip else None
+    try:
+        for name in ("router-off", "router-5", "router-10"):
+            await wait_grpc(f"127.0.0.1:{PORTS[name]}")
+        mesh = {d: Specmesh(PORTS[f"router-{d}" if d else "router-off"]) for d in (0, 5, 10)}
+        phases = [0, 5, 10]
+        total = args.rounds * (3 + 2) + args.rounds * 2 * 2
+        bar = tqdm(total=total, desc="measurements")
+        for depth in phases:
+            vllm_proc = None
+            if "vllm" not in args.skip:
+                vllm_proc = start_vllm(Path(args.vllm_venv).expanduser(), model_dir, depth, log_dir)
+                wait_http(f"http://127.0.0.1:{VLLM_PORT}/health", vllm_proc)
+            vllm = VLLM(VLLM_PORT, "gemma") if vllm_proc else None
+            try:
+                for r in range(args.rounds):
+                    systems = [("vLLM", vllm), ("specmesh", mesh[depth])] + ([("HF", hf)] if depth == 0 else [])
+                    for system, client in systems:
+                        if client is None:
+                            continue
+                        if depth:
+                            note(system, f"spec{depth}", await single(client, prompts, args.tokens))
+                            bar.update(1)
+                            continue
+                        note(system, "single", await single(client, prompts, args.tokens))
+                        note(system, "batch18", await batch18(client, prompts, args.tokens))
+                        text = tokenizer.decode([1000 + 97 * r + len(system)] + long_ids)  # new per round & system
+                        cold, cached = await prefill(client, text)
+                        note(system, "cold_ttft", cold)
+                        note(system, "cached_ttft", cached)
+                        bar.update(1)
+            finally:
+                if vllm_proc:
+                    stop([vllm_proc])
+                    time.sleep(3)
+        bar.close()
+    finally:
+        stop(procs)
+    return {metric: {s: statistics.median(v) for s, v in by.items()} | {"_all": by}
+            for metric, by in res.items()}
+
+
+ROWS = [("single", "single-stream decode, tok/s", True), ("batch18", "18 concurrent requests, tok/s in all", True),
+        ("cold_ttft", "cold prefill of a ~2,000-token prompt, TTFT s", False),
+        ("cached_ttft", "cached prefix, same prompt, TTFT s", False),
+        ("spec5", "speculation depth 5 (specmesh prompt lookup / vLLM n-gram), tok/s", True),
+        ("spec10", "speculation depth 10, tok/s", True)]
+
+
+def table(result: dict) -> str:
+    lines = ["| | vLLM | specmesh (through the mesh) | HF `generate` |", "|---|---|---|---|"]
+    for key, label, higher in ROWS:
+        m = result.get(key, {})
+        v, s, h = m.get("vLLM"), m.get("specmesh"), m.get("HF")
+        ratio = ""
+        if v and s:
+            ratio = f" ({s / v:.2f}x)" if higher else f" ({v / s:.2f}x vLLM's speed)"
+        fmt = (lambda x: "—" if x is None else (f"{x:.1f}" if higher else f"{x:.3f}"))
+        lines.append(f"| {label} | {fmt(v)} | {fmt(s)}{ratio} | {fmt(h)} |")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--prompts", type=int, default=9, help="how many of the nine prompts (single-stream runs)")
+    parser.add_argument("--prefill-tokens", type=int, default=2000)
+    parser.add_argument("--skip", nargs="*", default=[], choices=["vllm", "hf"])
+    parser.add_argument("--vllm-venv", default=os.environ.get("SPECMESH_VLLM_VENV",
+                                                             "~/.cache/specmesh/vllm-venv"))
+    args = parser.parse_args()
+    result = asyncio.run(run(args))
+    md = table(result)
+    load = os.getloadavg()
+    header = (f"model={args.model} bf16 greedy tokens={args.tokens} rounds={args.rounds} prompts={args.prompts} "
+              f"(medians); load average during the run ended at {load[0]:.1f} on {os.cpu_count()} cores")
+    out = ROOT / "benchmarks" / "results"
+    stamp = time.strftime("%Y%m%d-%H%M%S")
+    (out / f"compare-{stamp}.json").write_text(json.dumps({"args": vars(args), "result": result}, indent=1))
+    (out / f"compare-{stamp}.md").write_text(header + "\n\n" + md + "\n")
+    print(header)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()
