@@ -25,7 +25,8 @@ def test_up_serves_all_four_and_generate_prints_text():
     prepare_default_model(Path(settings.model_cache).expanduser() / "gemma-3-270m", progress=False)
     base = free_port_run(4)
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
-    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--base-port", str(base)],
+    up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--base-port", str(base),
+                           "--gateway-port", "0"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         addresses = [f"127.0.0.1:{base + i}" for i in range(4)]

@@ -23,7 +23,7 @@ def test_up_with_two_replicas_routes_over_both(tiny_llama_dir):
     up = subprocess.Popen([sys.executable, "-m", "services.cli", "up", "--port", str(base), "--dev",
                            "--model", str(tiny_llama_dir), "--dtype", "float32", "--replicas", "2",
                            "--replica-policy", "round_robin", "--speculation-method", "off",
-                           "--metrics-base-port", "0", "--num-blocks", "256"],
+                           "--metrics-base-port", "0", "--num-blocks", "256", "--gateway-port", "0"],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         addresses = [f"127.0.0.1:{base + i}" for i in range(5)]
