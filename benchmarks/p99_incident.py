@@ -88,6 +88,8 @@ async def main() -> None:
         qps = args.qps or await calibrate(target.address, items, args)
         results = {}
         for arm, plan in ARMS.items():
+            if args.arms and arm not in args.arms:
+                continue
             results[arm] = await run_arm(target.address, items, plan, qps, args)
             print(_line(arm, results[arm]), flush=True)
     finally:
@@ -134,16 +136,18 @@ async def _serve(address: str, items, plan: dict, schedule, args, warmup=None):
 def write(results: dict, qps: float, args) -> None:
     docs = ROOT / "docs"
     docs.mkdir(exist_ok=True)
-    (docs / "p99_incident.json").write_text(json.dumps(
+    name = f"p99_incident{args.tag}"
+    (docs / f"{name}.json").write_text(json.dumps(
         {"qps": qps, "args": vars(args), "arms": {a: {k: v for k, v in r.items() if k != "requests"}
                                                   for a, r in results.items()}}, indent=1))
-    (docs / "p99_incident.md").write_text(markdown(results, qps, args))
-    plot(results, docs / "p99_incident.png", qps, args)
-    print(f"wrote {docs / 'p99_incident.md'} and {docs / 'p99_incident.png'}")
+    (docs / f"{name}.md").write_text(markdown(results, qps, args))
+    if "off" in results:
+        plot(results, docs / f"{name}.png", qps, args)
+    print(f"wrote {docs / name}.md")
 
 
 def markdown(results: dict, qps: float, args) -> str:
-    off = results["off"]["summary"]
+    off = results["off"]["summary"] if "off" in results else next(iter(results.values()))["summary"]
     load = f"{args.load:.0%} of measured capacity" if args.qps is None else "given with --qps"
     lines = [f"# P99 incident: model `{args.model}`, {qps:.3f} req/s ({load}), "
              f"{args.num_requests} requests per arm after {args.warmup} warm-up, seed {args.seed}", "",
@@ -214,6 +218,8 @@ def _args():
     p.add_argument("--depth", type=int, default=5, help="fixed arm's draft depth (adaptive: its start)")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--arms", nargs="*", help="run only these arms (off fixed adaptive)")
+    p.add_argument("--tag", default="", help="suffix of the output files (docs/p99_incident<tag>.*)")
     return p.parse_args()
 
 
