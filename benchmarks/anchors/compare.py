@@ -174,7 +174,7 @@ async def prefill(client, prompt: str) -> tuple[float, float]:
 def start_specmesh(model: str, log_dir: Path) -> list[subprocess.Popen]:
     env = {**os.environ, "SPECMESH_TOKENS": f"{DEV_TOKEN}=bench", "SPECMESH_METRICS_PORT": "0",
            "SPECMESH_MODEL": model}
-    cmd = [sys.executable, "-m", "services.cli", "serve"]
+    cmd = [sys.executable, "-m", "services.cli", "serve", "--dev"]  # plaintext on loopback
     procs = [subprocess.Popen([*cmd, "draft", "--port", str(PORTS["draft"])], cwd=ROOT, env=env,
                               stdout=open(log_dir / "draft.log", "w"), stderr=subprocess.STDOUT),
              subprocess.Popen([*cmd, "target", "--port", str(PORTS["target"]),
@@ -218,10 +218,12 @@ def wait_http(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
     raise TimeoutError(url)
 
 
-async def wait_grpc(address: str, timeout: float = 600) -> None:
+async def wait_grpc(address: str, procs: list[subprocess.Popen], timeout: float = 600) -> None:
     client = Specmesh(int(address.rsplit(":", 1)[1]))
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
+        if any(p.poll() is not None for p in procs):
+            raise RuntimeError("a specmesh service exited; see benchmarks/results/logs/")
         try:
             await client.generate("hello", 1)
             return
@@ -261,7 +263,7 @@ async def run(args) -> dict:
     hf = HF(model_dir) if "hf" not in args.skip else None
     try:
         for name in ("router-off", "router-5", "router-10"):
-            await wait_grpc(f"127.0.0.1:{PORTS[name]}")
+            await wait_grpc(f"127.0.0.1:{PORTS[name]}", procs)
         mesh = {d: Specmesh(PORTS[f"router-{d}" if d else "router-off"]) for d in (0, 5, 10)}
         phases = [0, 5, 10]
         total = args.rounds * (3 + 2) + args.rounds * 2 * 2
@@ -293,6 +295,7 @@ async def run(args) -> dict:
                 if vllm_proc:
                     stop([vllm_proc])
                     time.sleep(3)
+            (log_dir / "partial.json").write_text(json.dumps(res, indent=1))  # survives an interrupted run
         bar.close()
     finally:
         stop(procs)
