@@ -202,11 +202,16 @@ class Routing:
         prompt_tokens = len(ids) if ids is not None else pool.estimate_tokens(req.text)
         cached = decision.cached.get(pool.name, {})
         tried: set[str] = set()
+        failure: UpstreamError | None = None
         for try_number in range(2):
             replica = pool.replicas.choose(prompt_tokens, cached, exclude=tried)
             if replica is None:
+                if failure is not None:
+                    raise failure  # no other replica to retry on: the caller sees the real error
                 raise UpstreamError(grpc.StatusCode.UNAVAILABLE,
                                     f"no healthy replica in pool {pool.name!r}")
+            if failure is not None:
+                route_metrics.add(route_metrics.RETRIES, {"specmesh.pool": pool.name})
             tried.add(replica.address)
             attempt.replica, attempt.retried = replica.address, try_number > 0
             attempt.held.clear()  # a held answer that failed midway is dropped whole
@@ -224,7 +229,7 @@ class Routing:
                     raise
                 if exc.code is not grpc.StatusCode.RESOURCE_EXHAUSTED:
                     pool.replicas.mark_failed(replica)
-                route_metrics.add(route_metrics.RETRIES, {"specmesh.pool": pool.name})
+                failure = exc
 
     async def _call(self, pool: Pool, replica: Replica, req: RouteRequest, deadline: float,
                     prompt_tokens: int, attempt: _Attempt, hold: bool):
