@@ -47,6 +47,7 @@ _FILTERED_RPCS = (
     "/specmesh.v1.DraftService/ProposeStream",
     "/specmesh.v1.DraftService/Release",
     "/specmesh.v1.TargetService/SubscribeKVEvents",
+    "/specmesh.v1.TargetService/GetStats",  # the router polls every replica each second
 )
 # Health checks and reflection are polled constantly; tracing them is noise.
 _TRACE_FILTER = filters.negate(filters.any_of(

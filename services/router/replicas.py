@@ -17,6 +17,7 @@ Replica choice (`choose`), per `policy`:
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import logging
 import socket
 import time
@@ -163,7 +164,8 @@ class ReplicaSet:
 
     def refresh(self, replica: Replica) -> None:
         """Re-reads one replica's stats soon (after a request finished there), not waiting for it."""
-        task = asyncio.get_running_loop().create_task(replica.check(CHECK_TIMEOUT_S, EJECT_AFTER_SLOW_CHECKS))
+        task = asyncio.get_running_loop().create_task(  # not part of the request's trace
+            replica.check(CHECK_TIMEOUT_S, EJECT_AFTER_SLOW_CHECKS), context=contextvars.Context())
         self._refreshes.add(task)
         task.add_done_callback(self._refreshes.discard)
 
@@ -173,7 +175,7 @@ class ReplicaSet:
 
     async def start(self) -> None:
         await self.poll_once()
-        self._task = asyncio.get_running_loop().create_task(self._poll_forever())
+        self._task = asyncio.get_running_loop().create_task(self._poll_forever(), context=contextvars.Context())
 
     async def poll_once(self) -> None:
         await self._resolve()

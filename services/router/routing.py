@@ -253,7 +253,7 @@ class Routing:
                     attempt.final = chunk
                     _observe_tpot(pool, first_at, chunk.usage.completion_tokens)
                     if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
-                        return  # the final message goes out with the route record (see _final)
+                        continue  # goes out with the route record (_final); the stream ends here
                 out = router_service_pb2.GenerateResponse(chunk=chunk)
                 if hold:
                     attempt.held.append(out)

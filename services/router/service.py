@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import contextvars
 import uuid
 from collections.abc import Callable
 
@@ -183,8 +184,9 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
     async def start(self) -> None:
         """One health/stats poll of every replica and the pools' tokenizers, then polls go on
         in the background (once; also on the first request if the server did not call it)."""
-        if self._routing_started is None:
-            self._routing_started = asyncio.ensure_future(self.routing.start())
+        if self._routing_started is None:  # in its own context: not part of a request's trace
+            self._routing_started = asyncio.get_running_loop().create_task(
+                self.routing.start(), context=contextvars.Context())
         await asyncio.shield(self._routing_started)
 
     async def _decide(self, route_request: RouteRequest, context) -> Decision:
