@@ -1,0 +1,46 @@
+"""Replica choice inside a pool, exact picks per policy (no servers: stats set by hand)."""
+
+from __future__ import annotations
+
+import grpc
+
+from services.router.replicas import ReplicaSet, ReplicaStats
+
+ADDRESSES = ("r0:1", "r1:1", "r2:1")
+
+
+def _set(policy: str, queued=(0, 0, 0), cached_blocks=(0, 0, 0)) -> ReplicaSet:
+    replicas = ReplicaSet(ADDRESSES, lambda a: grpc.aio.insecure_channel(a), policy)
+    for r, q, c in zip(replicas.replicas, queued, cached_blocks):
+        r.stats = ReplicaStats(queued_tokens=q, num_blocks=100, free_blocks=100, cached_blocks=c)
+    return replicas
+
+
+async def test_kv_aware_trades_cached_prefix_against_load():
+    replicas = _set("kv_aware", queued=(0, 300, 0))
+    # r1 holds 400 of 500 prompt tokens and has 300 queued: 100 uncached + 300 = 400 < 500 elsewhere.
+    assert replicas.choose(500, {"r1:1": 400}).address == "r1:1"
+    # With 450 queued it no longer pays: 100 + 450 = 550 > 500 on r0 / r2.
+    replicas.get("r1:1").stats.queued_tokens = 450
+    assert replicas.choose(500, {"r1:1": 400}).address in ("r0:1", "r2:1")
+    # Router-side in-flight work counts as load before the next stats poll.
+    replicas.get("r1:1").stats.queued_tokens = 0
+    replicas.get("r1:1").in_flight_tokens = 450
+    assert replicas.choose(500, {"r1:1": 400}).address != "r1:1"
+
+
+async def test_kv_aware_ties_go_to_the_replica_with_least_cached_kv():
+    replicas = _set("kv_aware", cached_blocks=(60, 10, 30))
+    assert [replicas.choose(100, {}).address for _ in range(3)] == ["r1:1"] * 3
+
+
+async def test_least_loaded_and_round_robin_and_exclusion():
+    replicas = _set("least_loaded", queued=(50, 10, 20))
+    assert replicas.choose(100, {"r0:1": 100}).address == "r1:1"  # cached prefixes are ignored
+    assert replicas.choose(100, {}, exclude={"r1:1"}).address == "r2:1"
+    rr = _set("round_robin")
+    assert [rr.choose(1, {}).address for _ in range(4)] == ["r0:1", "r1:1", "r2:1", "r0:1"]
+    assert rr.choose(1, {}, peek=True).address == "r1:1" == rr.choose(1, {}).address  # peek takes no turn
+    rr.mark_failed(rr.get("r2:1"))
+    assert sorted(rr.choose(1, {}).address for _ in range(2)) == ["r0:1", "r1:1"]  # ejected: skipped
+    assert rr.choose(1, {}, exclude={"r0:1", "r1:1"}) is None
