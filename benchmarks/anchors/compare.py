@@ -191,7 +191,9 @@ def start_specmesh(model: str, log_dir: Path) -> list[subprocess.Popen]:
 
 def start_vllm(venv: Path, model_dir: Path, depth: int, log_dir: Path) -> subprocess.Popen:
     py = venv / "bin" / "python"
-    env = {**os.environ, "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "2"}
+    # Two OpenMP threads bound to cores 0-1 (its default binds one core and reserves the other).
+    env = {**os.environ, "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "2",
+           "VLLM_CPU_OMP_THREADS_BIND": "0-1"}
     iomp = next(iter((venv / "lib").glob("libiomp5.so")), None)
     if iomp is not None:
         env["LD_PRELOAD"] = str(iomp)
