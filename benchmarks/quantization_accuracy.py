@@ -29,6 +29,7 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=9)
+    parser.add_argument("--weights", nargs="+", default=["fp16", "int8"], choices=["fp16", "int8"])
     args = parser.parse_args()
     model_dir = resolve_model_dir(args.model, Path.home() / ".cache" / "specmesh" / "models")
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -40,7 +41,7 @@ def main() -> None:
             out = ref.generate(ids, max_new_tokens=args.tokens, do_sample=False)[0].tolist()
             sequences.append(out)
             skips.append(ids.shape[1] - 1)
-    for weights in ("fp16", "int8"):
+    for weights in args.weights:
         test = copy.deepcopy(ref)
         prepack_linears(test, weights)
         results = [greedy_agreement(ref, test, [s], skip=k) for s, k in zip(sequences, skips)]
