@@ -134,10 +134,6 @@ class Speculator:
                 fixed.append((seq, depth))
         if not aware:
             return fixed
-        if any(item.num_tokens > 1 or not item.samples for item in batch):
-            # A step that prefills a newly admitted request: its TTFT would pay for every
-            # draft token verified beside it, so load-aware sequences decode plainly.
-            return fixed
         alphas = [sequence_alpha(s.spec.proposed, s.spec.accepted) for s, _ in aware]
         for seq, depth in fixed:  # fixed plans are part of the step's load as asked
             plain_tokens += 1 + depth
