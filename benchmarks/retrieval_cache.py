@@ -25,8 +25,8 @@ from services.cache.config import CacheConfig
 from services.cache.identity import caller_metadata
 from services.common.env import read_settings
 from services.common.models.loading import resolve_model_dir
-from services.common.proto.specmesh.v1 import cache_service_pb2 as cpb
-from services.common.proto.specmesh.v1 import (
+from specmesh.proto.v1 import cache_service_pb2 as cpb
+from specmesh.proto.v1 import (
     cache_service_pb2_grpc,
     common_pb2,
     target_service_pb2,
@@ -93,7 +93,7 @@ class Setup:
                                    for r in reply.documents], question)
         else:
             prompt = score_order_prompt(reply, question)
-        request = target_service_pb2.TargetGenerateRequest(
+        request = target_service_pb2.TargetServiceGenerateRequest(
             prompt=prompt, tenant_salt="bench", sampling=common_pb2.SamplingParams(max_tokens=1))
         first = None
         async for response in self.target_stub.Generate(request):

@@ -34,7 +34,7 @@ from services.cache.config import CacheConfig
 from services.common.env import read_settings
 from services.common.mesh_config import MeshConfig, PoolConfig, TenantConfig
 from services.common.models.loading import resolve_model_dir
-from services.common.proto.specmesh.v1 import common_pb2, router_service_pb2, router_service_pb2_grpc
+from specmesh.proto.v1 import common_pb2, router_service_pb2, router_service_pb2_grpc
 from services.common.server import GrpcServer, ServerConfig
 from services.router.config import RouterConfig
 from services.router.service import SERVICE_NAME, RouterService, add_to_server

@@ -29,7 +29,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.mes
 
 from services.common.env import read_settings
 from services.common.models.loading import resolve_model_dir
-from services.common.proto.specmesh.v1 import router_service_pb2_grpc
+from specmesh.proto.v1 import router_service_pb2_grpc
 from services.common.server import ServerConfig
 from services.router.app import build_router_server
 from services.router.config import RouterConfig

@@ -21,7 +21,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.env import Settings
-from services.common.proto.specmesh.v1 import router_service_pb2, router_service_pb2_grpc
+from specmesh.proto.v1 import router_service_pb2, router_service_pb2_grpc
 
 TIMEOUT_S = 3.0
 LISTENING_TLS = "listening (mutual TLS: pass --tls-dir to check its health)"

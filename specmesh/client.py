@@ -28,7 +28,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common.proto.specmesh.v1 import common_pb2, router_service_pb2, router_service_pb2_grpc
+from specmesh.proto.v1 import common_pb2, router_service_pb2, router_service_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import grpc
 
-from services.common.proto.specmesh.v1 import (
+from specmesh.proto.v1 import (
     common_pb2,
     router_service_pb2,
     router_service_pb2_grpc,

@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 
 from services.common.mesh_config import MeshConfig
-from services.common.proto.specmesh.v1 import (
+from specmesh.proto.v1 import (
     cache_service_pb2,
     cache_service_pb2_grpc,
     router_service_pb2_grpc,

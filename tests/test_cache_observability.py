@@ -10,8 +10,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from services.cache.app import build_cache_server
 from services.cache.config import CacheConfig
 from services.cache.identity import caller_metadata
-from services.common.proto.specmesh.v1 import cache_service_pb2 as pb
-from services.common.proto.specmesh.v1 import cache_service_pb2_grpc
+from specmesh.proto.v1 import cache_service_pb2 as pb
+from specmesh.proto.v1 import cache_service_pb2_grpc
 from services.common.telemetry import serve_metrics
 
 A = caller_metadata("tenant-a")

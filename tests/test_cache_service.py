@@ -15,8 +15,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from services.cache.app import build_cache_server
 from services.cache.config import CacheConfig, RedisEndpoint
 from services.cache.identity import caller_metadata
-from services.common.proto.specmesh.v1 import cache_service_pb2 as pb
-from services.common.proto.specmesh.v1 import cache_service_pb2_grpc
+from specmesh.proto.v1 import cache_service_pb2 as pb
+from specmesh.proto.v1 import cache_service_pb2_grpc
 from tests.processes import free_port
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
@@ -56,10 +56,10 @@ class Client:
             await self.server.stop(0)
 
     async def put(self, kind, key, value: bytes, ttl: int = 60):
-        await self.stub.Put(pb.CachePutRequest(kind=kind, key=key, value=value, ttl_seconds=ttl))
+        await self.stub.Put(pb.CacheServicePutRequest(kind=kind, key=key, value=value, ttl_seconds=ttl))
 
     async def get(self, kind, key) -> bytes | None:
-        response = await self.stub.Get(pb.CacheGetRequest(kind=kind, key=key))
+        response = await self.stub.Get(pb.CacheServiceGetRequest(kind=kind, key=key))
         return response.value if response.found else None
 
 
@@ -103,7 +103,7 @@ async def test_round_trip_and_miss(cache):
     assert await cache.get(TOOL, "weather(Paris)") == value
     assert await cache.get(TOOL, "weather(Rome)") is None
     await cache.put(TOOL, "weather(Paris)", b"")  # overwrite; an empty value is a hit
-    response = await cache.stub.Get(pb.CacheGetRequest(kind=TOOL, key="weather(Paris)"))
+    response = await cache.stub.Get(pb.CacheServiceGetRequest(kind=TOOL, key="weather(Paris)"))
     assert response.found and response.value == b""
 
 
@@ -140,7 +140,7 @@ BAD_PUTS = {
 @pytest.mark.parametrize("name", list(BAD_PUTS))
 async def test_bad_put_is_invalid_argument_and_stores_nothing(cache, name):
     fields, text = BAD_PUTS[name]
-    await expect_status(cache.stub.Put(pb.CachePutRequest(**fields)), INVALID, text)
+    await expect_status(cache.stub.Put(pb.CacheServicePutRequest(**fields)), INVALID, text)
     assert await cache.get(TOOL, "k") is None
     await cache.put(TOOL, "k", b"v" * 1024, ttl=86400)  # the limits themselves are fine
     assert await cache.get(TOOL, "k") == b"v" * 1024
@@ -149,7 +149,7 @@ async def test_bad_put_is_invalid_argument_and_stores_nothing(cache, name):
 @pytest.mark.parametrize("kind,key,text", [(TOOL, "", "key is empty"),
                                            (pb.CACHE_KIND_UNSPECIFIED, "k", "CACHE_KIND_UNSPECIFIED")])
 async def test_bad_get_is_invalid_argument(cache, kind, key, text):
-    await expect_status(cache.stub.Get(pb.CacheGetRequest(kind=kind, key=key)), INVALID, text)
+    await expect_status(cache.stub.Get(pb.CacheServiceGetRequest(kind=kind, key=key)), INVALID, text)
     assert await cache.get(TOOL, "k") is None  # still serving
 
 
@@ -160,7 +160,7 @@ async def test_tenants_are_separate_and_identity_is_required(cache):
         await other.put(TOOL, "k", b"b's value")
     assert await cache.get(TOOL, "k") == b"a's value"
     async with Client(None, tenant=None, server=cache.server) as anonymous:
-        await expect_status(anonymous.stub.Get(pb.CacheGetRequest(kind=TOOL, key="k")),
+        await expect_status(anonymous.stub.Get(pb.CacheServiceGetRequest(kind=TOOL, key="k")),
                             grpc.StatusCode.UNAUTHENTICATED, "specmesh-tenant")
 
 
@@ -194,12 +194,12 @@ async def test_redis_down_is_unavailable():
     config = CacheConfig(backend="redis", redis_url=f"redis://127.0.0.1:{free_port()}/0",
                          backend_timeout_seconds=1.0)
     async with Client(config) as cache:
-        await expect_status(cache.stub.Get(pb.CacheGetRequest(kind=TOOL, key="k")),
+        await expect_status(cache.stub.Get(pb.CacheServiceGetRequest(kind=TOOL, key="k")),
                             grpc.StatusCode.UNAVAILABLE, "cache backend unavailable")
-        await expect_status(cache.stub.Put(pb.CachePutRequest(kind=TOOL, key="k", value=b"v", ttl_seconds=5)),
+        await expect_status(cache.stub.Put(pb.CacheServicePutRequest(kind=TOOL, key="k", value=b"v", ttl_seconds=5)),
                             grpc.StatusCode.UNAVAILABLE, "cache backend unavailable")
         # Bad input is still INVALID_ARGUMENT, checked before the backend is asked.
-        await expect_status(cache.stub.Put(pb.CachePutRequest(kind=TOOL, key="k", ttl_seconds=0)), INVALID)
+        await expect_status(cache.stub.Put(pb.CacheServicePutRequest(kind=TOOL, key="k", ttl_seconds=0)), INVALID)
 
 
 # ---- server plumbing and config ---------------------------------------------------------------

@@ -11,7 +11,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 
 from services.common.models.chat_templates import end_of_turn_ids
 from services.common.models.tiny import TINY_VOCAB_SIZE, build_tiny_model
-from services.common.proto.specmesh.v1 import common_pb2, router_service_pb2
+from specmesh.proto.v1 import common_pb2, router_service_pb2
 from tests.mesh import collect, start_mesh
 
 END_OF_TURN = TINY_VOCAB_SIZE + 1

@@ -11,7 +11,7 @@ import time
 import grpc
 import pytest
 
-from services.common.proto.specmesh.v1 import common_pb2, router_service_pb2, router_service_pb2_grpc
+from specmesh.proto.v1 import common_pb2, router_service_pb2, router_service_pb2_grpc
 from specmesh.client import AsyncClient, Client, RetryPolicy
 from tests.mesh import TOKEN_A, collect, request, start_mesh
 

@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from services.common.proto.specmesh.v1 import common_pb2
+from specmesh.proto.v1 import common_pb2
 from services.draft.proposers import (
     DraftModel,
     DraftModelProposer,

@@ -9,7 +9,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.proto.specmesh.v1 import (
+from specmesh.proto.v1 import (
     common_pb2,
     draft_service_pb2,
     draft_service_pb2_grpc,

@@ -8,7 +8,7 @@ import asyncio
 import grpc
 import pytest
 
-from services.common.proto.specmesh.v1 import target_service_pb2
+from specmesh.proto.v1 import target_service_pb2
 from tests.mesh import AUTH_A, AUTH_B, collect, request, start_mesh
 from tests.test_mesh_generate import hf_greedy
 

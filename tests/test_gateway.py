@@ -9,7 +9,7 @@ import pytest
 import pytest_asyncio
 
 from services.common.models.tiny import build_tiny_model
-from services.common.proto.specmesh.v1 import common_pb2, router_service_pb2
+from specmesh.proto.v1 import common_pb2, router_service_pb2
 from services.gateway.app import Gateway, GatewayConfig
 from services.gateway.openai_api import grpc_error
 from tests.mesh import TOKEN_A, collect, start_mesh

@@ -9,7 +9,7 @@ tokens, so equal work means no timing side channel from the prefix cache.
 
 from __future__ import annotations
 
-from services.common.proto.specmesh.v1 import target_service_pb2
+from specmesh.proto.v1 import target_service_pb2
 from tests.mesh import AUTH_A, AUTH_B, collect, request, start_mesh
 
 PROMPT = "The quarterly report of a confidential project says that the numbers are " * 4

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.common.proto.specmesh.v1 import common_pb2, draft_service_pb2
+from specmesh.proto.v1 import common_pb2, draft_service_pb2
 from services.common.server import GrpcServer, ServerConfig
 from services.draft.config import DraftConfig
 from services.draft.service import SERVICE_NAME, DraftService, add_to_server

@@ -10,7 +10,7 @@ import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.errors import details_of
-from services.common.proto.specmesh.v1 import (
+from specmesh.proto.v1 import (
     common_pb2,
     router_service_pb2,
     target_service_pb2,
@@ -103,11 +103,11 @@ async def test_overload_carries_retry_info(tiny_llama_dir):
     mesh = await start_mesh(tiny_llama_dir, max_num_seqs=1, max_queued_requests=0)
     try:
         stub = mesh.target_stub()
-        first = stub.Generate(target_service_pb2.TargetGenerateRequest(
+        first = stub.Generate(target_service_pb2.TargetServiceGenerateRequest(
             request_id="busy", prompt="keep the engine busy",
             sampling=common_pb2.SamplingParams(max_tokens=200)))
         await first.read()  # admitted and streaming
-        error = await _code_of(stub.Generate(target_service_pb2.TargetGenerateRequest(
+        error = await _code_of(stub.Generate(target_service_pb2.TargetServiceGenerateRequest(
             request_id="extra", prompt="one more", sampling=common_pb2.SamplingParams(max_tokens=2))))
         assert error.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         details = details_of(error)
@@ -123,7 +123,7 @@ async def test_duplicate_request_id_is_refused_and_the_original_keeps_streaming(
     stub = mesh.target_stub()
 
     def generate(max_tokens):
-        return stub.Generate(target_service_pb2.TargetGenerateRequest(
+        return stub.Generate(target_service_pb2.TargetServiceGenerateRequest(
             request_id="same-id", prompt="The original request", tenant_salt="t",
             sampling=common_pb2.SamplingParams(max_tokens=max_tokens)), timeout=60)
     original = generate(40)

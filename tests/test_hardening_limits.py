@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 from services.common.errors import details_of
 from services.common.limits import DEFAULT_MAX_PROMPT_BYTES, RequestLimits
-from services.common.proto.specmesh.v1 import common_pb2, target_service_pb2
+from specmesh.proto.v1 import common_pb2, target_service_pb2
 from services.target.stop_matcher import StopMatcher
 from tests.mesh import AUTH_B, collect, request, start_mesh
 
@@ -69,7 +69,7 @@ async def test_target_refuses_oversized_input_before_tokenizing(mesh):
     stub = mesh.target_stub()
     for prompt, stop, field in (("z" * 4001, [], "prompt"), ("ok", ["a"] * 17, "sampling.stop"),
                                 ("ok", ["b" * 257], "sampling.stop[0]")):
-        error = await _error(stub.Generate(target_service_pb2.TargetGenerateRequest(
+        error = await _error(stub.Generate(target_service_pb2.TargetServiceGenerateRequest(
             prompt=prompt, sampling=common_pb2.SamplingParams(max_tokens=2, stop=stop))))
         assert error.code() == grpc.StatusCode.INVALID_ARGUMENT
         assert _fields(error) == [field]

@@ -12,7 +12,7 @@ import contextlib
 import threading
 
 
-from services.common.proto.specmesh.v1 import common_pb2
+from specmesh.proto.v1 import common_pb2
 from services.common.sampling_params import SamplingConfig
 from services.target.block_manager import block_hash
 from services.target.config import EngineConfig

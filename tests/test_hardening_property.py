@@ -16,7 +16,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
-from services.common.proto.specmesh.v1 import common_pb2, router_service_pb2
+from specmesh.proto.v1 import common_pb2, router_service_pb2
 from tests.mesh import AUTH_A, AUTH_B, collect, request, start_mesh
 
 FORBIDDEN = {grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN}

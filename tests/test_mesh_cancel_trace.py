@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
-from services.common.proto.specmesh.v1 import target_service_pb2
+from specmesh.proto.v1 import target_service_pb2
 from tests.mesh import AUTH_A, collect, request, start_mesh
 from tests.test_mesh_generate import hf_greedy
 

@@ -37,7 +37,7 @@ async def test_bad_requests_get_invalid_argument_and_the_server_keeps_serving(ti
         again, _, _ = await collect(mesh.router_stub, request("hello there", max_tokens=8))
         assert again == good
         stats = await mesh.target_stub().GetStats(__import__(
-            "services.common.proto.specmesh.v1.target_service_pb2", fromlist=["x"]).GetStatsRequest())
+            "specmesh.proto.v1.target_service_pb2", fromlist=["x"]).GetStatsRequest())
         assert stats.free_blocks == stats.num_blocks
     finally:
         await mesh.stop()
@@ -74,7 +74,7 @@ async def test_target_down_is_unavailable(tiny_llama_dir):
 async def test_expired_deadline_is_deadline_exceeded_and_frees_the_request(tiny_llama_dir):
     import asyncio
 
-    from services.common.proto.specmesh.v1 import target_service_pb2
+    from specmesh.proto.v1 import target_service_pb2
     mesh = await start_mesh(tiny_llama_dir)
     try:
         with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -114,7 +114,7 @@ async def test_target_dying_mid_stream_ends_the_stream_with_an_error_not_ok(tiny
     ("prompt", ""), ("max_tokens", 0), ("temperature", math.nan), ("top_p", 2.0), ("top_k", -2),
 ])
 async def test_target_called_directly_validates_too(tiny_llama_dir, field, value):
-    from services.common.proto.specmesh.v1 import common_pb2, target_service_pb2
+    from specmesh.proto.v1 import common_pb2, target_service_pb2
     mesh = await start_mesh(tiny_llama_dir)
     try:
         sampling = common_pb2.SamplingParams(max_tokens=4)
@@ -123,7 +123,7 @@ async def test_target_called_directly_validates_too(tiny_llama_dir, field, value
             prompt = value
         else:
             setattr(sampling, field, value)
-        req = target_service_pb2.TargetGenerateRequest(request_id="direct", prompt=prompt, sampling=sampling)
+        req = target_service_pb2.TargetServiceGenerateRequest(request_id="direct", prompt=prompt, sampling=sampling)
         with pytest.raises(grpc.aio.AioRpcError) as info:
             async for _ in mesh.target_stub().Generate(req):
                 pass

@@ -11,7 +11,7 @@ import grpc
 from prometheus_client.parser import text_string_to_metric_families
 
 from services.common import metrics as m
-from services.common.proto.specmesh.v1 import cache_service_pb2, cache_service_pb2_grpc, target_service_pb2
+from specmesh.proto.v1 import cache_service_pb2, cache_service_pb2_grpc, target_service_pb2
 from services.common.server import ServerConfig
 from services.common.telemetry import serve_metrics
 from services.target.metrics import exported_gauges

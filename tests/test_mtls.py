@@ -17,7 +17,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.cache.app import build_cache_server
 from services.cache.config import CacheConfig
-from services.common.proto.specmesh.v1 import (
+from specmesh.proto.v1 import (
     cache_service_pb2,
     cache_service_pb2_grpc,
     common_pb2,
@@ -211,7 +211,7 @@ async def test_cache_serves_the_router_and_refuses_the_rest(certs, other_certs):
     await server.start()
     tenant = (("specmesh-tenant", "tenant-a"),)
     try:
-        get = cache_service_pb2.CacheGetRequest(kind=cache_service_pb2.CACHE_KIND_TOOL, key="k")
+        get = cache_service_pb2.CacheServiceGetRequest(kind=cache_service_pb2.CACHE_KIND_TOOL, key="k")
         for what, credentials in _callers(certs, other_certs).items():
             async with _channel(server.address, credentials) as channel:
                 with pytest.raises(grpc.aio.AioRpcError) as info:
@@ -247,7 +247,7 @@ async def test_tiny_mesh_over_mutual_tls_generates_and_speculates_and_refuses_ou
                 with pytest.raises(grpc.aio.AioRpcError) as info:
                     await target_service_pb2_grpc.TargetServiceStub(channel).GetStats(stats, timeout=5)
                 assert info.value.code() == UNAVAILABLE, what
-        generate = target_service_pb2.TargetGenerateRequest(
+        generate = target_service_pb2.TargetServiceGenerateRequest(
             request_id="direct", prompt="hello", tenant_salt="someone-else",
             sampling=common_pb2.SamplingParams(max_tokens=2))
         for identity in ("gateway", "draft", "cache"):

@@ -12,8 +12,8 @@ from services.cache.app import build_cache_server
 from services.cache.config import CacheConfig
 from services.cache.prefix_index import PrefixIndex
 from services.common.block_hash import chained_block_hashes, extra_key
-from services.common.proto.specmesh.v1 import cache_service_pb2 as pb
-from services.common.proto.specmesh.v1 import (
+from specmesh.proto.v1 import cache_service_pb2 as pb
+from specmesh.proto.v1 import (
     cache_service_pb2_grpc,
     common_pb2,
     target_service_pb2,
@@ -45,7 +45,7 @@ class Replica:
 
     async def generate(self, prompt: str, max_tokens: int = 3) -> None:
         stub = target_service_pb2_grpc.TargetServiceStub(self.channel)
-        request = target_service_pb2.TargetGenerateRequest(
+        request = target_service_pb2.TargetServiceGenerateRequest(
             prompt=prompt, tenant_salt=SALT, sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
         async for _ in stub.Generate(request):
             pass

@@ -6,7 +6,7 @@ import importlib.util
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
-GENERATED = ROOT / "services" / "common" / "proto"
+GENERATED = ROOT / "specmesh" / "proto"
 
 
 def _gen_module():
@@ -42,6 +42,16 @@ def test_protos_follow_the_house_style():
             if stripped.startswith("enum "):
                 name = stripped.split()[1]
                 assert "_UNSPECIFIED = 0" in lines[i + 1], f"{name} zero value must be *_UNSPECIFIED"
+
+
+def test_protos_pass_buf_standard_lint():
+    """protos/buf.yaml: buf's STANDARD rules (the `buf-bin` package in the test extra ships buf)."""
+    import shutil
+    import subprocess
+    buf = shutil.which("buf")
+    assert buf, "buf is not installed: pip install -e .[test] (buf-bin)"
+    result = subprocess.run([buf, "lint"], cwd=ROOT / "protos", capture_output=True, text=True, timeout=300)
+    assert (result.returncode, result.stdout + result.stderr) == (0, "")
 
 
 async def test_reflection_v1_and_v1alpha():

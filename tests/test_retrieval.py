@@ -12,8 +12,8 @@ import redis.asyncio as aioredis
 from services.cache.app import build_cache_server
 from services.cache.config import CacheConfig
 from services.cache.identity import caller_metadata
-from services.common.proto.specmesh.v1 import cache_service_pb2 as pb
-from services.common.proto.specmesh.v1 import cache_service_pb2_grpc
+from specmesh.proto.v1 import cache_service_pb2 as pb
+from specmesh.proto.v1 import cache_service_pb2_grpc
 
 REDIS_URL = "redis://127.0.0.1:6379/0"
 A, B = caller_metadata("tenant-a"), caller_metadata("tenant-b")

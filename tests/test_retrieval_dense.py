@@ -10,8 +10,8 @@ from services.cache.config import CacheConfig
 from services.cache.embeddings import EmbeddingModelMissing
 from services.cache.identity import caller_metadata
 from services.cache.retrieval import RRF_K
-from services.common.proto.specmesh.v1 import cache_service_pb2 as pb
-from services.common.proto.specmesh.v1 import cache_service_pb2_grpc
+from specmesh.proto.v1 import cache_service_pb2 as pb
+from specmesh.proto.v1 import cache_service_pb2_grpc
 
 A = caller_metadata("tenant-a")
 CORPUS = {

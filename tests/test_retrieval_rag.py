@@ -10,8 +10,8 @@ import pytest
 from services.cache.app import build_cache_server
 from services.cache.config import CacheConfig
 from services.common.mesh_config import TenantConfig, default_mesh_config
-from services.common.proto.specmesh.v1 import cache_service_pb2 as cpb
-from services.common.proto.specmesh.v1 import router_service_pb2, router_service_pb2_grpc
+from specmesh.proto.v1 import cache_service_pb2 as cpb
+from specmesh.proto.v1 import router_service_pb2, router_service_pb2_grpc
 from services.common.server import ServerConfig
 from services.router.app import build_router_server
 from services.router.config import RouterConfig

@@ -11,7 +11,7 @@ import sys
 
 import grpc
 
-from services.common.proto.specmesh.v1 import router_service_pb2_grpc
+from specmesh.proto.v1 import router_service_pb2_grpc
 from tests.mesh import request
 from tests.processes import free_port_run, wait_until_serving
 from tests.routing_mesh import generate

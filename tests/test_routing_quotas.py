@@ -12,7 +12,7 @@ import grpc
 import pytest
 
 from services.common.mesh_config import MeshConfig, PoolConfig, TenantConfig
-from services.common.proto.specmesh.v1 import target_service_pb2, target_service_pb2_grpc
+from specmesh.proto.v1 import target_service_pb2, target_service_pb2_grpc
 from services.router.quotas import QuotaExceeded, TenantQuotas
 from tests.mesh import request
 from tests.routing_mesh import generate, start_router, start_target

@@ -37,7 +37,7 @@ ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
 from services.common.env import DEV_TOKEN  # noqa: E402
-from services.common.proto.specmesh.v1 import common_pb2, router_service_pb2, router_service_pb2_grpc  # noqa: E402
+from specmesh.proto.v1 import common_pb2, router_service_pb2, router_service_pb2_grpc  # noqa: E402
 
 LENGTHS = [14, 40, 90, 180, 300, 500, 750, 1100, 1508]
 PAUSE_S = 1.5  # vLLM's worker busy-polls ~1 s after a request

@@ -12,7 +12,7 @@ from google.protobuf.json_format import MessageToDict
 
 from services.bench.schedule import Arrival
 from services.bench.workload import WorkloadItem
-from services.common.proto.specmesh.v1 import router_service_pb2_grpc
+from specmesh.proto.v1 import router_service_pb2_grpc
 
 
 @dataclass

@@ -14,7 +14,7 @@ import json
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from services.common.proto.specmesh.v1 import common_pb2, router_service_pb2
+from specmesh.proto.v1 import common_pb2, router_service_pb2
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ import logging
 import grpc
 
 from services.cache.prefix_index import REMOVED, STORED, PrefixIndex
-from services.common.proto.specmesh.v1 import target_service_pb2, target_service_pb2_grpc
+from specmesh.proto.v1 import target_service_pb2, target_service_pb2_grpc
 from services.common.tls import MeshTls, internal_channel
 
 log = logging.getLogger(__name__)

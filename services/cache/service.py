@@ -32,8 +32,8 @@ from services.cache.tool_cache import (
     tool_key,
     wait_seconds_of,
 )
-from services.common.proto.specmesh.v1 import cache_service_pb2 as pb
-from services.common.proto.specmesh.v1 import cache_service_pb2_grpc
+from specmesh.proto.v1 import cache_service_pb2 as pb
+from specmesh.proto.v1 import cache_service_pb2_grpc
 
 log = logging.getLogger(__name__)
 tracer = trace.get_tracer("specmesh.cache")
@@ -169,8 +169,8 @@ class CacheService(cache_service_pb2_grpc.CacheServiceServicer):
             value = await self._backend(self.backend.get(key), context)
             span.set_attribute("specmesh.cache_hit", value is not None)
         if value is None:
-            return pb.CacheGetResponse(found=False)
-        return pb.CacheGetResponse(found=True, value=value)
+            return pb.CacheServiceGetResponse(found=False)
+        return pb.CacheServiceGetResponse(found=True, value=value)
 
     async def Put(self, request, context: grpc.aio.ServicerContext):
         caller = await self._caller(context)
@@ -186,7 +186,7 @@ class CacheService(cache_service_pb2_grpc.CacheServiceServicer):
         with tracer.start_as_current_span("cache.store") as span:
             span.set_attribute("specmesh.cache_kind", _KIND_NAMES[request.kind])
             await self._backend(self.backend.set(key, request.value, request.ttl_seconds * 1000), context)
-        return pb.CachePutResponse()
+        return pb.CacheServicePutResponse()
 
     # ---- helpers ------------------------------------------------------------------------
 

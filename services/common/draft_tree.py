@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from services.common.proto.specmesh.v1 import draft_service_pb2
+from specmesh.proto.v1 import draft_service_pb2
 
 ROOT = -1  # parent index of a node that follows the last committed token
 

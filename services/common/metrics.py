@@ -109,7 +109,7 @@ _instruments: dict[tuple[str, str], object] = {}
 
 def method_name(method: int) -> str:
     """'prompt_lookup' for common_pb2.SPECULATION_METHOD_PROMPT_LOOKUP; 'off' for none."""
-    from services.common.proto.specmesh.v1 import common_pb2
+    from specmesh.proto.v1 import common_pb2
     if method in (common_pb2.SPECULATION_METHOD_UNSPECIFIED, common_pb2.SPECULATION_METHOD_OFF):
         return "off"
     return common_pb2.SpeculationMethod.Name(method).removeprefix("SPECULATION_METHOD_").lower()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass, field
 
-from services.common.proto.specmesh.v1 import common_pb2
+from specmesh.proto.v1 import common_pb2
 
 
 @dataclass(frozen=True)

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common.proto.specmesh.v1 import (
+from specmesh.proto.v1 import (
     common_pb2,
     draft_service_pb2,
     draft_service_pb2_grpc,
@@ -102,8 +102,9 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
         return await self._answer(request, context)
 
     async def ProposeStream(self, request_iterator, context: grpc.aio.ServicerContext):
-        async for request in request_iterator:
-            yield await self._answer(request, context)
+        async for request in request_iterator:  # ProposeStreamRequest: ProposeRequest's fields
+            answer = await self._answer(request, context)
+            yield draft_service_pb2.ProposeStreamResponse(trees=answer.trees, step=answer.step)
 
     async def Release(self, request, context: grpc.aio.ServicerContext):
         async with self._lock:

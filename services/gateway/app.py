@@ -24,7 +24,7 @@ from dataclasses import dataclass
 import grpc
 from aiohttp import web
 
-from services.common.proto.specmesh.v1 import router_service_pb2, router_service_pb2_grpc
+from specmesh.proto.v1 import router_service_pb2, router_service_pb2_grpc
 from services.gateway.openai_api import (
     Answer,
     BadRequest,

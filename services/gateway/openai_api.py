@@ -13,7 +13,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from services.common.proto.specmesh.v1 import common_pb2, router_service_pb2
+from specmesh.proto.v1 import common_pb2, router_service_pb2
 
 MAX_STOP_STRINGS = 16
 

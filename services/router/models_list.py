@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from services.common.proto.specmesh.v1 import router_service_pb2
+from specmesh.proto.v1 import router_service_pb2
 
 
 def list_models(pools) -> router_service_pb2.ListModelsResponse:

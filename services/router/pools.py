@@ -19,7 +19,7 @@ import grpc
 
 from services.common.block_hash import chained_block_hashes, extra_key
 from services.common.mesh_config import PoolConfig
-from services.common.proto.specmesh.v1 import cache_service_pb2, cache_service_pb2_grpc
+from specmesh.proto.v1 import cache_service_pb2, cache_service_pb2_grpc
 from services.router.replicas import Replica, ReplicaSet
 
 log = logging.getLogger(__name__)

@@ -28,7 +28,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.mesh_config import DNS_PREFIX
-from services.common.proto.specmesh.v1 import target_service_pb2, target_service_pb2_grpc
+from specmesh.proto.v1 import target_service_pb2, target_service_pb2_grpc
 
 log = logging.getLogger(__name__)
 POLICIES = ("kv_aware", "least_loaded", "round_robin")

@@ -18,7 +18,7 @@ from opentelemetry import trace
 
 from services.cache.identity import caller_metadata
 from services.common import metrics
-from services.common.proto.specmesh.v1 import cache_service_pb2, cache_service_pb2_grpc, router_service_pb2
+from specmesh.proto.v1 import cache_service_pb2, cache_service_pb2_grpc, router_service_pb2
 
 DEFAULT_K = 4
 MAX_K = 20

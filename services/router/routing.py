@@ -27,7 +27,7 @@ import grpc
 from opentelemetry import trace
 
 from services.common.mesh_config import MeshConfig
-from services.common.proto.specmesh.v1 import (
+from specmesh.proto.v1 import (
     common_pb2,
     router_service_pb2,
     target_service_pb2,
@@ -57,7 +57,7 @@ class UpstreamError(Exception):
 
 @dataclass
 class RouteRequest:
-    target: target_service_pb2.TargetGenerateRequest  # what every replica gets (ids set per call)
+    target: target_service_pb2.TargetServiceGenerateRequest  # what every replica gets (ids set per call)
     tenant: str
     max_tokens: int
     model: str = ""  # an explicit pool name, or ""
@@ -234,7 +234,7 @@ class Routing:
     async def _call(self, pool: Pool, replica: Replica, req: RouteRequest, deadline: float,
                     prompt_tokens: int, attempt: _Attempt, hold: bool):
         tenant = self.mesh.tenant(req.tenant)
-        target_request = target_service_pb2.TargetGenerateRequest()
+        target_request = target_service_pb2.TargetServiceGenerateRequest()
         target_request.CopyFrom(req.target)
         target_request.request_id = uuid.uuid4().hex  # a retry is a new request to the target
         target_request.priority = tenant.priority if tenant else 0

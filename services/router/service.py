@@ -10,7 +10,7 @@ from collections.abc import Callable
 import grpc
 from opentelemetry import trace
 
-from services.common.proto.specmesh.v1 import (
+from specmesh.proto.v1 import (
     common_pb2,
     router_service_pb2,
     router_service_pb2_grpc,
@@ -88,7 +88,7 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
             span.set_attribute("specmesh.bucket", bucket)
             span.set_attribute("specmesh.speculation", self.config.speculation_method)
             span.set_attribute("gen_ai.request.max_tokens", sampling.max_tokens)
-            target_request = target_service_pb2.TargetGenerateRequest(
+            target_request = target_service_pb2.TargetServiceGenerateRequest(
                 request_id=uuid.uuid4().hex, prompt=request.prompt, messages=request.messages,
                 sampling=request.sampling,
                 tenant_salt=self.auth.salt(tenant), bucket=bucket,

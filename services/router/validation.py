@@ -11,7 +11,7 @@ import grpc
 
 from services.common.errors import Refusal, Violation
 from services.common.limits import RequestLimits
-from services.common.proto.specmesh.v1 import router_service_pb2
+from specmesh.proto.v1 import router_service_pb2
 from services.common.sampling_params import SamplingConfig, sampling_from_proto, sampling_violations
 
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import grpc
 
 from services.common.draft_tree import DraftTree
-from services.common.proto.specmesh.v1 import draft_service_pb2, draft_service_pb2_grpc
+from specmesh.proto.v1 import draft_service_pb2, draft_service_pb2_grpc
 from services.common.tls import MeshTls, internal_sync_channel
 
 log = logging.getLogger(__name__)
@@ -85,7 +85,7 @@ class DraftClient:
             self._unsync(ids)
             return None
         self._step += 1
-        message = draft_service_pb2.ProposeRequest(step=self._step, sequences=[
+        message = draft_service_pb2.ProposeStreamRequest(step=self._step, sequences=[
             draft_service_pb2.DraftSequence(
                 sequence_id=r.seq_id, new_token_ids=r.new_token_ids, method=r.method,
                 max_depth=r.max_depth, max_nodes=r.max_nodes, tenant_salt=r.tenant_salt,

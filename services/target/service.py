@@ -9,7 +9,7 @@ import uuid
 import grpc
 from opentelemetry import trace
 
-from services.common.proto.specmesh.v1 import (
+from specmesh.proto.v1 import (
     common_pb2,
     target_service_pb2,
     target_service_pb2_grpc,
@@ -107,9 +107,9 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
                 if out.finish_reason is not None:
                     finished = True
                     _record_usage(span, out)
-                    yield target_service_pb2.TargetGenerateResponse(chunk=_final_chunk(out))
+                    yield target_service_pb2.TargetServiceGenerateResponse(chunk=_final_chunk(out))
                     return
-                yield target_service_pb2.TargetGenerateResponse(
+                yield target_service_pb2.TargetServiceGenerateResponse(
                     chunk=common_pb2.GenerateChunk(text=out.text, token_ids=out.token_ids))
                 out = await queue.get()
         except BaseException as exc:

@@ -27,7 +27,7 @@ TOOL_LOOKUP_OUTCOME_HIT: ToolLookupOutcome
 TOOL_LOOKUP_OUTCOME_LEASE_GRANTED: ToolLookupOutcome
 TOOL_LOOKUP_OUTCOME_WAITED: ToolLookupOutcome
 
-class CacheGetRequest(_message.Message):
+class CacheServiceGetRequest(_message.Message):
     __slots__ = ("kind", "key")
     KIND_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -35,7 +35,7 @@ class CacheGetRequest(_message.Message):
     key: str
     def __init__(self, kind: _Optional[_Union[CacheKind, str]] = ..., key: _Optional[str] = ...) -> None: ...
 
-class CacheGetResponse(_message.Message):
+class CacheServiceGetResponse(_message.Message):
     __slots__ = ("found", "value")
     FOUND_FIELD_NUMBER: _ClassVar[int]
     VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -43,7 +43,7 @@ class CacheGetResponse(_message.Message):
     value: bytes
     def __init__(self, found: _Optional[bool] = ..., value: _Optional[bytes] = ...) -> None: ...
 
-class CachePutRequest(_message.Message):
+class CacheServicePutRequest(_message.Message):
     __slots__ = ("kind", "key", "value", "ttl_seconds")
     KIND_FIELD_NUMBER: _ClassVar[int]
     KEY_FIELD_NUMBER: _ClassVar[int]
@@ -55,7 +55,7 @@ class CachePutRequest(_message.Message):
     ttl_seconds: int
     def __init__(self, kind: _Optional[_Union[CacheKind, str]] = ..., key: _Optional[str] = ..., value: _Optional[bytes] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
 
-class CachePutResponse(_message.Message):
+class CacheServicePutResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 

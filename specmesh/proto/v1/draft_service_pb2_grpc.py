@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from services.common.proto.specmesh.v1 import draft_service_pb2 as specmesh_dot_v1_dot_draft__service__pb2
+from specmesh.proto.v1 import draft_service_pb2 as specmesh_dot_v1_dot_draft__service__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -42,8 +42,8 @@ class DraftServiceStub:
                 _registered_method=True)
         self.ProposeStream = channel.stream_stream(
                 '/specmesh.v1.DraftService/ProposeStream',
-                request_serializer=specmesh_dot_v1_dot_draft__service__pb2.ProposeRequest.SerializeToString,
-                response_deserializer=specmesh_dot_v1_dot_draft__service__pb2.ProposeResponse.FromString,
+                request_serializer=specmesh_dot_v1_dot_draft__service__pb2.ProposeStreamRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_draft__service__pb2.ProposeStreamResponse.FromString,
                 _registered_method=True)
         self.Release = channel.unary_unary(
                 '/specmesh.v1.DraftService/Release',
@@ -96,8 +96,8 @@ def add_DraftServiceServicer_to_server(servicer, server):
             ),
             'ProposeStream': grpc.stream_stream_rpc_method_handler(
                     servicer.ProposeStream,
-                    request_deserializer=specmesh_dot_v1_dot_draft__service__pb2.ProposeRequest.FromString,
-                    response_serializer=specmesh_dot_v1_dot_draft__service__pb2.ProposeResponse.SerializeToString,
+                    request_deserializer=specmesh_dot_v1_dot_draft__service__pb2.ProposeStreamRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_draft__service__pb2.ProposeStreamResponse.SerializeToString,
             ),
             'Release': grpc.unary_unary_rpc_method_handler(
                     servicer.Release,
@@ -158,8 +158,8 @@ class DraftService:
             request_iterator,
             target,
             '/specmesh.v1.DraftService/ProposeStream',
-            specmesh_dot_v1_dot_draft__service__pb2.ProposeRequest.SerializeToString,
-            specmesh_dot_v1_dot_draft__service__pb2.ProposeResponse.FromString,
+            specmesh_dot_v1_dot_draft__service__pb2.ProposeStreamRequest.SerializeToString,
+            specmesh_dot_v1_dot_draft__service__pb2.ProposeStreamResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,4 +1,4 @@
-from services.common.proto.specmesh.v1 import common_pb2 as _common_pb2
+from specmesh.proto.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -17,7 +17,7 @@ KV_EVENT_KIND_UNSPECIFIED: KVEventKind
 KV_EVENT_KIND_BLOCK_STORED: KVEventKind
 KV_EVENT_KIND_BLOCK_REMOVED: KVEventKind
 
-class TargetGenerateRequest(_message.Message):
+class TargetServiceGenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "sampling", "tenant_salt", "speculation", "bucket", "priority", "report_confidence", "messages")
     REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     PROMPT_FIELD_NUMBER: _ClassVar[int]
@@ -39,7 +39,7 @@ class TargetGenerateRequest(_message.Message):
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
     def __init__(self, request_id: _Optional[str] = ..., prompt: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., tenant_salt: _Optional[str] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPlan, _Mapping]] = ..., bucket: _Optional[str] = ..., priority: _Optional[int] = ..., report_confidence: _Optional[bool] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
 
-class TargetGenerateResponse(_message.Message):
+class TargetServiceGenerateResponse(_message.Message):
     __slots__ = ("chunk",)
     CHUNK_FIELD_NUMBER: _ClassVar[int]
     chunk: _common_pb2.GenerateChunk

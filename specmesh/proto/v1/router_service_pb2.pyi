@@ -1,5 +1,5 @@
-from services.common.proto.specmesh.v1 import cache_service_pb2 as _cache_service_pb2
-from services.common.proto.specmesh.v1 import common_pb2 as _common_pb2
+from specmesh.proto.v1 import cache_service_pb2 as _cache_service_pb2
+from specmesh.proto.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from services.common.proto.specmesh.v1 import target_service_pb2 as specmesh_dot_v1_dot_target__service__pb2
+from specmesh.proto.v1 import target_service_pb2 as specmesh_dot_v1_dot_target__service__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -38,8 +38,8 @@ class TargetServiceStub:
         """
         self.Generate = channel.unary_stream(
                 '/specmesh.v1.TargetService/Generate',
-                request_serializer=specmesh_dot_v1_dot_target__service__pb2.TargetGenerateRequest.SerializeToString,
-                response_deserializer=specmesh_dot_v1_dot_target__service__pb2.TargetGenerateResponse.FromString,
+                request_serializer=specmesh_dot_v1_dot_target__service__pb2.TargetServiceGenerateRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_target__service__pb2.TargetServiceGenerateResponse.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/specmesh.v1.TargetService/GetStats',
@@ -93,8 +93,8 @@ def add_TargetServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=specmesh_dot_v1_dot_target__service__pb2.TargetGenerateRequest.FromString,
-                    response_serializer=specmesh_dot_v1_dot_target__service__pb2.TargetGenerateResponse.SerializeToString,
+                    request_deserializer=specmesh_dot_v1_dot_target__service__pb2.TargetServiceGenerateRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_target__service__pb2.TargetServiceGenerateResponse.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -134,8 +134,8 @@ class TargetService:
             request,
             target,
             '/specmesh.v1.TargetService/Generate',
-            specmesh_dot_v1_dot_target__service__pb2.TargetGenerateRequest.SerializeToString,
-            specmesh_dot_v1_dot_target__service__pb2.TargetGenerateResponse.FromString,
+            specmesh_dot_v1_dot_target__service__pb2.TargetServiceGenerateRequest.SerializeToString,
+            specmesh_dot_v1_dot_target__service__pb2.TargetServiceGenerateResponse.FromString,
             options,
             channel_credentials,
             insecure,

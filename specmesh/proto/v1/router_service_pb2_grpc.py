@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from services.common.proto.specmesh.v1 import router_service_pb2 as specmesh_dot_v1_dot_router__service__pb2
+from specmesh.proto.v1 import router_service_pb2 as specmesh_dot_v1_dot_router__service__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__

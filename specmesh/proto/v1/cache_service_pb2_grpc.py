@@ -3,7 +3,7 @@
 import grpc
 import warnings
 
-from services.common.proto.specmesh.v1 import cache_service_pb2 as specmesh_dot_v1_dot_cache__service__pb2
+from specmesh.proto.v1 import cache_service_pb2 as specmesh_dot_v1_dot_cache__service__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
 GRPC_VERSION = grpc.__version__
@@ -43,13 +43,13 @@ class CacheServiceStub:
         """
         self.Get = channel.unary_unary(
                 '/specmesh.v1.CacheService/Get',
-                request_serializer=specmesh_dot_v1_dot_cache__service__pb2.CacheGetRequest.SerializeToString,
-                response_deserializer=specmesh_dot_v1_dot_cache__service__pb2.CacheGetResponse.FromString,
+                request_serializer=specmesh_dot_v1_dot_cache__service__pb2.CacheServiceGetRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_cache__service__pb2.CacheServiceGetResponse.FromString,
                 _registered_method=True)
         self.Put = channel.unary_unary(
                 '/specmesh.v1.CacheService/Put',
-                request_serializer=specmesh_dot_v1_dot_cache__service__pb2.CachePutRequest.SerializeToString,
-                response_deserializer=specmesh_dot_v1_dot_cache__service__pb2.CachePutResponse.FromString,
+                request_serializer=specmesh_dot_v1_dot_cache__service__pb2.CacheServicePutRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_cache__service__pb2.CacheServicePutResponse.FromString,
                 _registered_method=True)
         self.PrefixMatch = channel.unary_unary(
                 '/specmesh.v1.CacheService/PrefixMatch',
@@ -182,13 +182,13 @@ def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Get': grpc.unary_unary_rpc_method_handler(
                     servicer.Get,
-                    request_deserializer=specmesh_dot_v1_dot_cache__service__pb2.CacheGetRequest.FromString,
-                    response_serializer=specmesh_dot_v1_dot_cache__service__pb2.CacheGetResponse.SerializeToString,
+                    request_deserializer=specmesh_dot_v1_dot_cache__service__pb2.CacheServiceGetRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_cache__service__pb2.CacheServiceGetResponse.SerializeToString,
             ),
             'Put': grpc.unary_unary_rpc_method_handler(
                     servicer.Put,
-                    request_deserializer=specmesh_dot_v1_dot_cache__service__pb2.CachePutRequest.FromString,
-                    response_serializer=specmesh_dot_v1_dot_cache__service__pb2.CachePutResponse.SerializeToString,
+                    request_deserializer=specmesh_dot_v1_dot_cache__service__pb2.CacheServicePutRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_cache__service__pb2.CacheServicePutResponse.SerializeToString,
             ),
             'PrefixMatch': grpc.unary_unary_rpc_method_handler(
                     servicer.PrefixMatch,
@@ -253,8 +253,8 @@ class CacheService:
             request,
             target,
             '/specmesh.v1.CacheService/Get',
-            specmesh_dot_v1_dot_cache__service__pb2.CacheGetRequest.SerializeToString,
-            specmesh_dot_v1_dot_cache__service__pb2.CacheGetResponse.FromString,
+            specmesh_dot_v1_dot_cache__service__pb2.CacheServiceGetRequest.SerializeToString,
+            specmesh_dot_v1_dot_cache__service__pb2.CacheServiceGetResponse.FromString,
             options,
             channel_credentials,
             insecure,
@@ -280,8 +280,8 @@ class CacheService:
             request,
             target,
             '/specmesh.v1.CacheService/Put',
-            specmesh_dot_v1_dot_cache__service__pb2.CachePutRequest.SerializeToString,
-            specmesh_dot_v1_dot_cache__service__pb2.CachePutResponse.FromString,
+            specmesh_dot_v1_dot_cache__service__pb2.CacheServicePutRequest.SerializeToString,
+            specmesh_dot_v1_dot_cache__service__pb2.CacheServicePutResponse.FromString,
             options,
             channel_credentials,
             insecure,

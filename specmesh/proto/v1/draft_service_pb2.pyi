@@ -1,4 +1,4 @@
-from services.common.proto.specmesh.v1 import common_pb2 as _common_pb2
+from specmesh.proto.v1 import common_pb2 as _common_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -44,6 +44,22 @@ class DraftTree(_message.Message):
     def __init__(self, sequence_id: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., parents: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ProposeResponse(_message.Message):
+    __slots__ = ("trees", "step")
+    TREES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    trees: _containers.RepeatedCompositeFieldContainer[DraftTree]
+    step: int
+    def __init__(self, trees: _Optional[_Iterable[_Union[DraftTree, _Mapping]]] = ..., step: _Optional[int] = ...) -> None: ...
+
+class ProposeStreamRequest(_message.Message):
+    __slots__ = ("sequences", "step")
+    SEQUENCES_FIELD_NUMBER: _ClassVar[int]
+    STEP_FIELD_NUMBER: _ClassVar[int]
+    sequences: _containers.RepeatedCompositeFieldContainer[DraftSequence]
+    step: int
+    def __init__(self, sequences: _Optional[_Iterable[_Union[DraftSequence, _Mapping]]] = ..., step: _Optional[int] = ...) -> None: ...
+
+class ProposeStreamResponse(_message.Message):
     __slots__ = ("trees", "step")
     TREES_FIELD_NUMBER: _ClassVar[int]
     STEP_FIELD_NUMBER: _ClassVar[int]
