@@ -9,6 +9,8 @@ import pytest
 import torch
 
 from services.target.kernels import BACKENDS, get_kernels
+from services.target.kernels.paged_attention import paged_attention_reference
+from services.target.kernels.paged_attention_cpu import paged_attention_cpu
 
 from .conftest import DEVICE
 from .helpers import SeqSpec, make_batch
@@ -132,9 +134,12 @@ def test_accept_greedy_rejects_bad_argmax(backend):
 
 
 def test_get_kernels_selection():
-    assert BACKENDS == ("auto", "triton", "reference")
+    assert BACKENDS == ("auto", "triton", "cpu", "reference")
     assert get_kernels("reference").backend == "reference"
-    assert get_kernels("auto").backend == ("triton" if torch.cuda.is_available() else "reference")
+    assert get_kernels("reference").paged_attention is paged_attention_reference
+    assert get_kernels("cpu").backend == "cpu"
+    assert get_kernels("cpu").paged_attention is paged_attention_cpu
+    assert get_kernels("auto").backend == ("triton" if torch.cuda.is_available() else "cpu")
     with pytest.raises(ValueError, match="kernel backend must be one of"):
         get_kernels("cuda")
 
@@ -144,4 +149,4 @@ def test_forcing_triton_without_cuda_or_interpreter_is_a_clear_error(monkeypatch
     monkeypatch.setenv("TRITON_INTERPRET", "0")
     with pytest.raises(RuntimeError, match="kernel backend 'triton' needs a CUDA device"):
         get_kernels("triton")
-    assert get_kernels("auto").backend == "reference"
+    assert get_kernels("auto").backend == "cpu"
