@@ -14,6 +14,7 @@ from urllib.parse import quote
 import grpc
 from opentelemetry import trace
 
+from services.common.errors import guard_malformed
 from services.cache import metrics
 from services.cache.backend import BackendUnavailable, make_backend
 from services.cache.config import CacheConfig
@@ -244,4 +245,4 @@ def _kind_label(kind: int) -> str:
 
 
 def add_to_server(server: grpc.aio.Server, service: CacheService) -> None:
-    cache_service_pb2_grpc.add_CacheServiceServicer_to_server(service, server)
+    cache_service_pb2_grpc.add_CacheServiceServicer_to_server(service, guard_malformed(server))

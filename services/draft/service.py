@@ -27,6 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.common.errors import guard_malformed
 from specmesh.proto.v1 import (
     common_pb2,
     draft_service_pb2,
@@ -285,4 +286,4 @@ def _summary(problems: list[str]) -> str:
 
 
 def add_to_server(server: grpc.aio.Server, service: DraftService) -> None:
-    draft_service_pb2_grpc.add_DraftServiceServicer_to_server(service, server)
+    draft_service_pb2_grpc.add_DraftServiceServicer_to_server(service, guard_malformed(server))
