@@ -29,7 +29,7 @@ def test_every_specmesh_service_runs_a_cli_command_on_its_default_port():
         args = parser.parse_args(command[1:])  # exits (fails the test) on an unknown flag
         assert args.service == name
         assert args.port == DEFAULT_PORTS[name]
-        if name == "router":  # the only specmesh service published on the host
+        if name in ("router", "gateway"):  # the only specmesh services published on the host
             assert service["ports"] == [f"{DEFAULT_PORTS[name]}:{DEFAULT_PORTS[name]}"]
         else:
             assert "ports" not in service
@@ -62,7 +62,7 @@ PUBLISHED = {"router", "jaeger", "prometheus", "grafana"}  # the router and the 
 
 def test_only_the_router_and_the_uis_are_published_and_every_service_has_a_healthcheck():
     services = _compose()["services"]
-    assert {name for name, s in services.items() if s.get("ports")} <= PUBLISHED | {"gateway"}
+    assert {name for name, s in services.items() if s.get("ports")} == PUBLISHED | {"gateway"}
     assert {"router", "jaeger", "prometheus", "grafana"} <= {n for n, s in services.items() if s.get("ports")}
     for name, service in services.items():
         assert service.get("healthcheck", {}).get("test"), f"{name} has no healthcheck"
@@ -157,3 +157,14 @@ def test_services_use_mesh_certificates_from_the_certs_volume_and_internal_ports
 def test_the_router_salt_secret_has_no_public_default():
     value = _compose()["services"]["router"]["environment"]["SPECMESH_SALT_SECRET"]
     assert re.fullmatch(r"\$\{SPECMESH_SALT_SECRET:\?[^}$]+\}", value), value  # compose refuses to start without it
+
+
+def test_the_gateway_listens_on_the_port_its_compose_command_names():
+    from services.common.builders import gateway_config
+    from services.common.env import read_settings
+
+    command = _compose()["services"]["gateway"]["command"]
+    args = _parser().parse_args(command[1:])
+    assert gateway_config(read_settings(environ={}, port=args.port)).port == 8000
+    assert gateway_config(read_settings(environ={}, port=9001)).port == 9001
+    assert gateway_config(read_settings(environ={}, gateway_port=8123)).port == 8123

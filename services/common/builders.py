@@ -156,7 +156,9 @@ def start_metrics(service: str, host: str, port: int) -> int | None:
 def gateway_config(settings: Settings, port: int | None = None):
     from services.gateway.app import GatewayConfig
     ca = Path(settings.router_ca).expanduser().read_bytes() if settings.router_ca else None
-    return GatewayConfig(host=settings.host, port=settings.gateway_port if port is None else port,
+    if port is None:  # `serve gateway --port N` as for every other service; else --gateway-port
+        port = settings.port or settings.gateway_port
+    return GatewayConfig(host=settings.host, port=port,
                          router_address=settings.router_address, router_ca_pem=ca)
 
 
