@@ -47,7 +47,18 @@ async def test_one_trace_spans_router_and_target(tiny_llama_dir, spans):
     mesh = await start_mesh(tiny_llama_dir)
     try:
         await collect(mesh.router_stub, request("hello there", max_tokens=6))
-        await asyncio.sleep(0.1)
+        expected = {("route", "INTERNAL"), ("/specmesh.v1.RouterService/Generate", "SERVER"),
+                    ("/specmesh.v1.TargetService/Generate", "SERVER"),
+                    ("/specmesh.v1.TargetService/Generate", "CLIENT"), ("target.generate", "INTERNAL")}
+
+        async def all_ended():  # the phase spans are written on their own thread
+            return expected <= {(s.name, s.kind.name) for s in spans.get_finished_spans()}
+        try:
+            await _wait_for(all_ended)
+        except AssertionError:
+            raise AssertionError("spans missing; got " + repr(sorted(
+                (s.name, s.kind.name, s.resource.attributes.get("service.name"), f"{s.context.trace_id:032x}")
+                for s in spans.get_finished_spans()))) from None
         finished = spans.get_finished_spans()
         by_name = {}
         for span in finished:
