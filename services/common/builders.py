@@ -236,7 +236,7 @@ async def _run_all(settings: Settings) -> int:
         if settings.gateway_port:
             from services.gateway.app import Gateway
             settings.router_address = servers["router"].address
-            front = [Gateway(gateway_config(settings))]
+            front = [Gateway(gateway_config(settings, port=settings.gateway_port))]  # not up's base port
             await front[0].start()
             print(f"gateway serving on http://{front[0].address}/v1 (OpenAI-compatible)", flush=True)
     except BaseException:  # a half-started mesh stops what it started (no stray servers, no noise)
