@@ -168,3 +168,8 @@ def test_the_gateway_listens_on_the_port_its_compose_command_names():
     assert gateway_config(read_settings(environ={}, port=args.port)).port == 8000
     assert gateway_config(read_settings(environ={}, port=9001)).port == 9001
     assert gateway_config(read_settings(environ={}, gateway_port=8123)).port == 8123
+
+
+def test_the_router_tokens_have_no_public_default():
+    value = _compose()["services"]["router"]["environment"]["SPECMESH_TOKENS"]
+    assert re.fullmatch(r"\$\{SPECMESH_TOKENS:\?[^}$]+\}", value), value  # compose refuses to start without them

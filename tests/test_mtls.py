@@ -288,9 +288,21 @@ async def test_router_refuses_the_public_default_salt_secret_outside_dev_mode(ce
     assert str(info.value) == (
         "salt_secret is the public default: set SPECMESH_SALT_SECRET to a random value "
         "(e.g. `openssl rand -hex 32`), or pass --dev on a development machine")
-    for settings in (read_settings({"SPECMESH_SALT_SECRET": "s3cret"}, tls_dir=str(certs), port=free_port()),
+    own = {"SPECMESH_SALT_SECRET": "s3cret", "SPECMESH_TOKENS": "t0ken=acme"}
+    for settings in (read_settings(own, tls_dir=str(certs), port=free_port()),
                      read_settings({}, dev=True, port=free_port())):
         await build_server("router", settings).stop(0)
+
+
+async def test_router_refuses_the_public_dev_token_outside_dev_mode(certs):
+    env = {"SPECMESH_SALT_SECRET": "s3cret"}
+    for tokens in ("specmesh-dev-token=default", "t0ken=acme,specmesh-dev-token=default"):
+        with pytest.raises(ValueError) as info:
+            build_server("router", read_settings({**env, "SPECMESH_TOKENS": tokens},
+                                                 tls_dir=str(certs), port=free_port()))
+        assert str(info.value) == (
+            "tokens accept the public dev token 'specmesh-dev-token': set SPECMESH_TOKENS to your own "
+            "TOKEN=TENANT,... pairs, or pass --dev on a development machine")
 
 
 async def test_draft_built_from_settings_with_a_tls_dir_refuses_plaintext(certs):

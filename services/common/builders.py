@@ -8,7 +8,7 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from services.common.env import DEFAULT_PORTS, DEV_SALT_SECRET, Settings
+from services.common.env import DEFAULT_PORTS, DEV_SALT_SECRET, DEV_TOKEN, Settings
 from services.common.server import GrpcServer, ServerConfig, check_port_free, run_until_signal
 from services.common.telemetry import TelemetryConfig, serve_metrics, setup_telemetry
 from services.common.tls import MeshTls, PublicTls, ServerTls, load_mesh_tls, make_dev_certs
@@ -36,10 +36,14 @@ def mesh_tls(settings: Settings, identity: str) -> MeshTls | None:
 
 
 def check_salt_secret(settings: Settings) -> None:
-    """The router refuses the public default salt secret outside dev mode."""
+    """The router refuses the public default salt secret and the public dev token outside dev mode."""
     if settings.salt_secret == DEV_SALT_SECRET and not settings.dev:
         raise ValueError("salt_secret is the public default: set SPECMESH_SALT_SECRET to a random "
                          "value (e.g. `openssl rand -hex 32`), or pass --dev on a development machine")
+    from services.router.config import parse_tokens
+    if not settings.config and DEV_TOKEN in parse_tokens(settings.tokens) and not settings.dev:
+        raise ValueError(f"tokens accept the public dev token {DEV_TOKEN!r}: set SPECMESH_TOKENS to "
+                         "your own TOKEN=TENANT,... pairs, or pass --dev on a development machine")
 
 
 def resolve_model(settings: Settings) -> Path:
