@@ -35,13 +35,15 @@ def mesh_tls(settings: Settings, identity: str) -> MeshTls | None:
     return load_mesh_tls(settings, identity)
 
 
-def check_salt_secret(settings: Settings) -> None:
-    """The router refuses the public default salt secret and the public dev token outside dev mode."""
+def check_salt_secret(settings: Settings, allow_dev_token: bool = False) -> None:
+    """The router refuses the public default salt secret and the public dev token outside dev mode
+    (`specmesh up`, a loopback run, accepts the dev token: `allow_dev_token`)."""
     if settings.salt_secret == DEV_SALT_SECRET and not settings.dev:
         raise ValueError("salt_secret is the public default: set SPECMESH_SALT_SECRET to a random "
                          "value (e.g. `openssl rand -hex 32`), or pass --dev on a development machine")
     from services.router.config import parse_tokens
-    if not settings.config and DEV_TOKEN in parse_tokens(settings.tokens) and not settings.dev:
+    if (not settings.config and DEV_TOKEN in parse_tokens(settings.tokens) and not settings.dev
+            and not allow_dev_token):
         raise ValueError(f"tokens accept the public dev token {DEV_TOKEN!r}: set SPECMESH_TOKENS to "
                          "your own TOKEN=TENANT,... pairs, or pass --dev on a development machine")
 
@@ -71,7 +73,8 @@ def request_limits(settings: Settings):
                          max_stop_bytes=settings.max_stop_bytes)
 
 
-def build_server(service: str, settings: Settings, config: ServerConfig | None = None) -> GrpcServer:
+def build_server(service: str, settings: Settings, config: ServerConfig | None = None,
+                 allow_dev_token: bool = False) -> GrpcServer:
     """Builds one service's server (not started). The target loads its model here.
 
     Mesh credentials come from settings (`mesh_tls`); `config`'s port and host win when given."""
@@ -81,7 +84,7 @@ def build_server(service: str, settings: Settings, config: ServerConfig | None =
     if service == "router":
         from services.router.app import build_router_server
         from services.router.config import RouterConfig, parse_tokens
-        check_salt_secret(settings)
+        check_salt_secret(settings, allow_dev_token)
         return build_router_server(config, RouterConfig(
             mesh_tls=mesh,
             target_address=settings.target_address, tokens=parse_tokens(settings.tokens),
@@ -231,7 +234,7 @@ async def _run_all(settings: Settings) -> int:
         # The target first (it loads the model), the router last (it is the front door).
         for service in ("target", "draft", "cache", "router"):
             config = ServerConfig(settings.host, ports[service], settings.grace_seconds)
-            servers[service] = build_server(service, settings, config)
+            servers[service] = build_server(service, settings, config, allow_dev_token=True)
             await servers[service].start()
             print(f"{service:>6} serving on {servers[service].address}", flush=True)
             if settings.metrics_base_port:  # router, target, draft, cache: base .. base+3
