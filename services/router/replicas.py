@@ -60,12 +60,12 @@ class Replica:
         self.failed_checks = 0  # consecutive
         self.stats: ReplicaStats | None = None
         self.in_flight = 0  # requests this router has on it now
-        self.in_flight_tokens = 0  # their prompt + max_tokens, until they finish
+        self.in_flight_tokens = 0  # their uncached prompt until the first token, + max_tokens until the end
 
     @property
     def load_tokens(self) -> int:
-        """Work ahead of a new request: the replica's queued prompt tokens plus what this
-        router sent and has not seen finish (stats lag behind by up to one poll)."""
+        """Work ahead of a new request: the replica's queued prompt tokens plus the work left
+        of what this router sent there (stats lag behind by up to one poll)."""
         queued = self.stats.queued_tokens if self.stats else 0
         return queued + self.in_flight_tokens
 

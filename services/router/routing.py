@@ -239,9 +239,13 @@ class Routing:
         target_request.request_id = uuid.uuid4().hex  # a retry is a new request to the target
         target_request.priority = tenant.priority if tenant else 0
         target_request.report_confidence = hold
-        weight = prompt_tokens + req.max_tokens
+        # Load this request puts on the replica: its uncached prompt until the first token
+        # (prefill done), then only its decode tokens. Counting the whole prompt until the end
+        # made a replica decoding a few tokens look as busy as a full prefill, so kv_aware sent
+        # a tenant's next request away from the replica holding its prefix.
+        prefill = max(0, prompt_tokens - attempt.predicted_cached)
         replica.in_flight += 1
-        replica.in_flight_tokens += weight
+        replica.in_flight_tokens += prefill + req.max_tokens
         call = replica.stub.Generate(target_request, timeout=max(deadline - time.monotonic(), 0.001))
         streamed, first_at = False, None
         try:
@@ -249,6 +253,8 @@ class Routing:
                 chunk = response.chunk
                 if first_at is None:
                     first_at = time.monotonic()
+                    replica.in_flight_tokens -= prefill
+                    prefill = 0
                 if chunk.HasField("usage"):
                     attempt.final = chunk
                     _observe_tpot(pool, first_at, chunk.usage.completion_tokens)
@@ -270,7 +276,7 @@ class Routing:
                                 trailers, streamed) from None
         finally:
             replica.in_flight -= 1
-            replica.in_flight_tokens -= weight
+            replica.in_flight_tokens -= prefill + req.max_tokens
             if attempt.final is not None:
                 pool.replicas.refresh(replica)  # its queue and cache changed
             call.cancel()  # no-op when finished; frees the target's blocks when we were cancelled
