@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import json
 import math
 import random
 import statistics
+import sys
 import time
 from dataclasses import replace
 from pathlib import Path
@@ -80,7 +82,7 @@ async def stop(servers, channel) -> None:
         await server.stop(grace=0.5)
 
 
-async def one(stub, tenant: str, prompt: str, max_tokens: int, start: float) -> dict:
+async def one(stub, tenant: str, prompt: str, max_tokens: int, start: float, index: int = 0) -> dict:
     """Streams one request; returns its TTFT, end time and usage."""
     req = router_service_pb2.GenerateRequest(prompt=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
     first, last = None, None
@@ -94,7 +96,7 @@ async def one(stub, tenant: str, prompt: str, max_tokens: int, start: float) -> 
         print(f"request failed: {exc.code().name}: {exc.details()}", flush=True)
         return dict(failed=True)
     usage = last.chunk.usage
-    return dict(ttft=first - start, end=time.monotonic(), prompt=usage.prompt_tokens,
+    return dict(ttft=first - start, end=time.monotonic(), prompt=usage.prompt_tokens, tenant=tenant, index=index,
                 cached=usage.cached_prompt_tokens, completion=usage.completion_tokens, replica=last.route.replica)
 
 
@@ -102,8 +104,8 @@ async def poisson(stub, plan: list[tuple[str, str, int]], rate: float, seed: int
     """Sends plan's (tenant, prompt, max_tokens) with exponential gaps of mean 1/rate."""
     rng = random.Random(seed + 1)
     tasks, t0 = [], time.monotonic()
-    for tenant, prompt, max_tokens in plan:
-        tasks.append(asyncio.ensure_future(one(stub, tenant, prompt, max_tokens, time.monotonic())))
+    for i, (tenant, prompt, max_tokens) in enumerate(plan):
+        tasks.append(asyncio.ensure_future(one(stub, tenant, prompt, max_tokens, time.monotonic(), i)))
         await asyncio.sleep(rng.expovariate(rate))
     results = [r for r in await asyncio.gather(*tasks) if not r.get("failed")]
     if len(results) < len(plan):
@@ -131,7 +133,85 @@ def summary(results: list[dict]) -> dict:
     wall = max(r["end"] for r in results) - results[0]["t0"]
     return dict(hit=sum(r["cached"] for r in results) / max(1, sum(r["prompt"] for r in results)),
                 mean_ttft=statistics.mean(ttfts), p99_ttft=ttfts[min(len(ttfts) - 1, math.ceil(0.99 * len(ttfts)) - 1)],
-                tok_s=sum(r["completion"] for r in results) / wall, n=len(results))
+                tok_s=sum(r["completion"] for r in results) / wall, req_s=len(results) / wall, wall_s=wall,
+                n=len(results))
+
+
+def repeats(plan: list[tuple[str, str, int]]) -> list[bool]:
+    """Per request: has its tenant been seen before in the plan (a first request can never hit)?"""
+    seen: set[str] = set()
+    out = []
+    for tenant, _, _ in plan:
+        out.append(tenant in seen)
+        seen.add(tenant)
+    return out
+
+
+def lru_model(tenants: list[str], replica_of, slots: int, replicas: int = 2) -> float:
+    """Share of requests whose prefix is cached, in a prefix-granular LRU model of `replicas`
+    pools of `slots` prefixes each; replica_of(i, tenant) places request i. A cross-check for
+    the measured rates (counts of whole prefixes; the engine evicts blocks, tail first)."""
+    pools = [[] for _ in range(replicas)]
+    hits = 0
+    for i, tenant in enumerate(tenants):
+        pool = pools[replica_of(i, tenant)]
+        if tenant in pool:
+            hits += 1
+            pool.remove(tenant)
+        elif len(pool) == slots:
+            pool.pop(0)
+        pool.append(tenant)
+    return hits / len(tenants)
+
+
+def placement(results: list[dict]) -> dict:
+    """Per tenant: requests per replica (replicas named r0, r1 in order of first use) and
+    how many of the tenant's requests left the replica it used most (its 'home')."""
+    names: dict[str, str] = {}
+    per: dict[str, dict[str, int]] = {}
+    for r in sorted(results, key=lambda r: r["index"]):
+        name = names.setdefault(r["replica"], f"r{len(names)}")
+        per.setdefault(r["tenant"], {}).setdefault(name, 0)
+        per[r["tenant"]][name] += 1
+    away = sum(sum(c.values()) - max(c.values()) for c in per.values())
+    return dict(per_tenant=per, away_from_home=away)
+
+
+def save(out: Path, setup: dict, rows: dict, extra: dict) -> None:
+    """out.json (everything), out.md (the table), out.png (hit rate and TTFT bars) when matplotlib is there."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    out.with_suffix(".json").write_text(json.dumps(dict(setup=setup, rows=rows, **extra), indent=2) + "\n")
+    lines = [f"# routing {setup['what']}", "", "`" + setup["command"] + "`", "",
+             ", ".join(f"{k}={v}" for k, v in setup.items() if k not in ("what", "command")), "",
+             "| policy | hit rate | hit rate on repeats | mean TTFT s | P99 TTFT s | tok/s | req/s | n |",
+             "|---|---|---|---|---|---|---|---|"]
+    for name, r in rows.items():
+        lines.append(f"| {name} | {r['hit']:.1%} | {r.get('hit_repeats', float('nan')):.1%} | "
+                     f"{r['mean_ttft']:.2f} | {r['p99_ttft']:.2f} | {r['tok_s']:.2f} | {r['req_s']:.3f} | {r['n']} |")
+    lines += [""] + [f"- {k}: {v}" for k, v in extra.items() if k != "placement"]
+    if "placement" in extra:  # per-tenant counts are in the json
+        lines.append("- requests away from their tenant's most used replica: "
+                     + ", ".join(f"{k} {v['away_from_home']}" for k, v in extra["placement"].items()))
+    out.with_suffix(".md").write_text("\n".join(lines) + "\n")
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return
+    fig, axes = plt.subplots(1, 2, figsize=(9, 3.5))
+    names = list(rows)
+    axes[0].bar(names, [rows[n]["hit"] for n in names])
+    axes[0].set_ylabel("prefix hit rate (cached / prompt tokens)")
+    x = range(len(names))
+    axes[1].bar([i - 0.2 for i in x], [rows[n]["mean_ttft"] for n in names], 0.4, label="mean")
+    axes[1].bar([i + 0.2 for i in x], [rows[n]["p99_ttft"] for n in names], 0.4, label="P99")
+    axes[1].set_xticks(list(x), names)
+    axes[1].set_ylabel("TTFT (s)")
+    axes[1].legend()
+    fig.suptitle(setup.get("title", setup["what"]))
+    fig.tight_layout()
+    fig.savefig(out.with_suffix(".png"), dpi=110)
 
 
 async def bench_replicas(model_dir: Path, args) -> None:
@@ -141,24 +221,51 @@ async def bench_replicas(model_dir: Path, args) -> None:
     prompts = {t: system_prompt(i, args.prefix_tokens, rng, tokenizer) for i, t in enumerate(tenants)}
     plan = [(t := rng.choice(tenants), prompts[t] + f"Question {i}: what about item {i}?", args.max_tokens)
             for i in range(args.requests)]
-    # All prefixes fit in the two replicas together, not in one: (tenants / 2 + 1) prefixes each.
+    # All prefixes fit in the two replicas together, not in one: room for tenants // 2 + 1
+    # requests (prefix + question + output) per replica, i.e. 5 of 8 prefixes.
+    prefix_lengths = [len(tokenizer(p).input_ids) for p in prompts.values()]
     longest = max(len(tokenizer(p).input_ids) for _, p, _ in plan) + args.max_tokens
-    num_blocks = math.ceil(longest * (args.tenants / 2 + 1) / 16)
-    print(f"{args.tenants} tenants, ~{args.prefix_tokens}-token system prompts, {args.requests} requests, "
-          f"Poisson {args.rate}/s, 2 replicas x {num_blocks} blocks of 16")
-    rows = {}
+    slots = args.tenants // 2 + 1
+    num_blocks = math.ceil(longest * slots / 16)
+    repeat = repeats(plan)
+    order = [t for t, _, _ in plan]
+    setup = dict(what="replicas", command="PYTHONPATH=. python " + " ".join(sys.argv), model=str(model_dir.name),
+                 tenants=args.tenants, prefix_tokens=f"{min(prefix_lengths)}-{max(prefix_lengths)}",
+                 requests=args.requests, first_requests=repeat.count(False), rate_per_s=args.rate,
+                 max_tokens=args.max_tokens, seed=args.seed, replicas=2, blocks_per_replica=num_blocks,
+                 block_size=16, prefix_slots_per_replica=slots,
+                 title=f"2 replicas, {args.tenants} tenants x ~{args.prefix_tokens}-token prefix, "
+                       f"{args.requests} requests, Poisson {args.rate}/s")
+    print(", ".join(f"{k}={v}" for k, v in setup.items() if k != "title"), flush=True)
+    # Whole-prefix LRU model of the same order: kv_aware with every tenant kept on one replica
+    # (tenants split evenly), and round_robin alternating replicas by arrival.
+    home = {t: i % 2 for i, t in enumerate(dict.fromkeys(order))}
+    model = dict(kv_aware_ideal=lru_model(order, lambda i, t: home[t], slots),
+                 round_robin=lru_model(order, lambda i, t: i % 2, slots))
+    print(f"prefix LRU model (share of requests that hit): {model}", flush=True)
+    rows, placements = {}, {}
     for policy in ("kv_aware", "least_loaded", "round_robin"):
         servers, channel = await start_mesh(model_dir, [("default", 0, 2, 0)], num_blocks, policy, tenants)
         try:
-            rows[policy] = summary(await poisson(router_service_pb2_grpc.RouterServiceStub(channel), plan,
-                                                 args.rate, args.seed))
+            results = await poisson(router_service_pb2_grpc.RouterServiceStub(channel), plan, args.rate, args.seed)
         finally:
             await stop(servers, channel)
-        print(f"{policy:>13}: hit rate {rows[policy]['hit']:.1%}  TTFT mean {rows[policy]['mean_ttft']:.2f} s  "
-              f"P99 {rows[policy]['p99_ttft']:.2f} s  {rows[policy]['tok_s']:.1f} tok/s", flush=True)
-    rr = rows["round_robin"]
-    print(f"kv_aware vs round_robin: hit rate x{rows['kv_aware']['hit'] / max(rr['hit'], 1e-9):.1f}, "
-          f"P99 TTFT x{rr['p99_ttft'] / rows['kv_aware']['p99_ttft']:.2f} lower")
+        rows[policy] = summary(results)
+        later = [r for r in results if repeat[r["index"]]]
+        rows[policy]["hit_repeats"] = sum(r["cached"] for r in later) / max(1, sum(r["prompt"] for r in later))
+        rows[policy]["hit_requests"] = sum(r["cached"] >= 0.9 * min(prefix_lengths) for r in results)
+        placements[policy] = placement(results)
+        print(f"{policy:>13}: hit rate {rows[policy]['hit']:.1%} (repeats {rows[policy]['hit_repeats']:.1%}, "
+              f"{rows[policy]['hit_requests']} requests hit)  TTFT mean {rows[policy]['mean_ttft']:.2f} s  "
+              f"P99 {rows[policy]['p99_ttft']:.2f} s  {rows[policy]['tok_s']:.2f} tok/s  "
+              f"{placements[policy]['away_from_home']} requests away from their tenant's home", flush=True)
+    rr, kv = rows["round_robin"], rows["kv_aware"]
+    ratios = dict(hit_kv_over_rr=kv["hit"] / max(rr["hit"], 1e-9), p99_rr_over_kv=rr["p99_ttft"] / kv["p99_ttft"],
+                  mean_rr_over_kv=rr["mean_ttft"] / kv["mean_ttft"])
+    print(f"kv_aware vs round_robin: hit rate x{ratios['hit_kv_over_rr']:.2f}, "
+          f"P99 TTFT x{ratios['p99_rr_over_kv']:.2f} lower, mean TTFT x{ratios['mean_rr_over_kv']:.2f} lower")
+    if args.out:
+        save(Path(args.out), setup, rows, dict(ratios=ratios, lru_model=model, placement=placements))
 
 
 async def bench_length(model_dir: Path, args) -> None:
@@ -199,6 +306,8 @@ def main() -> None:
     parser.add_argument("--docs", type=int, default=4)
     parser.add_argument("--doc-tokens", type=int, default=3000)
     parser.add_argument("--short", type=int, default=16)
+    parser.add_argument("--out", default="", help="write OUT.json, OUT.md (and OUT.png) with the results, "
+                        "e.g. benchmarks/results/routing_replicas")
     args = parser.parse_args()
     settings = read_settings()
     model_dir = resolve_model_dir(args.model, Path(settings.model_cache).expanduser())
