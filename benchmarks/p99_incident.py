@@ -15,7 +15,8 @@ at a load near saturation (a fraction of the measured no-speculation capacity):
             load-aware depth per step (services/router/speculation_policy.py).
 
 Each router first serves a warm-up schedule (so the adaptive one has measured its buckets),
-then the measured one. Writes docs/p99_incident.{json,md,png}. Ratios are what to read:
+then the measured one, in `--rounds` parts with the arms taking turns (machine-load drift
+then hits every arm alike). Writes docs/p99_incident.{json,md,png}. Ratios are what to read:
 these machines are shared and noisy.
 """
 
@@ -86,12 +87,10 @@ async def main() -> None:
     items = workload()
     try:
         qps = args.qps or await calibrate(target.address, items, args)
-        results = {}
-        for arm, plan in ARMS.items():
-            if args.arms and arm not in args.arms:
-                continue
-            results[arm] = await run_arm(target.address, items, plan, qps, args)
-            print(_line(arm, results[arm]), flush=True)
+        arms = {arm: plan for arm, plan in ARMS.items() if not args.arms or arm in args.arms}
+        results = await run_rounds(target.address, items, arms, qps, args)
+        for arm, result in results.items():
+            print(_line(arm, result), flush=True)
     finally:
         await target.stop(grace=1)
         await draft.stop(grace=0)
@@ -108,27 +107,57 @@ async def calibrate(address: str, items, args) -> float:
     return capacity * args.load
 
 
-async def run_arm(address: str, items, plan: dict, qps: float, args) -> dict:
-    warmup = poisson_schedule(qps, args.seed + 1, len(items), num_requests=args.warmup)
-    measured = poisson_schedule(qps, args.seed, len(items), num_requests=args.num_requests)
-    start = time.perf_counter()
-    records = await _serve(address, items, plan, measured, args, warmup=warmup)
-    requests = [r.to_json() for r in records]
-    duration = max(r.sent_s + (r.e2e_s or 0) for r in records)
-    return {"plan": plan, "qps": qps, "duration_s": duration, "wall_s": time.perf_counter() - start,
-            "requests": requests, "summary": summarize(requests, duration, Slo())}
+async def run_rounds(address: str, items, arms: dict, qps: float, args) -> dict:
+    """Each arm's router serves a warm-up schedule, then the measured requests in `--rounds`
+    parts, the arms taking turns per part (off, fixed, adaptive, off, ...): a change in the
+    machine's load during the run then hits every arm alike. Part r is the same Poisson
+    schedule (seed + 1000·r) for every arm; the routers (and their measurements) live on."""
+    sizes = [args.num_requests // args.rounds + (r < args.num_requests % args.rounds) for r in range(args.rounds)]
+    routers, records, durations, walls = {}, {a: [] for a in arms}, dict.fromkeys(arms, 0.0), dict.fromkeys(arms, 0.0)
+    try:
+        for arm, plan in arms.items():
+            routers[arm] = await _start_router(address, plan, args)
+            warmup = poisson_schedule(qps, args.seed + 1, len(items), num_requests=args.warmup)
+            if warmup:
+                await _send(routers[arm], items, warmup)
+        for r, size in enumerate(sizes):
+            schedule = poisson_schedule(qps, args.seed + 1000 * r, len(items), num_requests=size)
+            for arm in arms:
+                start = time.perf_counter()
+                part = await _send(routers[arm], items, schedule)
+                walls[arm] += time.perf_counter() - start
+                durations[arm] += max(x.sent_s + (x.e2e_s or 0) for x in part)
+                records[arm] += part
+                print(f"round {r + 1}/{args.rounds} {arm}: {len(part)} requests, "
+                      f"{time.perf_counter() - start:.0f} s", flush=True)
+    finally:
+        for router in routers.values():
+            await router.stop(grace=1)
+    results = {}
+    for arm, plan in arms.items():
+        requests = [x.to_json() for x in records[arm]]
+        results[arm] = {"plan": plan, "qps": qps, "duration_s": durations[arm], "wall_s": walls[arm],
+                        "requests": requests, "summary": summarize(requests, durations[arm], Slo())}
+    return results
 
 
-async def _serve(address: str, items, plan: dict, schedule, args, warmup=None):
+async def _start_router(address: str, plan: dict, args):
     router = build_router_server(ServerConfig(port=0), RouterConfig(
         target_address=address, tokens={TOKEN_A: "bench"}, max_tokens_limit=1024,
         speculation_depth=args.depth, **plan))
     await router.start()
+    return router
+
+
+async def _send(router, items, schedule):
+    async with grpc.aio.insecure_channel(router.address) as channel:
+        return await run_schedule(channel, items, schedule, TOKEN_A, timeout_s=600)
+
+
+async def _serve(address: str, items, plan: dict, schedule, args):
+    router = await _start_router(address, plan, args)
     try:
-        async with grpc.aio.insecure_channel(router.address) as channel:
-            if warmup:
-                await run_schedule(channel, items, warmup, TOKEN_A, timeout_s=600)
-            return await run_schedule(channel, items, schedule, TOKEN_A, timeout_s=600)
+        return await _send(router, items, schedule)
     finally:
         await router.stop(grace=1)
 
@@ -150,7 +179,8 @@ def markdown(results: dict, qps: float, args) -> str:
     off = results["off"]["summary"] if "off" in results else next(iter(results.values()))["summary"]
     load = f"{args.load:.0%} of measured capacity" if args.qps is None else "given with --qps"
     lines = [f"# P99 incident: model `{args.model}`, {qps:.3f} req/s ({load}), "
-             f"{args.num_requests} requests per arm after {args.warmup} warm-up, seed {args.seed}", "",
+             f"{args.num_requests} requests per arm after {args.warmup} warm-up, "
+             f"{args.rounds} round{'s' if args.rounds > 1 else ''}, seed {args.seed}", "",
              "P99 in ms; in brackets the ratio to no speculation (> 1.05 = more than 5% worse).", "",
              "| bucket | arm | TTFT P99 | TPOT P99 | TPOT mean | e2e P99 | accept. length | rejected tok |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -167,7 +197,31 @@ def markdown(results: dict, qps: float, args) -> str:
         tokens = result["summary"][ALL]["completion_tokens"]
         lines.append(f"- {arm}: {tokens / result['duration_s']:.1f} tok/s, mean TPOT "
                      f"{_ms(result['summary'][ALL]['tpot_s']['mean'])} ms")
+    lines += ["", *goal(results)]
     return "\n".join(lines) + "\n"
+
+
+def goal(results: dict) -> list[str]:
+    """The issue's goal per arm: the worst bucket's P99 TTFT and TPOT against no speculation
+    (at most 1.05), and the share of fixed speculation's mean-TPOT gain it keeps."""
+    if "off" not in results:
+        return []
+    off = results["off"]["summary"]
+    gain = {arm: 1 - r["summary"][ALL]["tpot_s"]["mean"] / off[ALL]["tpot_s"]["mean"] for arm, r in results.items()}
+    lines = ["Goal check (worst bucket's P99 ratio to off; mean-TPOT gain over off):", ""]
+    for arm, result in results.items():
+        if arm == "off":
+            continue
+        worst = {}
+        for metric in ("ttft_s", "tpot_s"):
+            ratios = {b: s[metric]["p99"] / off[b][metric]["p99"] for b, s in result["summary"].items()
+                      if b != ALL and b in off and s[metric]["p99"] and off[b][metric]["p99"]}
+            b = max(ratios, key=ratios.get)
+            worst[metric] = f"{ratios[b]:.2f} ({b})"
+        kept = f", {gain[arm] / gain['fixed']:.0%} of fixed's" if "fixed" in gain and arm != "fixed" and gain["fixed"] > 0 else ""
+        lines.append(f"- {arm}: worst P99 TTFT {worst['ttft_s']}, worst P99 TPOT {worst['tpot_s']}; "
+                     f"mean TPOT gain {gain[arm]:.0%}{kept}")
+    return lines
 
 
 def plot(results: dict, path: Path, qps: float, args) -> None:
@@ -218,6 +272,8 @@ def _args():
     p.add_argument("--depth", type=int, default=5, help="fixed arm's draft depth (adaptive: its start)")
     p.add_argument("--max-num-seqs", type=int, default=16)
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--rounds", type=int, default=1,
+                   help="split the measured requests into this many parts, the arms taking turns per part")
     p.add_argument("--arms", nargs="*", help="run only these arms (off fixed adaptive)")
     p.add_argument("--tag", default="", help="suffix of the output files (docs/p99_incident<tag>.*)")
     return p.parse_args()

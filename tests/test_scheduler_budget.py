@@ -39,16 +39,37 @@ def test_draft_slots_come_out_of_the_step_budget(tiny_llama_dir):
     running = [_seq(tokenizer, f"r{i}", 6) for i in range(4)]
     _decoding(scheduler, running)
     scheduler.max_batched_tokens = 12
-    scheduler.add(_seq(tokenizer, "new", 10))
     batch = scheduler.schedule()
-    # 4 decode tokens, then the 8 left go to draft slots in order (5 + 3); nothing is left to
-    # admit the new request's prefill.
+    # 4 decode tokens, then the 8 left go to draft slots in order (5 + 3).
     assert [(i.seq.seq_id, i.num_tokens, i.num_draft_slots) for i in batch] == [
         ("r0", 1, 5), ("r1", 1, 3), ("r2", 1, 0), ("r3", 1, 0)]
     assert sum(i.budget_tokens for i in batch) == 12
-    assert [s.seq_id for s in scheduler.waiting] == ["new"]
     # Draft slots hold blocks: r0's tree is its root (index 6) and 5 nodes (7..11) = 3 blocks.
     assert len(blocks.block_table("r0")) == 3 and len(blocks.block_table("r2")) == 2
+
+
+def test_a_waiting_prefill_takes_the_budget_before_draft_slots(tiny_llama_dir):
+    """Speculation spends idle compute: a waiting request's prefill is admitted first (its
+    TTFT), draft slots get what is left — none here, where the prefill needs it all."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    blocks = BlockManager(num_blocks=64, block_size=4)
+    scheduler = Scheduler(blocks, max_num_seqs=8, max_batched_tokens=64, draft_limit=lambda seq: 5)
+    _decoding(scheduler, [_seq(tokenizer, f"r{i}", 6) for i in range(4)])
+    scheduler.max_batched_tokens = 12
+    scheduler.add(_seq(tokenizer, "new", 10))
+    batch = scheduler.schedule()
+    # 4 decode tokens, then 8 of the new prompt's 10 tokens; no draft slots this step.
+    assert [(i.seq.seq_id, i.num_tokens, i.num_draft_slots) for i in batch] == [
+        ("r0", 1, 0), ("r1", 1, 0), ("r2", 1, 0), ("r3", 1, 0), ("new", 8, 0)]
+    assert not scheduler.waiting and len(blocks.block_table("r0")) == 2
+    # A larger budget: the whole prompt first (4 + 10), the 2 left go to r0's draft slots.
+    scheduler2 = Scheduler(BlockManager(num_blocks=64, block_size=4), max_num_seqs=8,
+                           max_batched_tokens=64, draft_limit=lambda seq: 5)
+    _decoding(scheduler2, [_seq(tokenizer, f"r{i}", 6) for i in range(4)])
+    scheduler2.max_batched_tokens = 16
+    scheduler2.add(_seq(tokenizer, "new", 10))
+    assert [(i.seq.seq_id, i.num_tokens, i.num_draft_slots) for i in scheduler2.schedule()] == [
+        ("r0", 1, 2), ("r1", 1, 0), ("r2", 1, 0), ("r3", 1, 0), ("new", 10, 0)]
 
 
 def test_postprocess_keeps_the_accepted_path_and_frees_the_other_slots(tiny_llama_dir):

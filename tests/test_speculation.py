@@ -25,10 +25,10 @@ def tiny_draft_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-draft"), arch="llama", seed=7)
 
 
-async def _run(model_dir, draft_dir, method, depth, nodes=0, max_tokens=24, prompts=PROMPTS):
+async def _run(model_dir, draft_dir, method, depth, nodes=0, max_tokens=24, prompts=PROMPTS, **engine):
     draft = await start_draft(draft_dir)
     mesh = await start_mesh(model_dir, draft_address=draft.address, speculation={
-        "speculation_method": method, "speculation_depth": depth, "speculation_nodes": nodes})
+        "speculation_method": method, "speculation_depth": depth, "speculation_nodes": nodes}, **engine)
     try:
         return await asyncio.gather(*(collect(mesh.router_stub, request(p, max_tokens)) for p in prompts))
     finally:
@@ -57,8 +57,11 @@ async def test_greedy_speculation_equals_target_only(tiny_llama_dir, tiny_draft_
 @pytest.mark.parametrize("method,nodes", [("draft_model", 0), ("dynamic_tree", 9)])
 async def test_draft_equal_to_target_accepts_the_full_depth(tiny_llama_dir, method, nodes):
     depth = 4
-    # 1 token from prefill, then passes of depth + 1 tokens: 1 + 5 * 5 = 26.
-    results = await _run(tiny_llama_dir, tiny_llama_dir, method, depth, nodes, max_tokens=26)
+    # 1 token from prefill, then passes of depth + 1 tokens: 1 + 5 * 5 = 26. The budget holds
+    # every prompt and every tree (a prefill comes before draft slots, which would otherwise
+    # lose a pass to a later request's prompt).
+    results = await _run(tiny_llama_dir, tiny_llama_dir, method, depth, nodes, max_tokens=26,
+                         max_batched_tokens=256)
     for prompt, (ids, _, last) in zip(PROMPTS, results):
         assert ids == hf_greedy(tiny_llama_dir, prompt, 26)
         usage = last.usage

@@ -78,7 +78,7 @@ def test_measurement_outweighs_the_prediction_as_it_accumulates():
 
 
 def test_step_cost_model_fits_time_per_token():
-    from services.router.speculation_policy import StepCostModel
+    from services.common.speculation_cost import StepCostModel
     model = StepCostModel(decay=1.0, min_steps=4)
     assert not model.ready
     for n in (1, 8, 32, 4, 16, 64):
@@ -89,7 +89,7 @@ def test_step_cost_model_fits_time_per_token():
 
 
 def _load_aware(a: float, b: float, draft_s: float):
-    from services.router.speculation_policy import LoadAwareDepth, StepCostModel
+    from services.common.speculation_cost import LoadAwareDepth, StepCostModel
     chooser = LoadAwareDepth(StepCostModel(decay=1.0, min_steps=2))
     for n in (1, 10, 100):
         chooser.cost.observe(n, a + b * n)
@@ -107,5 +107,5 @@ def test_load_aware_depth_speculates_on_an_idle_batch_and_stops_on_a_full_one():
     # Low acceptance never pays, even idle.
     assert idle.choose(plain_tokens=0, plain_outputs=0, alphas=[0.02], max_depths=[8]) == 0
     # Before the cost model has data: the plan as asked.
-    from services.router.speculation_policy import LoadAwareDepth
+    from services.common.speculation_cost import LoadAwareDepth
     assert LoadAwareDepth().choose(0, 0, [0.5], [5]) == 5

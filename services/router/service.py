@@ -140,13 +140,14 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
         (services/router/speculation_policy.py: task, temperature, requested length, measured
         acceptance; load-aware plans let the target shorten it per step)."""
         method = self.config.speculation_method
-        depth = 0 if method == "off" else self.policy.depth(bucket, sampling.max_tokens, sampling.temperature)
+        depth, alpha = (0, None) if method == "off" else self.policy.plan(
+            bucket, sampling.max_tokens, sampling.temperature)
         if depth == 0:
             return common_pb2.SpeculationPlan(method=common_pb2.SPECULATION_METHOD_OFF)
         return common_pb2.SpeculationPlan(
             method=common_pb2.SpeculationMethod.Value(f"SPECULATION_METHOD_{method.upper()}"),
             max_depth=depth, max_nodes=max(self.config.speculation_nodes, depth),
-            load_aware=self.policy.load_aware)
+            load_aware=self.policy.load_aware, acceptance_prior=alpha or 0.0)
 
     async def ListModels(self, request, context):
         try:

@@ -5,7 +5,8 @@ The engine's step is three calls (DESIGN section 8 item 9): `schedule` -> the en
 the batch -> `postprocess`. One token budget per step (`max_batched_tokens`) covers
 everything the forward pass computes: decode tokens of running sequences, their draft-tree
 slots (each draft node is a row of the verify pass), and prefill chunks of new ones. Draft
-slots never preempt anyone: they get what the budget and the free blocks have left.
+slots never preempt anyone and never delay an admission: they get what the budget and the
+free blocks have left after running sequences' tokens and waiting requests' prefill.
 When blocks run out, the youngest running sequence
 is preempted by recompute: its blocks go back and it is re-queued at the front.
 Tenant priority orders both: the waiting queue is highest priority first, and the
@@ -113,8 +114,7 @@ class Scheduler:
                 continue
             batch.append(ScheduledSeq(seq, seq.num_computed, n))
             budget -= n
-        if self.draft_limit is not None and budget > 0:
-            batch, budget = self._add_draft_slots(batch, budget)
+        num_running = len(batch)
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             seq = self.waiting[0]
             match = self.blocks.match_prefix(seq.token_ids, seq.extra_key)
@@ -131,6 +131,11 @@ class Scheduler:
             self.running.append(seq)
             batch.append(ScheduledSeq(seq, seq.num_computed, n))
             budget -= n
+        if self.draft_limit is not None and budget > 0:
+            # After admission: waiting requests' prefill comes first (their TTFT); draft slots,
+            # for sequences that were already decoding, get what is left.
+            slotted, budget = self._add_draft_slots(batch[:num_running], budget)
+            batch = slotted + batch[num_running:]
         return batch
 
     def postprocess(self, batch: list[ScheduledSeq], results: dict[str, StepResult],

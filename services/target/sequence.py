@@ -49,7 +49,8 @@ class SpeculationPlan:
     method: int
     max_depth: int
     max_nodes: int
-    load_aware: bool = False  # the target may shorten the depth per step (speculation_policy.LoadAwareDepth)
+    load_aware: bool = False  # the target may shorten the depth per step (speculation_cost.LoadAwareDepth)
+    acceptance: float = 0.0  # the router's predicted acceptance rate α; 0 = none
 
 
 @dataclass

@@ -186,7 +186,8 @@ def _plan(message: common_pb2.SpeculationPlan) -> SpeculationPlan | None:
     if message.max_depth <= 0:
         return None
     return SpeculationPlan(message.method, message.max_depth, max(message.max_nodes, message.max_depth),
-                           message.load_aware)
+                           message.load_aware,
+                           message.acceptance_prior if 0.0 < message.acceptance_prior < 1.0 else 0.0)
 
 
 def _final_chunk(out: StepOutput) -> common_pb2.GenerateChunk:

@@ -14,7 +14,7 @@ import time
 import torch
 
 from services.common.draft_tree import DraftTree
-from services.router.speculation_policy import LoadAwareDepth, expected_tokens, sequence_alpha
+from services.common.speculation_cost import LoadAwareDepth, expected_tokens, sequence_alpha
 from services.target.draft_client import DraftClient, DraftRequest
 from services.target.sampler import target_probs
 from services.target.scheduler import ScheduledSeq
@@ -118,13 +118,16 @@ class Speculator:
 
     def _depths(self, batch: list[ScheduledSeq]) -> list[tuple[Sequence, int]]:
         """(sequence, depth >= 1) for the sequences that speculate this step. Load-aware plans
-        take the depth that maximises the batch's committed tokens per second
-        (services/router/speculation_policy.LoadAwareDepth), 0 = decode normally."""
+        take the depth that maximises the batch's committed tokens per second, and beside a
+        waiting request's prefill at most what keeps that step within the TTFT slack
+        (services/common/speculation_cost.LoadAwareDepth); 0 = decode normally."""
         fixed, aware = [], []
-        plain_tokens = plain_outputs = 0
+        plain_tokens = plain_outputs = prefill_tokens = 0
         for item in batch:
             seq = item.seq
             depth = min(self._depth(seq), item.num_draft_slots)
+            if item.num_tokens != 1 or not item.samples:
+                prefill_tokens += item.num_tokens  # a prompt chunk: its request waits for its first token
             if seq.plan is None or not item.samples or item.num_tokens != 1 or depth < 1:
                 plain_tokens += item.num_tokens
                 plain_outputs += 1 if item.samples else 0
@@ -134,14 +137,19 @@ class Speculator:
                 fixed.append((seq, depth))
         if not aware:
             return fixed
-        alphas = [sequence_alpha(s.spec.proposed, s.spec.accepted) for s, _ in aware]
+        alphas = [self.alpha(s) for s, _ in aware]
         for seq, depth in fixed:  # fixed plans are part of the step's load as asked
             plain_tokens += 1 + depth
-            plain_outputs += expected_tokens(sequence_alpha(seq.spec.proposed, seq.spec.accepted), depth)
-        cap = self.load.choose(plain_tokens, int(plain_outputs), alphas, [d for _, d in aware])
-        capped = [(seq, min(depth, cap)) for seq, depth in aware
-                  if cap and sequence_alpha(seq.spec.proposed, seq.spec.accepted) >= self.load.min_alpha]
+            plain_outputs += expected_tokens(self.alpha(seq), depth)
+        cap = self.load.choose(plain_tokens, int(plain_outputs), alphas, [d for _, d in aware], prefill_tokens)
+        capped = [(seq, min(depth, cap)) for (seq, depth), alpha in zip(aware, alphas)
+                  if cap and alpha >= self.load.min_alpha]
         return fixed + capped
+
+    @staticmethod
+    def alpha(seq: Sequence) -> float:
+        """The sequence's acceptance estimate: its counts, from the router's predicted α."""
+        return sequence_alpha(seq.spec.proposed, seq.spec.accepted, seq.plan.acceptance)
 
     def max_draft_nodes(self, seq: Sequence) -> int:
         """The most draft nodes `seq` may propose next step (the scheduler reserves that many

@@ -80,16 +80,18 @@ class Usage(_message.Message):
     def __init__(self, prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., rejected_tokens: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., mean_logprob: _Optional[float] = ..., min_logprob: _Optional[float] = ..., mean_margin: _Optional[float] = ..., verify_passes: _Optional[int] = ..., fallback_steps: _Optional[int] = ...) -> None: ...
 
 class SpeculationPlan(_message.Message):
-    __slots__ = ("method", "max_depth", "max_nodes", "load_aware")
+    __slots__ = ("method", "max_depth", "max_nodes", "load_aware", "acceptance_prior")
     METHOD_FIELD_NUMBER: _ClassVar[int]
     MAX_DEPTH_FIELD_NUMBER: _ClassVar[int]
     MAX_NODES_FIELD_NUMBER: _ClassVar[int]
     LOAD_AWARE_FIELD_NUMBER: _ClassVar[int]
+    ACCEPTANCE_PRIOR_FIELD_NUMBER: _ClassVar[int]
     method: SpeculationMethod
     max_depth: int
     max_nodes: int
     load_aware: bool
-    def __init__(self, method: _Optional[_Union[SpeculationMethod, str]] = ..., max_depth: _Optional[int] = ..., max_nodes: _Optional[int] = ..., load_aware: _Optional[bool] = ...) -> None: ...
+    acceptance_prior: float
+    def __init__(self, method: _Optional[_Union[SpeculationMethod, str]] = ..., max_depth: _Optional[int] = ..., max_nodes: _Optional[int] = ..., load_aware: _Optional[bool] = ..., acceptance_prior: _Optional[float] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
     __slots__ = ("role", "content")

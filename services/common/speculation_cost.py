@@ -1,0 +1,130 @@
+"""The cost side of speculation, shared by the router's plan and the target's per-step choice.
+
+Words (DESIGN section 5): α = acceptance rate, E[A](d) = accepted + bonus tokens per verify
+pass of a chain of d draft tokens. The router predicts α per request and puts it in the plan
+(`SpeculationPlan.acceptance_prior`); the target decides per engine step how deep the plan's
+sequences draft, from what it measures:
+
+- `StepCostModel`: the step's forward time as a function of the tokens it computes,
+  t(n) = a + b·n, fitted online from every step (verify passes included);
+- the draft call's time (a moving mean of the measured calls);
+- each sequence's own α (`sequence_alpha`), starting from the router's prediction.
+
+Speculation spends idle compute: with a small batch a verify pass of d+1 tokens per sequence
+costs about as much as a decode step, with a large one it costs d+1 times more, and a step
+that prefills a waiting request makes that request's TTFT pay for every verified draft token
+(`LoadAwareDepth.choose`, `prefill_tokens`).
+"""
+
+from __future__ import annotations
+
+DEFAULT_ALPHA = 0.3  # a sequence's α before it is measured, when the router predicted none
+
+
+def expected_tokens(alpha: float, depth: int) -> float:
+    """E[A](d): accepted + bonus tokens per verify pass of a chain of `depth` draft tokens."""
+    alpha = min(max(alpha, 0.0), 0.999)
+    return (1 - alpha ** (depth + 1)) / (1 - alpha)
+
+
+def sequence_alpha(proposed: int, accepted: int, prior: float | None = None, prior_tokens: float = 2.0) -> float:
+    """A sequence's acceptance estimate: its own counts with a weak prior — the router's
+    prediction for its bucket, temperature and length when the plan carries one (one pass of
+    rejected drafts is enough to stop a sequence that does not accept)."""
+    prior = DEFAULT_ALPHA if not prior else prior
+    return (accepted + prior * prior_tokens) / (proposed + prior_tokens)
+
+
+class StepCostModel:
+    """Engine step time as a function of the tokens it computes: t(n) ≈ a + b·n.
+
+    Fitted online by exponentially weighted least squares (`decay` per step), so it follows
+    the machine as it is now (other load, thermal state). Not thread-safe: the engine thread
+    owns it.
+    """
+
+    def __init__(self, decay: float = 0.98, min_steps: int = 16) -> None:
+        self.decay = decay
+        self.min_steps = min_steps
+        self._w = self._n = self._t = self._nn = self._nt = 0.0
+        self.steps = 0
+
+    def observe(self, num_tokens: int, seconds: float) -> None:
+        d = self.decay
+        self._w = d * self._w + 1
+        self._n = d * self._n + num_tokens
+        self._t = d * self._t + seconds
+        self._nn = d * self._nn + num_tokens * num_tokens
+        self._nt = d * self._nt + num_tokens * seconds
+        self.steps += 1
+
+    @property
+    def ready(self) -> bool:
+        return self.steps >= self.min_steps and self.coefficients() is not None
+
+    def coefficients(self) -> tuple[float, float] | None:
+        """(a, b) in seconds and seconds per token; None while the steps do not vary in size."""
+        if self._w == 0:
+            return None
+        mean_n, mean_t = self._n / self._w, self._t / self._w
+        var = self._nn / self._w - mean_n * mean_n
+        if var <= 1e-9:
+            return None
+        b = max((self._nt / self._w - mean_n * mean_t) / var, 0.0)
+        return max(mean_t - b * mean_n, 0.0), b
+
+    def predict(self, num_tokens: float) -> float:
+        a, b = self.coefficients() or (0.0, 0.0)
+        return a + b * num_tokens
+
+
+class LoadAwareDepth:
+    """Per engine step: the draft depth that maximises committed tokens per second.
+
+    `choose(plain_tokens, plain_outputs, alphas, max_depths, prefill_tokens)`:
+    - plain_tokens: tokens the step computes for sequences that do not speculate (prefill
+      chunks, plain decodes); plain_outputs: tokens those commit (decodes only);
+    - alphas / max_depths: each speculation candidate's acceptance estimate and plan limit;
+    - prefill_tokens: of plain_tokens, those of requests still waiting for their first token.
+    Returns one depth for every candidate (0 = decode normally this step).
+    """
+
+    def __init__(self, cost: StepCostModel | None = None, ewma: float = 0.2, min_alpha: float = 0.05,
+                 margin: float = 1.05, ttft_slack: float = 0.05) -> None:
+        self.cost = cost or StepCostModel()
+        self.draft_seconds: float | None = None  # moving mean of one batched draft call
+        self.ewma = ewma
+        self.min_alpha = min_alpha
+        self.margin = margin  # speculation must beat plain decoding by this factor (model error)
+        self.ttft_slack = ttft_slack  # how much longer a prefill step may get (the P99 goal's 5%)
+
+    def observe_draft(self, seconds: float) -> None:
+        w = self.ewma
+        self.draft_seconds = seconds if self.draft_seconds is None else (1 - w) * self.draft_seconds + w * seconds
+
+    def choose(self, plain_tokens: int, plain_outputs: int, alphas: list[float],
+               max_depths: list[int], prefill_tokens: int = 0) -> int:
+        """The common depth for all candidates (each still capped by its own max depth)."""
+        if not alphas:
+            return 0
+        if not self.cost.ready:
+            # Not measured yet: the plan as asked, except beside a prefill (its TTFT would pay).
+            return 0 if prefill_tokens else max(max_depths)
+        n = len(alphas)
+        plain_time = self.cost.predict(plain_tokens + n)
+        # A step holding a waiting request's prefill is that request's TTFT: speculation may
+        # lengthen it by at most `ttft_slack` (the draft call and every verified draft token).
+        limit = plain_time * (1 + self.ttft_slack) if prefill_tokens else float("inf")
+        best_depth, best_rate = 0, (plain_outputs + n) / max(plain_time, 1e-9)
+        draft = self.draft_seconds or 0.0
+        for d in range(1, max(max_depths) + 1):
+            depths = [min(d, m) if a >= self.min_alpha else 0 for a, m in zip(alphas, max_depths)]
+            tokens = plain_tokens + sum(1 + k for k in depths)
+            step_time = self.cost.predict(tokens) + draft
+            if step_time > limit:
+                break  # deeper only costs more
+            committed = plain_outputs + sum(expected_tokens(a, k) if k else 1.0 for a, k in zip(alphas, depths))
+            rate = committed / max(step_time, 1e-9)
+            if rate > best_rate * (self.margin if best_depth == 0 else 1.0001):
+                best_depth, best_rate = d, rate
+        return best_depth

@@ -1,0 +1,117 @@
+"""Load-aware speculation: the target's per-step depth starts from the router's predicted
+acceptance and protects a waiting request's prefill (TTFT); shared cost pieces live in
+services/common/speculation_cost.py."""
+
+from __future__ import annotations
+
+import pytest
+from transformers import AutoTokenizer
+
+from services.common.sampling_params import SamplingConfig
+from services.common.speculation_cost import LoadAwareDepth, StepCostModel, sequence_alpha
+from services.router.speculation_policy import PolicyConfig, SpeculationPolicy, acceptance_prior
+from services.target.detokenizer import IncrementalDetokenizer
+from services.target.scheduler import ScheduledSeq
+from services.target.sequence import Sequence, SpeculationPlan
+from services.target.service import _plan
+from services.target.speculator import Speculator
+from specmesh.proto.v1 import common_pb2
+from tests.mesh import collect, request, start_draft, start_mesh
+from tests.test_speculation import PROMPTS
+
+
+def _chooser(a: float, b: float, draft_s: float) -> LoadAwareDepth:
+    chooser = LoadAwareDepth(StepCostModel(decay=1.0, min_steps=2))
+    for n in (1, 10, 100):
+        chooser.cost.observe(n, a + b * n)
+    chooser.observe_draft(draft_s)
+    return chooser
+
+
+def test_a_prefill_step_speculates_only_within_the_ttft_slack():
+    # Memory-bound: t(n) = 30 ms + 0.05 ms/token, draft call 1 ms; two sequences at α = 0.8.
+    idle = _chooser(a=0.030, b=0.00005, draft_s=0.001)
+    assert idle.choose(0, 0, [0.8, 0.8], [8, 8]) == 8
+    # Beside a 100-token prefill: the plain step takes 30 + 5.1 ms, 5% more is 36.855 ms; depth d
+    # costs 36.1 + 0.1·d ms, so at most 7.
+    assert idle.choose(100, 1, [0.8, 0.8], [8, 8], prefill_tokens=100) == 7
+    # A draft call longer than the slack: no speculation beside a prefill, as much as ever without.
+    slow_draft = _chooser(a=0.030, b=0.00005, draft_s=0.01)
+    assert slow_draft.choose(100, 1, [0.8, 0.8], [8, 8], prefill_tokens=100) == 0
+    assert slow_draft.choose(100, 1, [0.8, 0.8], [8, 8]) == 8
+    # Before the cost model has data: the plan as asked, but not beside a prefill.
+    assert LoadAwareDepth().choose(0, 0, [0.5], [5]) == 5
+    assert LoadAwareDepth().choose(10, 1, [0.5], [5], prefill_tokens=10) == 0
+
+
+def test_sequence_alpha_starts_from_the_router_prior():
+    assert sequence_alpha(0, 0, 0.75) == pytest.approx(0.75)
+    assert sequence_alpha(0, 0) == sequence_alpha(0, 0, 0.0) == pytest.approx(0.3)  # no prediction
+    assert sequence_alpha(6, 0, 0.75) == pytest.approx(1.5 / 8)  # its own counts take over
+
+
+def _seq(tokenizer, name: str, plan: SpeculationPlan | None, prompt_len: int = 6) -> Sequence:
+    ids = list(range(5, 5 + prompt_len))
+    return Sequence(name, ids, SamplingConfig(max_tokens=32), None,
+                    IncrementalDetokenizer(tokenizer, ids, ()), None, plan=plan)
+
+
+def _aware(acceptance: float) -> SpeculationPlan:
+    return SpeculationPlan(common_pb2.SPECULATION_METHOD_PROMPT_LOOKUP, max_depth=5, max_nodes=5,
+                           load_aware=True, acceptance=acceptance)
+
+
+def _decoding(seq: Sequence) -> ScheduledSeq:
+    seq.token_ids.append(7)  # its prompt is computed and one token sampled
+    return ScheduledSeq(seq, seq.num_tokens - 1, 1, num_draft_slots=5)
+
+
+def test_target_depth_follows_the_router_prior_and_yields_to_a_prefill(tiny_llama_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    speculator = Speculator(None, None, max_context=1024, metrics=None)
+    # Compute-bound: 10 ms per token on 30 ms, draft call 2 ms. At α = 0.3 (no prediction)
+    # nothing beats plain decoding by 5%; at α = 0.75, depth 3 maximises tokens per second
+    # (1.75/52, 2.31/62, 2.73/72, 3.05/82 tokens per ms for depths 1-4).
+    speculator.load = _chooser(a=0.030, b=0.010, draft_s=0.002)
+    copy = _seq(tokenizer, "copy", _aware(0.75))
+    unknown = _seq(tokenizer, "unknown", _aware(0.0))
+    assert [(s.seq_id, d) for s, d in speculator._depths([_decoding(copy)])] == [("copy", 3)]
+    assert speculator._depths([_decoding(unknown)]) == []
+    # The same copy-heavy sequence beside a waiting request's 6-token prefill: the step would
+    # get more than 5% longer, so it decodes plainly.
+    copy2, new = _seq(tokenizer, "copy2", _aware(0.75)), _seq(tokenizer, "new", None)
+    assert speculator._depths([_decoding(copy2), ScheduledSeq(new, 0, new.num_tokens)]) == []
+
+
+def test_router_plan_carries_the_predicted_acceptance_to_the_target():
+    policy = SpeculationPolicy(PolicyConfig(mode="adaptive"), default_depth=5)
+    depth, alpha = policy.plan("rewrite-short-greedy", max_tokens=64, temperature=0.0)
+    assert alpha == acceptance_prior("rewrite-short-greedy", 0.0) == 0.75 and depth >= 1
+    assert policy.plan("rewrite-short-greedy", max_tokens=8, temperature=0.0) == (0, None)
+    assert SpeculationPolicy(PolicyConfig(), default_depth=5).plan("rewrite-short-greedy") == (5, None)
+    message = common_pb2.SpeculationPlan(method=common_pb2.SPECULATION_METHOD_PROMPT_LOOKUP, max_depth=3,
+                                         load_aware=True, acceptance_prior=0.75)
+    assert _plan(message).acceptance == pytest.approx(0.75)
+    message.acceptance_prior = 0.0
+    assert _plan(message).acceptance == 0.0  # no prediction: the target's flat prior
+
+
+async def test_adaptive_mesh_sends_the_prior_in_the_plan(tiny_llama_dir):
+    """Router -> target over gRPC: the plan the engine receives holds the router's prediction."""
+    draft = await start_draft(tiny_llama_dir)
+    mesh = await start_mesh(tiny_llama_dir, draft_address=draft.address, speculation={
+        "speculation_method": "draft_model", "speculation_depth": 2, "speculation_policy": "adaptive"})
+    plans = []
+    submit = mesh.engine.submit
+
+    def recording_submit(*args, **kwargs):  # the real submit, its plan noted
+        plans.append(kwargs.get("plan"))
+        return submit(*args, **kwargs)
+    mesh.engine.submit = recording_submit
+    try:
+        await collect(mesh.router_stub, request(PROMPTS[3], 16))
+        assert len(plans) == 1 and plans[0].load_aware
+        assert plans[0].acceptance == pytest.approx(acceptance_prior("chat-short-greedy", 0.0))
+    finally:
+        await mesh.stop()
+        await draft.stop(grace=0.5)
