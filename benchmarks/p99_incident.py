@@ -112,7 +112,11 @@ async def run_rounds(address: str, items, arms: dict, qps: float, args) -> dict:
     parts, the arms taking turns per part (off, fixed, adaptive, off, ...): a change in the
     machine's load during the run then hits every arm alike. Part r is the same Poisson
     schedule (seed + 1000·r) for every arm; the routers (and their measurements) live on."""
-    sizes = [args.num_requests // args.rounds + (r < args.num_requests % args.rounds) for r in range(args.rounds)]
+    if args.round_seconds:  # rounds of about that many seconds of arrivals, as many as fit
+        per_round = max(4, round(qps * args.round_seconds))
+        sizes = [min(per_round, args.num_requests - k) for k in range(0, args.num_requests, per_round)]
+    else:
+        sizes = [args.num_requests // args.rounds + (r < args.num_requests % args.rounds) for r in range(args.rounds)]
     routers, records, durations, walls = {}, {a: [] for a in arms}, dict.fromkeys(arms, 0.0), dict.fromkeys(arms, 0.0)
     try:
         for arm, plan in arms.items():
@@ -120,7 +124,12 @@ async def run_rounds(address: str, items, arms: dict, qps: float, args) -> dict:
             warmup = poisson_schedule(qps, args.seed + 1, len(items), num_requests=args.warmup)
             if warmup:
                 await _send(routers[arm], items, warmup)
+        started = time.perf_counter()
         for r, size in enumerate(sizes):
+            elapsed = time.perf_counter() - started
+            if args.minutes and r and elapsed * (r + 1) / r > args.minutes * 60:
+                print(f"stopping after {r} rounds: another would pass --minutes {args.minutes}", flush=True)
+                break
             schedule = poisson_schedule(qps, args.seed + 1000 * r, len(items), num_requests=size)
             for arm in arms:
                 start = time.perf_counter()
@@ -128,7 +137,7 @@ async def run_rounds(address: str, items, arms: dict, qps: float, args) -> dict:
                 walls[arm] += time.perf_counter() - start
                 durations[arm] += max(x.sent_s + (x.e2e_s or 0) for x in part)
                 records[arm] += part
-                print(f"round {r + 1}/{args.rounds} {arm}: {len(part)} requests, "
+                print(f"round {r + 1}/{len(sizes)} {arm}: {len(part)} requests, "
                       f"{time.perf_counter() - start:.0f} s", flush=True)
     finally:
         for router in routers.values():
@@ -179,8 +188,8 @@ def markdown(results: dict, qps: float, args) -> str:
     off = results["off"]["summary"] if "off" in results else next(iter(results.values()))["summary"]
     load = f"{args.load:.0%} of measured capacity" if args.qps is None else "given with --qps"
     lines = [f"# P99 incident: model `{args.model}`, {qps:.3f} req/s ({load}), "
-             f"{args.num_requests} requests per arm after {args.warmup} warm-up, "
-             f"{args.rounds} round{'s' if args.rounds > 1 else ''}, seed {args.seed}", "",
+             f"{len(next(iter(results.values()))['requests'])} requests per arm after {args.warmup} warm-up, "
+             f"in rounds (arms taking turns), seed {args.seed}", "",
              "P99 in ms; in brackets the ratio to no speculation (> 1.05 = more than 5% worse).", "",
              "| bucket | arm | TTFT P99 | TPOT P99 | TPOT mean | e2e P99 | accept. length | rejected tok |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -274,6 +283,9 @@ def _args():
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--rounds", type=int, default=1,
                    help="split the measured requests into this many parts, the arms taking turns per part")
+    p.add_argument("--round-seconds", type=float,
+                   help="rounds of about this many seconds of arrivals (instead of --rounds)")
+    p.add_argument("--minutes", type=float, help="start no round that would end the measured rounds past this")
     p.add_argument("--arms", nargs="*", help="run only these arms (off fixed adaptive)")
     p.add_argument("--tag", default="", help="suffix of the output files (docs/p99_incident<tag>.*)")
     return p.parse_args()

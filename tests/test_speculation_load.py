@@ -20,21 +20,33 @@ from tests.mesh import collect, request, start_draft, start_mesh
 from tests.test_speculation import PROMPTS
 
 
-def _chooser(a: float, b: float, draft_s: float) -> LoadAwareDepth:
+def _chooser(a: float, b: float, draft_s: float, c: float | None = None) -> LoadAwareDepth:
+    """Measured steps t = a + b·tokens + c·logit rows (c = b unless given), draft call draft_s."""
+    c = b if c is None else c
     chooser = LoadAwareDepth(StepCostModel(decay=1.0, min_steps=2))
-    for n in (1, 10, 100):
-        chooser.cost.observe(n, a + b * n)
+    for tokens, rows in ((1, 1), (10, 10), (100, 1), (100, 100)):
+        chooser.cost.observe(tokens, a + b * tokens + c * rows, rows)
     chooser.observe_draft(draft_s)
     return chooser
 
 
+def test_step_cost_model_prices_logit_rows_apart_from_tokens():
+    # A prompt chunk computes many tokens and one logit row; a verify pass one row per node.
+    chooser = _chooser(a=0.02, b=0.0005, c=0.002, draft_s=0.0)
+    a, b, c = chooser.cost.coefficients()
+    assert (a, b, c) == (pytest.approx(0.02), pytest.approx(0.0005), pytest.approx(0.002))
+    assert chooser.cost.predict(40, 40) == pytest.approx(0.02 + 40 * 0.0025)  # 8 sequences at depth 4
+    assert chooser.cost.predict(40, 1) == pytest.approx(0.02 + 40 * 0.0005 + 0.002)  # a 40-token prompt
+
+
 def test_a_prefill_step_speculates_only_within_the_ttft_slack():
-    # Memory-bound: t(n) = 30 ms + 0.05 ms/token, draft call 1 ms; two sequences at α = 0.8.
+    # Memory-bound: 30 ms + 0.05 ms per token and per logit row, draft call 1 ms; two
+    # sequences at α = 0.8.
     idle = _chooser(a=0.030, b=0.00005, draft_s=0.001)
     assert idle.choose(0, 0, [0.8, 0.8], [8, 8]) == 8
-    # Beside a 100-token prefill: the plain step takes 30 + 5.1 ms, 5% more is 36.855 ms; depth d
-    # costs 36.1 + 0.1·d ms, so at most 7.
-    assert idle.choose(100, 1, [0.8, 0.8], [8, 8], prefill_tokens=100) == 7
+    # Beside a 100-token prefill (1 logit row): the plain step takes 30 + 5.1 + 0.15 ms, 5% more
+    # is 37.01 ms; depth d costs 36.25 + 0.2·d ms, so at most 3.
+    assert idle.choose(100, 1, [0.8, 0.8], [8, 8], prefill_tokens=100) == 3
     # A draft call longer than the slack: no speculation beside a prefill, as much as ever without.
     slow_draft = _chooser(a=0.030, b=0.00005, draft_s=0.01)
     assert slow_draft.choose(100, 1, [0.8, 0.8], [8, 8], prefill_tokens=100) == 0
@@ -69,13 +81,13 @@ def _decoding(seq: Sequence) -> ScheduledSeq:
 def test_target_depth_follows_the_router_prior_and_yields_to_a_prefill(tiny_llama_dir):
     tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
     speculator = Speculator(None, None, max_context=1024, metrics=None)
-    # Compute-bound: 10 ms per token on 30 ms, draft call 2 ms. At α = 0.3 (no prediction)
-    # nothing beats plain decoding by 5%; at α = 0.75, depth 3 maximises tokens per second
-    # (1.75/52, 2.31/62, 2.73/72, 3.05/82 tokens per ms for depths 1-4).
+    # Compute-bound: 30 ms + 10 ms per token and per logit row, draft call 2 ms. At α = 0.3
+    # (no prediction) nothing beats plain decoding (1/50 tokens per ms) by 5%; at α = 0.75,
+    # depth 2 maximises tokens per second (1.75/72, 2.31/92, 2.73/112 for depths 1-3).
     speculator.load = _chooser(a=0.030, b=0.010, draft_s=0.002)
     copy = _seq(tokenizer, "copy", _aware(0.75))
     unknown = _seq(tokenizer, "unknown", _aware(0.0))
-    assert [(s.seq_id, d) for s, d in speculator._depths([_decoding(copy)])] == [("copy", 3)]
+    assert [(s.seq_id, d) for s, d in speculator._depths([_decoding(copy)])] == [("copy", 2)]
     assert speculator._depths([_decoding(unknown)]) == []
     # The same copy-heavy sequence beside a waiting request's 6-token prefill: the step would
     # get more than 5% longer, so it decodes plainly.

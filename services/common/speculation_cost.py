@@ -5,8 +5,8 @@ pass of a chain of d draft tokens. The router predicts α per request and puts i
 (`SpeculationPlan.acceptance_prior`); the target decides per engine step how deep the plan's
 sequences draft, from what it measures:
 
-- `StepCostModel`: the step's forward time as a function of the tokens it computes,
-  t(n) = a + b·n, fitted online from every step (verify passes included);
+- `StepCostModel`: the step's forward time as a function of the tokens it computes and
+  the logit rows it needs, t = a + b·tokens + c·rows, fitted online from every step;
 - the draft call's time (a moving mean of the measured calls);
 - each sequence's own α (`sequence_alpha`), starting from the router's prediction.
 
@@ -17,6 +17,8 @@ that prefills a waiting request makes that request's TTFT pay for every verified
 """
 
 from __future__ import annotations
+
+import numpy as np
 
 DEFAULT_ALPHA = 0.3  # a sequence's α before it is measured, when the router predicted none
 
@@ -36,46 +38,65 @@ def sequence_alpha(proposed: int, accepted: int, prior: float | None = None, pri
 
 
 class StepCostModel:
-    """Engine step time as a function of the tokens it computes: t(n) ≈ a + b·n.
+    """Engine step time from what the forward pass computes: t ≈ a + b·tokens + c·rows.
 
-    Fitted online by exponentially weighted least squares (`decay` per step), so it follows
-    the machine as it is now (other load, thermal state). Not thread-safe: the engine thread
+    tokens: positions computed (prompt chunks, decodes, draft-tree nodes); rows: positions
+    that get logits (one per sampled position; every node of a verify pass). A logit row runs
+    the LM head, which on a large vocabulary costs more than the rest of a token's forward
+    (Gemma 3: 262k × 640), so a verify pass is dearer per token than a prompt chunk and one
+    slope would underprice speculation. Fitted online by exponentially weighted least
+    squares (`decay` per step), so it follows the machine as it is now (other load, thermal
+    state); a slope that comes out negative is dropped. Not thread-safe: the engine thread
     owns it.
     """
 
     def __init__(self, decay: float = 0.98, min_steps: int = 16) -> None:
         self.decay = decay
         self.min_steps = min_steps
-        self._w = self._n = self._t = self._nn = self._nt = 0.0
+        self._xx = np.zeros((3, 3))  # decayed sum of x xᵀ, x = (1, tokens, rows)
+        self._xt = np.zeros(3)  # decayed sum of x t
+        self._fit: tuple[float, float, float] | None = None
+        self._stale = True
         self.steps = 0
 
-    def observe(self, num_tokens: int, seconds: float) -> None:
-        d = self.decay
-        self._w = d * self._w + 1
-        self._n = d * self._n + num_tokens
-        self._t = d * self._t + seconds
-        self._nn = d * self._nn + num_tokens * num_tokens
-        self._nt = d * self._nt + num_tokens * seconds
+    def observe(self, num_tokens: int, seconds: float, num_logits: int | None = None) -> None:
+        """One step: its tokens, its time, its logit rows (None: one per token)."""
+        x = np.array([1.0, num_tokens, num_tokens if num_logits is None else num_logits])
+        self._xx = self.decay * self._xx + np.outer(x, x)
+        self._xt = self.decay * self._xt + x * seconds
         self.steps += 1
+        self._stale = True
 
     @property
     def ready(self) -> bool:
         return self.steps >= self.min_steps and self.coefficients() is not None
 
-    def coefficients(self) -> tuple[float, float] | None:
-        """(a, b) in seconds and seconds per token; None while the steps do not vary in size."""
-        if self._w == 0:
-            return None
-        mean_n, mean_t = self._n / self._w, self._t / self._w
-        var = self._nn / self._w - mean_n * mean_n
-        if var <= 1e-9:
-            return None
-        b = max((self._nt / self._w - mean_n * mean_t) / var, 0.0)
-        return max(mean_t - b * mean_n, 0.0), b
+    def coefficients(self) -> tuple[float, float, float] | None:
+        """(a, b, c): seconds, seconds per token, seconds per logit row; None while the steps
+        do not vary in size. Where tokens and rows always move together (no prompt chunks
+        seen yet) b and c share the common slope."""
+        if self._stale:
+            self._fit, self._stale = self._solve(), False
+        return self._fit
 
-    def predict(self, num_tokens: float) -> float:
-        a, b = self.coefficients() or (0.0, 0.0)
-        return a + b * num_tokens
+    def predict(self, num_tokens: float, num_logits: float | None = None) -> float:
+        a, b, c = self.coefficients() or (0.0, 0.0, 0.0)
+        return a + b * num_tokens + c * (num_tokens if num_logits is None else num_logits)
+
+    def _solve(self) -> tuple[float, float, float] | None:
+        w = self._xx[0, 0]
+        if w == 0 or self._xx[1, 1] / w - (self._xx[0, 1] / w) ** 2 <= 1e-9:
+            return None
+        active = [0, 1, 2]
+        while True:
+            xx, xt = self._xx[np.ix_(active, active)], self._xt[active]
+            coef = np.linalg.lstsq(xx, xt, rcond=1e-12)[0]  # minimum norm where rank-deficient
+            negative = [i for i, k in zip(active[1:], coef[1:]) if k < 0]
+            if not negative:
+                break
+            active.remove(negative[0])  # a slope the data cannot support: refit without it
+        fit = dict.fromkeys(range(3), 0.0) | {i: float(k) for i, k in zip(active, coef)}
+        return max(fit[0], 0.0), fit[1], fit[2]
 
 
 class LoadAwareDepth:
@@ -84,6 +105,7 @@ class LoadAwareDepth:
     `choose(plain_tokens, plain_outputs, alphas, max_depths, prefill_tokens)`:
     - plain_tokens: tokens the step computes for sequences that do not speculate (prefill
       chunks, plain decodes); plain_outputs: tokens those commit (decodes only);
+      plain_logits: their logit rows (default: plain_outputs);
     - alphas / max_depths: each speculation candidate's acceptance estimate and plan limit;
     - prefill_tokens: of plain_tokens, those of requests still waiting for their first token.
     Returns one depth for every candidate (0 = decode normally this step).
@@ -103,7 +125,7 @@ class LoadAwareDepth:
         self.draft_seconds = seconds if self.draft_seconds is None else (1 - w) * self.draft_seconds + w * seconds
 
     def choose(self, plain_tokens: int, plain_outputs: int, alphas: list[float],
-               max_depths: list[int], prefill_tokens: int = 0) -> int:
+               max_depths: list[int], prefill_tokens: int = 0, plain_logits: int | None = None) -> int:
         """The common depth for all candidates (each still capped by its own max depth)."""
         if not alphas:
             return 0
@@ -111,7 +133,8 @@ class LoadAwareDepth:
             # Not measured yet: the plan as asked, except beside a prefill (its TTFT would pay).
             return 0 if prefill_tokens else max(max_depths)
         n = len(alphas)
-        plain_time = self.cost.predict(plain_tokens + n)
+        rows = (plain_outputs if plain_logits is None else plain_logits) + n  # logit rows without speculation
+        plain_time = self.cost.predict(plain_tokens + n, rows)
         # A step holding a waiting request's prefill is that request's TTFT: speculation may
         # lengthen it by at most `ttft_slack` (the draft call and every verified draft token).
         limit = plain_time * (1 + self.ttft_slack) if prefill_tokens else float("inf")
@@ -119,8 +142,8 @@ class LoadAwareDepth:
         draft = self.draft_seconds or 0.0
         for d in range(1, max(max_depths) + 1):
             depths = [min(d, m) if a >= self.min_alpha else 0 for a, m in zip(alphas, max_depths)]
-            tokens = plain_tokens + sum(1 + k for k in depths)
-            step_time = self.cost.predict(tokens) + draft
+            extra = sum(depths)  # draft nodes: each a token and a logit row of the verify pass
+            step_time = self.cost.predict(plain_tokens + n + extra, rows + extra) + draft
             if step_time > limit:
                 break  # deeper only costs more
             committed = plain_outputs + sum(expected_tokens(a, k) if k else 1.0 for a, k in zip(alphas, depths))

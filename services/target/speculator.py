@@ -34,8 +34,10 @@ def verify_span(trees: dict, batch, speculator: "Speculator | None" = None):
     yield
     end = time.monotonic()
     if speculator is not None:
-        tokens = sum(i.num_tokens for i in batch) + sum(len(t.token_ids) for t in trees.values())
-        speculator.load.cost.observe(tokens, end - start)
+        nodes = sum(len(t.token_ids) for t in trees.values())
+        tokens = sum(i.num_tokens for i in batch) + nodes
+        rows = sum(1 for i in batch if i.samples) + nodes  # logit rows: sampled positions, tree nodes
+        speculator.load.cost.observe(tokens, end - start, rows)
     for item in batch:
         tree = trees.get(item.seq.seq_id)
         if tree is not None:
@@ -122,7 +124,7 @@ class Speculator:
         waiting request's prefill at most what keeps that step within the TTFT slack
         (services/common/speculation_cost.LoadAwareDepth); 0 = decode normally."""
         fixed, aware = [], []
-        plain_tokens = plain_outputs = prefill_tokens = 0
+        plain_tokens = plain_outputs = plain_logits = prefill_tokens = 0
         for item in batch:
             seq = item.seq
             depth = min(self._depth(seq), item.num_draft_slots)
@@ -131,6 +133,7 @@ class Speculator:
             if seq.plan is None or not item.samples or item.num_tokens != 1 or depth < 1:
                 plain_tokens += item.num_tokens
                 plain_outputs += 1 if item.samples else 0
+                plain_logits += 1 if item.samples else 0
             elif seq.plan.load_aware:
                 aware.append((seq, depth))
             else:
@@ -140,8 +143,10 @@ class Speculator:
         alphas = [self.alpha(s) for s, _ in aware]
         for seq, depth in fixed:  # fixed plans are part of the step's load as asked
             plain_tokens += 1 + depth
+            plain_logits += 1 + depth
             plain_outputs += expected_tokens(self.alpha(seq), depth)
-        cap = self.load.choose(plain_tokens, int(plain_outputs), alphas, [d for _, d in aware], prefill_tokens)
+        cap = self.load.choose(plain_tokens, int(plain_outputs), alphas, [d for _, d in aware],
+                               prefill_tokens, plain_logits)
         capped = [(seq, min(depth, cap)) for (seq, depth), alpha in zip(aware, alphas)
                   if cap and alpha >= self.load.min_alpha]
         return fixed + capped
