@@ -128,11 +128,17 @@ def _tokenizer(model_dir: Path):
     return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
 
 
+def percentile(values: list[float], q: float) -> float:
+    """Nearest rank (with under 100 values P99 is the maximum)."""
+    values = sorted(values)
+    return values[min(len(values) - 1, max(0, math.ceil(q * len(values)) - 1))]
+
+
 def summary(results: list[dict]) -> dict:
-    ttfts = sorted(r["ttft"] for r in results)
+    ttfts = [r["ttft"] for r in results]
     wall = max(r["end"] for r in results) - results[0]["t0"]
     return dict(hit=sum(r["cached"] for r in results) / max(1, sum(r["prompt"] for r in results)),
-                mean_ttft=statistics.mean(ttfts), p99_ttft=ttfts[min(len(ttfts) - 1, math.ceil(0.99 * len(ttfts)) - 1)],
+                mean_ttft=statistics.mean(ttfts), p99_ttft=percentile(ttfts, 0.99),
                 tok_s=sum(r["completion"] for r in results) / wall, req_s=len(results) / wall, wall_s=wall,
                 n=len(results))
 
@@ -183,12 +189,15 @@ def save(out: Path, setup: dict, rows: dict, extra: dict) -> None:
     out.with_suffix(".json").write_text(json.dumps(dict(setup=setup, rows=rows, **extra), indent=2) + "\n")
     lines = [f"# routing {setup['what']}", "", "`" + setup["command"] + "`", "",
              ", ".join(f"{k}={v}" for k, v in setup.items() if k not in ("what", "command")), "",
-             "| policy | hit rate | hit rate on repeats | mean TTFT s | P99 TTFT s | tok/s | req/s | n |",
-             "|---|---|---|---|---|---|---|---|"]
+             "| policy | hit rate | hit rate on repeats | mean TTFT s | P95 TTFT s | P99 TTFT s | "
+             "P99 TTFT of repeats s | tok/s | req/s | n |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    nan = float("nan")
     for name, r in rows.items():
-        lines.append(f"| {name} | {r['hit']:.1%} | {r.get('hit_repeats', float('nan')):.1%} | "
-                     f"{r['mean_ttft']:.2f} | {r['p99_ttft']:.2f} | {r['tok_s']:.2f} | {r['req_s']:.3f} | {r['n']} |")
-    lines += [""] + [f"- {k}: {v}" for k, v in extra.items() if k != "placement"]
+        lines.append(f"| {name} | {r['hit']:.1%} | {r.get('hit_repeats', nan):.1%} | {r['mean_ttft']:.2f} | "
+                     f"{r.get('p95_ttft', nan):.2f} | {r['p99_ttft']:.2f} | {r.get('p99_ttft_repeats', nan):.2f} | "
+                     f"{r['tok_s']:.2f} | {r['req_s']:.3f} | {r['n']} |")
+    lines += [""] + [f"- {k}: {v}" for k, v in extra.items() if k not in ("placement", "requests")]
     if "placement" in extra:  # per-tenant counts are in the json
         lines.append("- requests away from their tenant's most used replica: "
                      + ", ".join(f"{k} {v['away_from_home']}" for k, v in extra["placement"].items()))
@@ -243,7 +252,7 @@ async def bench_replicas(model_dir: Path, args) -> None:
     model = dict(kv_aware_ideal=lru_model(order, lambda i, t: home[t], slots),
                  round_robin=lru_model(order, lambda i, t: i % 2, slots))
     print(f"prefix LRU model (share of requests that hit): {model}", flush=True)
-    rows, placements = {}, {}
+    rows, placements, per_request = {}, {}, {}
     for policy in ("kv_aware", "least_loaded", "round_robin"):
         servers, channel = await start_mesh(model_dir, [("default", 0, 2, 0)], num_blocks, policy, tenants)
         try:
@@ -254,10 +263,18 @@ async def bench_replicas(model_dir: Path, args) -> None:
         later = [r for r in results if repeat[r["index"]]]
         rows[policy]["hit_repeats"] = sum(r["cached"] for r in later) / max(1, sum(r["prompt"] for r in later))
         rows[policy]["hit_requests"] = sum(r["cached"] >= 0.9 * min(prefix_lengths) for r in results)
+        rows[policy]["p95_ttft"] = percentile([r["ttft"] for r in results], 0.95)
+        rows[policy]["p99_ttft_repeats"] = percentile([r["ttft"] for r in later], 0.99)
+        rows[policy]["max_ttft_first"] = max(r["ttft"] for r in results if not repeat[r["index"]])
+        per_request[policy] = [dict(index=r["index"], tenant=r["tenant"], replica=r["replica"], ttft=round(r["ttft"], 4),
+                                    at=round(r["end"] - r["t0"] - r["ttft"], 3), prompt=r["prompt"], cached=r["cached"])
+                               for r in sorted(results, key=lambda r: r["index"])]
         placements[policy] = placement(results)
         print(f"{policy:>13}: hit rate {rows[policy]['hit']:.1%} (repeats {rows[policy]['hit_repeats']:.1%}, "
               f"{rows[policy]['hit_requests']} requests hit)  TTFT mean {rows[policy]['mean_ttft']:.2f} s  "
-              f"P99 {rows[policy]['p99_ttft']:.2f} s  {rows[policy]['tok_s']:.2f} tok/s  "
+              f"P99 {rows[policy]['p99_ttft']:.2f} s (P95 {rows[policy]['p95_ttft']:.2f}, repeats' P99 "
+              f"{rows[policy]['p99_ttft_repeats']:.2f}, first requests' max {rows[policy]['max_ttft_first']:.2f})  "
+              f"{rows[policy]['tok_s']:.2f} tok/s  "
               f"{placements[policy]['away_from_home']} requests away from their tenant's home", flush=True)
     rr, kv = rows["round_robin"], rows["kv_aware"]
     ratios = dict(hit_kv_over_rr=kv["hit"] / max(rr["hit"], 1e-9), p99_rr_over_kv=rr["p99_ttft"] / kv["p99_ttft"],
@@ -265,7 +282,8 @@ async def bench_replicas(model_dir: Path, args) -> None:
     print(f"kv_aware vs round_robin: hit rate x{ratios['hit_kv_over_rr']:.2f}, "
           f"P99 TTFT x{ratios['p99_rr_over_kv']:.2f} lower, mean TTFT x{ratios['mean_rr_over_kv']:.2f} lower")
     if args.out:
-        save(Path(args.out), setup, rows, dict(ratios=ratios, lru_model=model, placement=placements))
+        save(Path(args.out), setup, rows, dict(ratios=ratios, lru_model=model, placement=placements,
+                                               requests=per_request))
 
 
 async def bench_length(model_dir: Path, args) -> None:
