@@ -8,8 +8,10 @@ from torch import nn
 
 from services.target.linear import (
     Int8Linear,
+    PackedLinearBF16,
     PackedLinearFP16,
     int8_scales,
+    native_bf16_cpu,
     prepack_linears,
     resolve_weight_format,
 )
@@ -35,6 +37,32 @@ def test_fp16_packed_equals_float32_product_of_the_same_weights(rows, bias):
     assert PackedLinearFP16(layer, out_dtype=torch.float32)(x).dtype == torch.float32
 
 
+needs_native_bf16 = pytest.mark.skipif(not native_bf16_cpu(), reason="CPU without native bf16")
+
+
+@needs_native_bf16
+@pytest.mark.parametrize("rows", [1, 5, 33])
+@pytest.mark.parametrize("bias", [False, True])
+def test_bf16_packed_is_bit_identical_to_torch_bf16_linear(rows, bias):
+    # The packed layout changes where the weights sit, not the arithmetic: a bf16 model's
+    # outputs stay exactly those of its own nn.Linear (and so of Hugging Face's).
+    layer = _linear(300, 64, bias, seed=rows)
+    x = torch.randn(2, rows, 64).to(torch.bfloat16)  # [batch, rows, in]
+    out = PackedLinearBF16(layer)(x)
+    assert out.dtype == torch.bfloat16 and out.shape == (2, rows, 300)
+    assert torch.equal(out, layer(x))
+    as_f32 = PackedLinearBF16(layer, out_dtype=torch.float32)(x)
+    assert as_f32.dtype == torch.float32 and torch.equal(as_f32, layer(x).float())
+
+
+def test_bf16_packing_is_refused_without_native_bf16(monkeypatch):
+    import services.target.linear as linear
+    monkeypatch.setattr(linear, "native_bf16_cpu", lambda: False)
+    assert resolve_weight_format("auto", torch.bfloat16, "cpu") == "fp16"
+    with pytest.raises(ValueError, match="native bf16"):
+        prepack_linears(nn.Sequential(nn.Linear(4, 4)), "bf16")
+
+
 def test_int8_weights_are_per_channel_symmetric():
     w = torch.tensor([[0.5, -1.27, 0.0], [2.54, 1.0, -0.01]])  # [out=2, in=3]
     assert int8_scales(w).tolist() == pytest.approx([0.01, 0.02])
@@ -46,7 +74,8 @@ def test_int8_weights_are_per_channel_symmetric():
 
 
 def test_auto_format_packs_16_bit_models_on_the_cpu_only():
-    assert resolve_weight_format("auto", torch.bfloat16, "cpu") == "fp16"
+    bf16_format = "bf16" if native_bf16_cpu() else "fp16"
+    assert resolve_weight_format("auto", torch.bfloat16, "cpu") == bf16_format
     assert resolve_weight_format("auto", torch.float16, "cpu") == "fp16"
     assert resolve_weight_format("auto", torch.float32, "cpu") == "none"
     assert resolve_weight_format("auto", torch.bfloat16, "cuda") == "none"

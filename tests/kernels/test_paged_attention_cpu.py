@@ -84,3 +84,27 @@ def test_cpu_fully_masked_row_is_zero():
     batch.tree_mask[:] = False
     out = paged_attention_cpu(**batch.args(0.25))
     assert torch.equal(out, torch.zeros_like(out))
+
+
+@pytest.mark.parametrize("heads", [(4, 1), (8, 2), (3, 3)])
+@pytest.mark.parametrize("window", [None, 6])
+@pytest.mark.parametrize("cache", ["f32", "bf16", "fp8"])
+def test_cpu_decode_rows_are_grouped_by_length_and_match(heads, window, cache):
+    """Decode rows of several sequences run as grouped calls (lengths within 2x, padded and
+    masked) and equal the per-row naive attention; prefill and tree rows keep their own calls."""
+    g = torch.Generator().manual_seed(sum(heads) + (window or 0))
+    seqs = [SeqSpec(40, 1), SeqSpec(3, 1), SeqSpec(25, 1), SeqSpec(7, 4), SeqSpec(31, 1),
+            SeqSpec(5, 1), SeqSpec(0, 1), SeqSpec(12, 3, chain_tree(3)), SeqSpec(22, 1)]
+    kwargs = {"fp8": True} if cache == "fp8" else {
+        "cache_dtype": torch.bfloat16 if cache == "bf16" else torch.float32}
+    batch = make_batch(seqs, heads[0], heads[1], 16, 4, torch.float32, g, use_tree_mask=True, **kwargs)
+    plan = plan_cpu_attention(4, batch.block_tables, batch.context_lens, batch.query_start_loc,
+                              batch.query_positions, window, batch.tree_mask)
+    grouped = sorted(sorted(batch.seqs[i].context_len for i in grp.members) for grp in plan.groups)
+    if window is None:  # kv lengths 41, 32, 26, 23 | 6, 4 | 1 (alone: no group of one)
+        assert grouped == [[3, 5], [22, 25, 31, 40]]
+    else:  # the window caps every decode row at 6 entries: one group of all but the empty context
+        assert grouped == [[3, 5, 22, 25, 31, 40]]
+    assert len(plan) == len(seqs) and plan.grouped == {i for grp in plan.groups for i in grp.members}
+    out = paged_attention_cpu(**batch.args(0.3, window))
+    torch.testing.assert_close(out, naive_attention(batch, 0.3, window), atol=1e-5, rtol=1e-5)
