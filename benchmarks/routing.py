@@ -96,7 +96,7 @@ async def one(stub, tenant: str, prompt: str, max_tokens: int, start: float, ind
         print(f"request failed: {exc.code().name}: {exc.details()}", flush=True)
         return dict(failed=True)
     usage = last.chunk.usage
-    return dict(ttft=first - start, end=time.monotonic(), prompt=usage.prompt_tokens, tenant=tenant, index=index,
+    return dict(ttft=first - start, end=time.monotonic(), sent=start, prompt=usage.prompt_tokens, tenant=tenant, index=index,
                 cached=usage.cached_prompt_tokens, completion=usage.completion_tokens, replica=last.route.replica)
 
 
@@ -267,7 +267,7 @@ async def bench_replicas(model_dir: Path, args) -> None:
         rows[policy]["p99_ttft_repeats"] = percentile([r["ttft"] for r in later], 0.99)
         rows[policy]["max_ttft_first"] = max(r["ttft"] for r in results if not repeat[r["index"]])
         per_request[policy] = [dict(index=r["index"], tenant=r["tenant"], replica=r["replica"], ttft=round(r["ttft"], 4),
-                                    at=round(r["end"] - r["t0"] - r["ttft"], 3), prompt=r["prompt"], cached=r["cached"])
+                                    sent_s=round(r["sent"] - r["t0"], 3), prompt=r["prompt"], cached=r["cached"])
                                for r in sorted(results, key=lambda r: r["index"])]
         placements[policy] = placement(results)
         print(f"{policy:>13}: hit rate {rows[policy]['hit']:.1%} (repeats {rows[policy]['hit_repeats']:.1%}, "
