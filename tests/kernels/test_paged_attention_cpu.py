@@ -108,3 +108,24 @@ def test_cpu_decode_rows_are_grouped_by_length_and_match(heads, window, cache):
     assert len(plan) == len(seqs) and plan.grouped == {i for grp in plan.groups for i in grp.members}
     out = paged_attention_cpu(**batch.args(0.3, window))
     torch.testing.assert_close(out, naive_attention(batch, 0.3, window), atol=1e-5, rtol=1e-5)
+
+
+def test_cpu_grouped_decode_never_reads_what_a_row_may_not_see():
+    """Slots a grouped row gathers only as padding (the tail of its last block, entries before
+    its window, other sequences' padding blocks) may hold anything, NaN and inf included: a
+    freed block keeps the KV of the request that used it. Outputs stay those of naive attention."""
+    g = torch.Generator().manual_seed(21)
+    batch = make_batch([SeqSpec(9, 1), SeqSpec(13, 1), SeqSpec(6, 1)], 4, 1, 16, 4, torch.float32, g)
+    expected = naive_attention(batch, 0.3, 4)
+    plan = plan_cpu_attention(4, batch.block_tables, batch.context_lens, batch.query_start_loc,
+                              batch.query_positions, 4)
+    assert len(plan.groups) == 1 and len(plan.groups[0].members) == 3
+    visible = torch.zeros(batch.k_cache.shape[0] * 4, dtype=torch.bool)  # [num_slots]
+    for s, spec in enumerate(batch.seqs):
+        total = spec.context_len + spec.q_len
+        for j in range(max(0, total - 4), total):  # the window of 4 ending at the decode row
+            visible[int(batch.block_tables[s, j // 4]) * 4 + j % 4] = True
+    for cache, poison in ((batch.k_cache, float("inf")), (batch.v_cache, float("nan"))):
+        cache.view(-1, *cache.shape[2:])[~visible] = poison
+    out = paged_attention_cpu(**batch.args(0.3, 4))
+    torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)

@@ -59,6 +59,7 @@ class DecodeGroup:
     blocks: torch.Tensor  # [n * blocks_per_seq] int64 block ids, each sequence padded with its own first
     blocks_per_seq: int
     mask: torch.Tensor  # [n, 1, 1, blocks_per_seq * block_size] bool, True where the row sees the entry
+    padding: torch.Tensor  # [n, 1, blocks_per_seq * block_size, 1] bool, ~mask laid out along kv entries
 
 
 class CpuAttentionPlan(list):
@@ -150,7 +151,8 @@ def _decode_groups(plans: list[SeqPlan], block_size: int) -> list[DecodeGroup]:
             blocks.extend(ids + (ids[0],) * (width - len(ids)))
             mask[row, 0, 0, p.kv_offset:p.kv_offset + p.kv_len] = True
         groups.append(DecodeGroup(tuple(members), torch.tensor([plans[i].q_start for i in members]),
-                                  torch.tensor(blocks, dtype=torch.long), width, mask))
+                                  torch.tensor(blocks, dtype=torch.long), width, mask,
+                                  ~mask.view(len(members), 1, -1, 1)))
     return groups
 
 
@@ -200,10 +202,13 @@ def _decode_group(
     kv_len = g.blocks_per_seq * k_cache.shape[1]
 
     def gather(cache: torch.Tensor, scales: torch.Tensor | None) -> torch.Tensor:  # [n, nkv, kv_len, D] f32
-        x = cache.index_select(0, g.blocks)  # [n * blocks_per_seq, block_size, nkv, D]
+        x = cache.index_select(0, g.blocks)  # [n * blocks_per_seq, block_size, nkv, D], a fresh copy
         if scales is not None:
             x = x.float() * scales.index_select(0, g.blocks).unsqueeze(-1)
-        return x.float().view(n, kv_len, nkv, head_dim).transpose(1, 2)
+        x = x.float().view(n, kv_len, nkv, head_dim).transpose(1, 2)
+        # Padding reads slots this row may not see: stale entries of freed blocks, other requests'
+        # KV. A masked score still meets its value (0 * NaN = NaN), so they are zeroed, never read.
+        return x.masked_fill_(g.padding, 0.0)
 
     q = qf.index_select(0, g.rows).view(n, nkv, num_heads // nkv, head_dim)  # a kv head's query heads
     o = F.scaled_dot_product_attention(q, gather(k_cache, k_scale), gather(v_cache, v_scale),
