@@ -184,7 +184,8 @@ def start_specmesh(model: str, log_dir: Path) -> list[subprocess.Popen]:
                                 ("router-10", "prompt_lookup", 10)):
         procs.append(subprocess.Popen(
             [*cmd, "router", "--port", str(PORTS[name]), "--target-address", f"127.0.0.1:{PORTS['target']}",
-             "--speculation-method", method, "--speculation-depth", str(depth)], cwd=ROOT, env=env,
+             "--speculation-method", method, "--speculation-depth", str(depth),
+             "--speculation-policy", "fixed"], cwd=ROOT, env=env,  # the depth compared, every step
             stdout=open(log_dir / f"{name}.log", "w"), stderr=subprocess.STDOUT))
     return procs
 

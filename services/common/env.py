@@ -109,7 +109,8 @@ class Settings(BaseModel):
     speculation_depth: int = Field(5, gt=0, description="draft tokens per verify pass (chain depth)")
     speculation_nodes: int = Field(0, ge=0, description="draft tree node budget; 0 = a chain")
     speculation_policy: Literal["fixed", "adaptive"] = Field(
-        "fixed", description="fixed plan, or adaptive depth per bucket from measured acceptance")
+        "adaptive", description="adaptive depth per bucket and per step from predicted and measured "
+        "acceptance, load and step times (docs/p99_incident.md), or the fixed plan for every request")
     replicas: int = Field(1, ge=1, le=16, description="`up`: target replicas of the default pool on "
                           "loopback (the first on the target port, more after the cache port)")
     replica_policy: Literal["kv_aware", "least_loaded", "round_robin"] = Field(
