@@ -129,3 +129,26 @@ def test_cpu_grouped_decode_never_reads_what_a_row_may_not_see():
         cache.view(-1, *cache.shape[2:])[~visible] = poison
     out = paged_attention_cpu(**batch.args(0.3, 4))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("with_tree", [False, True])
+def test_cpu_long_chunk_in_a_window_layer_is_cut_into_pieces_that_read_only_their_window(with_tree):
+    from services.target.kernels.paged_attention_cpu import WINDOW_SUBCHUNK
+    g = torch.Generator().manual_seed(31 + with_tree)
+    seqs = [SeqSpec(100, 300), SeqSpec(7, 1)] + ([SeqSpec(12, 5, chain_tree(5))] if with_tree else [])
+    batch = make_batch(seqs, 4, 2, 8, 4, torch.float32, g, use_tree_mask=with_tree)
+    window = 40
+    plan = plan_cpu_attention(4, batch.block_tables, batch.context_lens, batch.query_start_loc,
+                              batch.query_positions, window, batch.tree_mask)
+    pieces = [p for p in plan if p.q_start < 300]
+    assert [p.q_len for p in pieces] == [64, 64, 64, 64, 44]
+    assert all(p.kv_len <= WINDOW_SUBCHUNK + window - 1 for p in pieces)
+    assert len(plan) == len(pieces) + len(seqs) - 1  # the decode row and the tree stay whole
+    out = paged_attention_cpu(**batch.args(0.3, window))
+    torch.testing.assert_close(out, naive_attention(batch, 0.3, window), atol=1e-5, rtol=1e-5)
+    # Global layers (no window) keep the chunk whole.
+    whole = plan_cpu_attention(4, batch.block_tables, batch.context_lens, batch.query_start_loc,
+                               batch.query_positions, None, batch.tree_mask)
+    assert whole[0].q_len == 300
+    torch.testing.assert_close(paged_attention_cpu(**batch.args(0.3)), naive_attention(batch, 0.3, None),
+                               atol=1e-5, rtol=1e-5)

