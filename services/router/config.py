@@ -28,7 +28,9 @@ class RouterConfig:
     speculation_depth: int = 5
     speculation_nodes: int = 0  # tree node budget; 0 = a chain of `speculation_depth` nodes
     # "fixed": every bucket gets the plan above; "adaptive": depth per bucket from measured
-    # acceptance, off where it does not pay (services/router/speculation_policy.py).
+    # acceptance, off where it does not pay (services/router/speculation_policy.py). Served
+    # routers take the default from the settings (adaptive, services/common/env.py); a router
+    # built directly, as tests do, gets the deterministic fixed plan unless it asks.
     speculation_policy: str = "fixed"
     # The router's mesh identity for its calls to targets and the cache (services/common/tls.py
     # MeshTls); None = plaintext (dev mode, tests).
