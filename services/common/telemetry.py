@@ -22,11 +22,7 @@ from dataclasses import dataclass
 import grpc
 from opentelemetry import metrics, trace
 from opentelemetry.context import Context
-from opentelemetry.instrumentation.grpc import (
-    aio_client_interceptors,
-    aio_server_interceptor,
-    filters,
-)
+from opentelemetry.instrumentation.grpc import aio_client_interceptors, filters
 from opentelemetry.sdk.metrics import MeterProvider
 from opentelemetry.sdk.metrics.export import MetricReader
 from opentelemetry.sdk.resources import Resource
@@ -37,6 +33,8 @@ from opentelemetry.sdk.trace.export import (
     SpanExporter,
 )
 from opentelemetry.util._decorator import _agnosticcontextmanager
+
+from services.common.trace_interceptor import server_tracing_interceptor
 
 SERVICES = ("router", "target", "draft", "cache")
 PROCESS = "process"  # spans and metrics outside any service's work
@@ -151,7 +149,7 @@ def service_of(grpc_service_names: Sequence[str]) -> str:
 
 def server_interceptors(service: str = PROCESS) -> list[grpc.aio.ServerInterceptor]:
     provider = _provider_pair(service)[0]
-    return [aio_server_interceptor(tracer_provider=provider, filter_=_TRACE_FILTER)]
+    return [server_tracing_interceptor(provider, filter_=_TRACE_FILTER)]
 
 
 def client_interceptors() -> list:
