@@ -1,9 +1,10 @@
 """Prepacked linear layers for CPU serving: how the target's weights are stored and multiplied.
 
-Measured on this project's CPU (AVX2, no native bf16: AMD EPYC, 1 thread, min of 15 runs;
-/tmp scripts in H3's note): torch's bf16 `F.linear` converts in a slow path — 5 GB/s at one
+Measured on an AVX2 CPU without native bf16 (the project's machine on the morning of
+2026-11-29: AMD EPYC, 1 thread, min of 15 runs): torch's bf16 `F.linear` converts in a slow path — 5 GB/s at one
 token and 8x slower than fbgemm at 18 tokens — so bf16 weights are the wrong format to
-multiply here, although they are the right format to store.
+multiply there, although they are the right format to store; with native bf16 they are right
+for both (`bf16` below).
 
   weights="auto"  bf16 models on a CPU with native bf16 (AVX512-BF16 / AMX, as oneDNN reports it):
                   `bf16`; other bf16/fp16 models on the CPU: `fp16`; else `none`.

@@ -153,7 +153,7 @@ def _seq_plan(block_size: int, table: list[int], ctx: int, q_start: int, q_len: 
     ids = table[b0:b1]
     run = ids[-1] - ids[0] == len(ids) - 1 and all(b - a == 1 for a, b in zip(ids, ids[1:]))
     mask = None
-    if r1 - r0 > 1 or tree_mask is not None or sliding_window is not None or r0 > 0:
+    if r1 - r0 > 1 or tree_mask is not None or sliding_window is not None:
         mask = _visibility(lo, ctx, q_start, q_len, positions, sliding_window, tree_mask, r0, r1)
         if r1 - r0 == 1 and bool(mask.all()):
             mask = None
