@@ -65,11 +65,14 @@ class EngineConfig:
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:
-        """"auto": the model dtype, except float32 for 16-bit models on the CPU, where attention
-        computes in float32 anyway (bf16 values are exact in float32, so outputs are unchanged
-        and no kv entry is converted per layer per step)."""
+        """"auto": the model dtype, except float32 for 16-bit models on a CPU that does not
+        multiply bf16 natively, where attention computes in float32 (bf16 values are exact in
+        float32, so no kv entry is converted per layer per step). With native bf16 a bf16 model
+        keeps a bf16 cache (its keys and values are bf16 already: nothing is rounded) and attends
+        with bf16 matmuls (services/target/kernels/paged_attention_cpu.py)."""
         if self.kv_dtype != "auto":
             return _KV_DTYPES[self.kv_dtype]
         if torch.device(self.device).type == "cpu" and self.dtype in ("bfloat16", "float16"):
-            return torch.float32
+            from services.target.linear import native_bf16_cpu
+            return torch.bfloat16 if self.dtype == "bfloat16" and native_bf16_cpu() else torch.float32
         return self.torch_dtype

@@ -197,3 +197,20 @@ def naive_attention(batch: PagedBatch, scale: float, sliding_window: int | None)
                 out[row + i, h] = w @ v
         row += spec.q_len
     return out
+
+
+def visible_mask(batch: PagedBatch, s: int, sliding_window: int | None) -> torch.Tensor:
+    """[q_len, kv_len] bool: which kv entries each new token of sequence s may see (the contract)."""
+    spec = batch.seqs[s]
+    c = spec.context_len
+    pos_new = [c + x for x in (depths(spec.parents) if spec.parents is not None else range(spec.q_len))]
+    mask = torch.zeros(spec.q_len, c + spec.q_len, dtype=torch.bool)
+    for i in range(spec.q_len):
+        vis_new = ancestors_or_self(spec.parents, i) if spec.parents is not None else set(range(i + 1))
+        for j in range(c + spec.q_len):
+            p_kv = j if j < c else pos_new[j - c]
+            ok = j < c or (j - c) in vis_new
+            if sliding_window is not None and pos_new[i] - p_kv >= sliding_window:
+                ok = False
+            mask[i, j] = ok
+    return mask

@@ -73,9 +73,71 @@ def test_cpu_fp8_and_bf16_caches():
     batch = make_batch([SeqSpec(6, 3), SeqSpec(0, 1)], 4, 2, 32, 4, torch.float32, g, fp8=True)
     torch.testing.assert_close(paged_attention_cpu(**batch.args(0.2)), naive_attention(batch, 0.2, None),
                                atol=1e-5, rtol=1e-5)
+    # bf16 queries over a float32 cache take the float32 path: the reference's own result.
+    batch = make_batch([SeqSpec(9, 2), SeqSpec(17, 1)], 4, 1, 32, 8, torch.bfloat16, g,
+                       cache_dtype=torch.float32)
+    assert torch.equal(paged_attention_cpu(**batch.args(0.2)), paged_attention_reference(**batch.args(0.2)))
+    # bf16 queries over a bf16 cache take the bf16 matmul path: within bf16's tolerance.
     batch = make_batch([SeqSpec(9, 2), SeqSpec(17, 1)], 4, 1, 32, 8, torch.bfloat16, g)
-    expected = paged_attention_reference(**batch.args(0.2))
-    assert torch.equal(paged_attention_cpu(**batch.args(0.2)), expected)
+    assert_close(paged_attention_cpu(**batch.args(0.2)), paged_attention_reference(**batch.args(0.2)),
+                 torch.bfloat16, "bf16 cache")
+
+
+def _eager_bf16(batch, scale: float, window: int | None) -> torch.Tensor:
+    """Hugging Face's eager bf16 attention on the naive dense layout: bf16 scores (one rounding of a
+    float32-accumulated dot), float32 softmax, bf16 probabilities times bf16 values."""
+    from .helpers import visible_mask
+    out = []
+    for s, spec in enumerate(batch.seqs):
+        start = int(batch.query_start_loc[s])
+        q = batch.query[start:start + spec.q_len].transpose(0, 1)  # [H, q, D] bf16
+        k = batch.k_dense[s].transpose(0, 1).to(torch.bfloat16)  # [nkv, kv, D], exact: stored as bf16
+        v = batch.v_dense[s].transpose(0, 1).to(torch.bfloat16)
+        rep = q.shape[0] // k.shape[0]
+        k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
+        scores = torch.matmul(q, k.transpose(1, 2)).float() * scale  # [H, q, kv]
+        mask = visible_mask(batch, s, window)  # [q, kv]
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).to(torch.bfloat16)
+        o = torch.matmul(probs, v).transpose(0, 1)  # [q, H, D]
+        out.append(torch.where(mask.any(-1)[:, None, None], o, torch.zeros((), dtype=o.dtype)))
+    return torch.cat(out)
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_cpu_bf16_path_is_eager_bf16_attention(window):
+    """The bf16 path computes what Hugging Face's eager bf16 attention computes (same roundings),
+    for decode groups, prefill chunks and trees, with stale NaN in slots no row may see."""
+    g = torch.Generator().manual_seed(41)
+    seqs = [SeqSpec(30, 1), SeqSpec(21, 1), SeqSpec(6, 4), SeqSpec(3, 1), SeqSpec(12, 3, chain_tree(3)),
+            SeqSpec(2, 1), SeqSpec(80, 1)]
+    batch = make_batch(seqs, 4, 2, 16, 4, torch.bfloat16, g, use_tree_mask=True)
+    plan = plan_cpu_attention(4, batch.block_tables, batch.context_lens, batch.query_start_loc,
+                              batch.query_positions, window, batch.tree_mask)
+    assert plan.groups, "decode rows of similar lengths form a group"
+    _poison_invisible_slots(batch, window)
+    out = paged_attention_cpu(**batch.args(0.3, window))
+    assert not out.isnan().any()
+    eager = _eager_bf16(batch, 0.3, window)
+    lone = [r for i, p in enumerate(plan) if i not in plan.grouped and p.mask is None
+            for r in range(p.q_start, p.q_start + p.q_len)]  # bf16 SDPA: float32 scores
+    # The 81-entry decode row has no partner within 2x, except under the window (all 5 entries).
+    assert lone == ([] if window else [int(batch.query_start_loc[-1]) - 1])
+    rest = [r for r in range(out.shape[0]) if r not in lone]
+    assert torch.equal(out[rest], eager[rest])  # bit for bit
+    assert_close(out, naive_attention(batch, 0.3, window), torch.bfloat16, "against float32")
+
+
+def _poison_invisible_slots(batch, window: int | None) -> None:
+    """Slots no query row may read get inf (keys) and NaN (values): a freed block's stale KV."""
+    from .helpers import visible_mask
+    visible = torch.zeros(batch.k_cache.shape[0] * batch.k_cache.shape[1], dtype=torch.bool)
+    bs = batch.k_cache.shape[1]
+    for s, spec in enumerate(batch.seqs):
+        seen = visible_mask(batch, s, window).any(0)  # [kv] entries some row of s sees
+        for j in seen.nonzero().flatten().tolist():
+            visible[int(batch.block_tables[s, j // bs]) * bs + j % bs] = True
+    for cache, poison in ((batch.k_cache, float("inf")), (batch.v_cache, float("nan"))):
+        cache.view(-1, *cache.shape[2:])[~visible] = poison
 
 
 def test_cpu_fully_masked_row_is_zero():
@@ -152,3 +214,15 @@ def test_cpu_long_chunk_in_a_window_layer_is_cut_into_pieces_that_read_only_thei
     assert whole[0].q_len == 300
     torch.testing.assert_close(paged_attention_cpu(**batch.args(0.3)), naive_attention(batch, 0.3, None),
                                atol=1e-5, rtol=1e-5)
+
+
+def test_auto_kv_dtype_is_bf16_for_bf16_models_where_the_cpu_multiplies_bf16(tmp_path):
+    """A bf16 model's keys and values are bf16 already: with native bf16 the cache keeps them as
+    they are (half the bytes of float32) and attention takes the bf16 path; elsewhere float32."""
+    from services.target.config import EngineConfig
+    from services.target.linear import native_bf16_cpu
+    config = EngineConfig(model_dir=tmp_path, dtype="bfloat16")
+    assert config.torch_kv_dtype == (torch.bfloat16 if native_bf16_cpu() else torch.float32)
+    assert EngineConfig(model_dir=tmp_path, dtype="float16").torch_kv_dtype == torch.float32
+    assert EngineConfig(model_dir=tmp_path, dtype="float32").torch_kv_dtype == torch.float32
+    assert EngineConfig(model_dir=tmp_path, dtype="bfloat16", kv_dtype="float32").torch_kv_dtype == torch.float32
