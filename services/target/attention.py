@@ -79,25 +79,34 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
     if specmesh_meta is None:
         raise RuntimeError("paged attention called without AttentionMetadata; "
                            "run the model through services.target.model_runner")
-    meta, layer = specmesh_meta, module.layer_idx
-    pool = meta.kv_pool
     q = query[0].transpose(0, 1).contiguous()  # [num_tokens, num_heads, head_dim]
     k = key[0].transpose(0, 1).contiguous()  # [num_tokens, num_kv_heads, head_dim]
     v = value[0].transpose(0, 1).contiguous()
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = paged_attention(specmesh_meta, module.layer_idx, q, k, v, scale, sliding_window)
+    return out.unsqueeze(0), None  # [1, num_tokens, num_heads, head_dim]
+
+
+def paged_attention(meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """Stores this step's keys and values of `layer` in the pool and attends over it.
+
+    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim], contiguous.
+    Returns [num_tokens, num_heads, head_dim].
+    """
+    pool = meta.kv_pool
     k_scale = pool.k_scales[layer] if pool.k_scales else None
     v_scale = pool.v_scales[layer] if pool.v_scales else None
     meta.kernels.store_kv(k, v, pool.k_caches[layer], pool.v_caches[layer],
                           meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
-    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
     if meta.kernels.backend == "cpu":
         plan = meta.plans.get(sliding_window)  # per-sequence block ranges, shared by the layers
         if plan is None:
             plan = meta.plans[sliding_window] = plan_cpu_attention(
                 pool.k_caches[layer].shape[1], meta.block_tables, meta.context_lens,
                 meta.query_start_loc, meta.query_positions, sliding_window, meta.tree_mask)
-        out = paged_attention_cpu_planned(q, pool.k_caches[layer], pool.v_caches[layer], plan, scale,
-                                          k_scale=k_scale, v_scale=v_scale)
-        return out.unsqueeze(0), None
+        return paged_attention_cpu_planned(q, pool.k_caches[layer], pool.v_caches[layer], plan, scale,
+                                           k_scale=k_scale, v_scale=v_scale)
     if meta.kernels.backend == "reference":
         # Index and mask tensors depend only on the step, not the layer: build them once.
         plan = meta.plans.get(sliding_window)
@@ -105,14 +114,12 @@ def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: t
             plan = meta.plans[sliding_window] = plan_paged_attention(
                 pool.k_caches[layer].shape[1], meta.block_tables, meta.context_lens,
                 meta.query_start_loc, meta.query_positions, sliding_window, meta.tree_mask)
-        out = paged_attention_planned(q, pool.k_caches[layer], pool.v_caches[layer], plan, scale,
-                                      k_scale=k_scale, v_scale=v_scale)
-        return out.unsqueeze(0), None
-    out = meta.kernels.paged_attention(
+        return paged_attention_planned(q, pool.k_caches[layer], pool.v_caches[layer], plan, scale,
+                                       k_scale=k_scale, v_scale=v_scale)
+    return meta.kernels.paged_attention(
         q, pool.k_caches[layer], pool.v_caches[layer], meta.block_tables, meta.context_lens,
         meta.query_start_loc, meta.query_positions, scale, sliding_window=sliding_window,
         tree_mask=meta.tree_mask, k_scale=k_scale, v_scale=v_scale)
-    return out.unsqueeze(0), None  # [1, num_tokens, num_heads, head_dim]
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

@@ -12,7 +12,9 @@ from services.target.attention import (
     KVPool,
     register_paged_attention,
 )
+from services.target import gemma3_forward
 from services.target.block_manager import BlockManager
+from services.target.gemma3_forward import Gemma3PagedForward
 from services.target.kernels.select import get_kernels
 from services.target.linear import prepack_linears, resolve_weight_format
 from services.target.model_runner_inputs import StepInput
@@ -43,6 +45,8 @@ class ModelRunner:
         self.kv_pool = KVPool.allocate(spec.num_layers, block_manager.num_blocks,
                                        block_manager.block_size, spec.num_kv_heads, spec.head_dim,
                                        kv_dtype, self.device)
+        # Gemma 3 runs a lean forward with transformers' exact ops; other models their own forward.
+        self.lean_forward = Gemma3PagedForward(model) if gemma3_forward.supports(model) else None
 
     @torch.inference_mode()
     def forward(self, inputs: list[StepInput]) -> torch.Tensor:
@@ -60,6 +64,11 @@ class ModelRunner:
             tables.append(self.blocks.block_table(inp.seq_id))
         meta = self._metadata(slots, positions, q_lens, ctx_lens, tables, _tree_mask(inputs))
         dev = self.device
+        if self.lean_forward is not None:
+            return self.lean_forward(torch.tensor(ids, dtype=torch.long, device=dev),
+                                     torch.tensor(positions, dtype=torch.long, device=dev),
+                                     torch.tensor(logit_rows, dtype=torch.long, device=dev),
+                                     meta).float()  # [num_rows, vocab]
         out = self.model(
             input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
             position_ids=torch.tensor([positions], dtype=torch.long, device=dev),

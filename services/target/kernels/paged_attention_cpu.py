@@ -56,6 +56,8 @@ class SeqPlan:
     kv_len: int  # visible kv entries from kv_offset on
     mask: torch.Tensor | None  # [q_len, kv_len] bool, None when every entry is visible to the row
     hidden: torch.Tensor | None = field(default=None, compare=False, repr=False)  # ~mask (bf16 path)
+    # [q_len] bool: rows that see some entry; None when every row does (no row to zero)
+    seen: torch.Tensor | None = field(default=None, compare=False, repr=False)
     block_ids: tuple[int, ...] = field(default=(), compare=False, repr=False)  # the num_blocks ids read
 
 
@@ -167,9 +169,11 @@ def _seq_plan(block_size: int, table: list[int], ctx: int, q_start: int, q_len: 
         mask = _visibility(lo, ctx, q_start, q_len, positions, sliding_window, tree_mask, r0, r1)
         if r1 - r0 == 1 and bool(mask.all()):
             mask = None
+    seen = None if mask is None else mask.any(-1)
     return SeqPlan(q_start + r0, r1 - r0, None if run else torch.tensor(ids, dtype=torch.long),
                    ids[0], len(ids), lo - b0 * block_size, total - lo, mask,
-                   None if mask is None else ~mask, tuple(ids))
+                   None if mask is None else ~mask,
+                   None if seen is None or bool(seen.all()) else seen, tuple(ids))
 
 
 def _decode_groups(plans: list[SeqPlan], block_size: int) -> list[DecodeGroup]:
@@ -226,8 +230,8 @@ def paged_attention_cpu_planned(
                                            attn_mask=None if p.mask is None else p.mask[None, None],
                                            scale=scale, enable_gqa=num_heads != nkv)[0]
         o = o.transpose(0, 1)  # [q_len, num_heads, head_dim]
-        if p.mask is not None:  # rows that see nothing are zeros (SDPA gives NaN there)
-            o = torch.where(p.mask.any(-1)[:, None, None], o, 0.0)
+        if p.seen is not None:  # rows that see nothing are zeros (SDPA gives NaN there)
+            o = torch.where(p.seen[:, None, None], o, 0.0)
         out[p.q_start:p.q_start + p.q_len] = o.to(query.dtype)
     return out
 
@@ -302,8 +306,8 @@ def _attention_bf16(
         scores = torch.bmm(q, k.transpose(1, 2)).view(nkv, group, p.q_len, p.kv_len)
         probs = _softmax(scores, p.hidden, scale).view(nkv, group * p.q_len, p.kv_len)
         o = torch.bmm(probs, v).view(num_heads, p.q_len, head_dim).transpose(0, 1)  # [q_len, H, D]
-        if p.mask is not None:  # rows that see nothing are zeros (their softmax is NaN)
-            o = torch.where(p.mask.any(-1)[:, None, None], o, 0.0)
+        if p.seen is not None:  # rows that see nothing are zeros (their softmax is NaN)
+            o = torch.where(p.seen[:, None, None], o, 0.0)
         out[p.q_start:p.q_start + p.q_len] = o
     return out
 

@@ -1,0 +1,144 @@
+"""Gemma 3's text forward over the paged KV pool, op for op as transformers computes it.
+
+transformers' own forward (which the engine runs for every other model) spends a third of a
+single-stream decode step outside the matmuls: module hooks, output capturing, mask builders,
+kwargs plumbing, and per call the `1 + weight` of every RMSNorm and RoPE's cos/sin per layer
+(py-spy, default model, bf16, 2026-11-29). This forward reads the same modules' weights and
+runs the same tensor operations in the same order, so its logits equal transformers' bit for
+bit (tests/test_gemma3_forward.py, float32 and bf16), minus that machinery:
+
+  * each RMSNorm's `1 + weight` in float32 is computed once, at load (the same values);
+  * cos/sin are computed once per step for each RoPE kind (sliding / full), not per layer;
+  * activations stay [num_tokens, ...] without the batch dimension and its transposes.
+
+Only Gemma 3 text models with default or linear RoPE, no attention soft-capping and causal
+attention qualify (`supports`); anything else keeps transformers' forward.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+from services.target.attention import AttentionMetadata, paged_attention
+
+_STATIC_ROPE = ("default", "linear")  # inv_freq fixed at load; dynamic kinds rescale per call
+
+
+def supports(model: nn.Module) -> bool:
+    """Whether `model` is a Gemma 3 text model this forward computes exactly."""
+    if type(model).__name__ != "Gemma3ForCausalLM":
+        return False
+    config = model.config
+    rope = getattr(config, "rope_parameters", None) or {}
+    return (not getattr(config, "attn_logit_softcapping", None)
+            and not getattr(config, "use_bidirectional_attention", False)
+            and all(rope.get(t, {}).get("rope_type", "default") in _STATIC_ROPE for t in set(config.layer_types)))
+
+
+def _rms_norm(x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma3RMSNorm: normalised in float32, times (1 + weight) in float32, back to x's dtype."""
+    xf = x.float()
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w1).type_as(x)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    half = x.shape[-1] // 2
+    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+@dataclass
+class _Layer:
+    index: int
+    sliding_window: int | None
+    rope: str  # layer type: which cos/sin it uses
+    input_norm: torch.Tensor  # [hidden] f32, 1 + weight
+    q_proj: nn.Module
+    k_proj: nn.Module
+    v_proj: nn.Module
+    q_norm: torch.Tensor  # [head_dim] f32
+    k_norm: torch.Tensor
+    o_proj: nn.Module
+    post_attention_norm: torch.Tensor
+    pre_feedforward_norm: torch.Tensor
+    gate_proj: nn.Module
+    up_proj: nn.Module
+    down_proj: nn.Module
+    post_feedforward_norm: torch.Tensor
+
+
+def _one_plus(norm: nn.Module) -> torch.Tensor:
+    return 1.0 + norm.weight.detach().float()
+
+
+class Gemma3PagedForward:
+    """Callable: (input_ids [T], position_ids [T], logit_rows [R], meta) -> logits [R, vocab]."""
+
+    def __init__(self, model: nn.Module) -> None:
+        if not supports(model):
+            raise ValueError(f"{type(model).__name__} is not a Gemma 3 text model this forward supports")
+        text, config = model.model, model.config
+        self.config = config
+        self.eps = config.rms_norm_eps
+        self.num_heads = config.num_attention_heads
+        self.num_kv_heads = config.num_key_value_heads
+        self.head_dim = config.head_dim
+        self.embed = text.embed_tokens
+        self.final_norm = _one_plus(text.norm)
+        self.lm_head = model.lm_head
+        self.softcap = config.final_logit_softcapping
+        rotary = text.rotary_emb
+        self.rope = {t: (getattr(rotary, f"{t}_inv_freq"), getattr(rotary, f"{t}_attention_scaling"))
+                     for t in set(config.layer_types)}
+        self.layers = []
+        for i, layer in enumerate(text.layers[:config.num_hidden_layers]):
+            attn, mlp = layer.self_attn, layer.mlp
+            self.scaling = attn.scaling  # the same for every layer (query_pre_attn_scalar ** -0.5)
+            self.act = mlp.act_fn
+            self.layers.append(_Layer(
+                i, attn.sliding_window, config.layer_types[i], _one_plus(layer.input_layernorm),
+                attn.q_proj, attn.k_proj, attn.v_proj, _one_plus(attn.q_norm), _one_plus(attn.k_norm),
+                attn.o_proj, _one_plus(layer.post_attention_layernorm),
+                _one_plus(layer.pre_feedforward_layernorm), mlp.gate_proj, mlp.up_proj, mlp.down_proj,
+                _one_plus(layer.post_feedforward_layernorm)))
+
+    def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
+        """Per RoPE kind: (cos, sin) [T, 1, head_dim] in the activations' dtype (Gemma3RotaryEmbedding)."""
+        out = {}
+        for kind, (inv_freq, scaling) in self.rope.items():
+            freqs = positions[:, None].float() * inv_freq.float()  # [T, head_dim / 2]
+            emb = torch.cat((freqs, freqs), dim=-1)  # [T, head_dim]
+            out[kind] = ((emb.cos() * scaling).to(dtype)[:, None], (emb.sin() * scaling).to(dtype)[:, None])
+        return out
+
+    @torch.inference_mode()
+    def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logit_rows: torch.Tensor,
+                 meta: AttentionMetadata) -> torch.Tensor:
+        embed = self.embed
+        h = nn.functional.embedding(input_ids, embed.weight, embed.padding_idx)
+        h = h * embed.embed_scale.to(embed.weight.dtype)  # [T, hidden]
+        rope = self._cos_sin(position_ids, h.dtype)
+        num_tokens, eps = h.shape[0], self.eps
+        for layer in self.layers:
+            cos, sin = rope[layer.rope]
+            x = _rms_norm(h, layer.input_norm, eps)
+            q = layer.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
+            k = layer.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+            v = layer.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
+            q = _rms_norm(q, layer.q_norm, eps)
+            k = _rms_norm(k, layer.k_norm, eps)
+            q = q * cos + _rotate_half(q) * sin
+            k = k * cos + _rotate_half(k) * sin
+            a = paged_attention(meta, layer.index, q, k, v.contiguous(), self.scaling, layer.sliding_window)
+            a = layer.o_proj(a.reshape(num_tokens, -1))
+            h = h + _rms_norm(a, layer.post_attention_norm, eps)
+            x = _rms_norm(h, layer.pre_feedforward_norm, eps)
+            x = layer.down_proj(self.act(layer.gate_proj(x)) * layer.up_proj(x))
+            h = h + _rms_norm(x, layer.post_feedforward_norm, eps)
+        h = _rms_norm(h.index_select(0, logit_rows), self.final_norm, eps)  # norm is per row
+        logits = self.lm_head(h)  # [R, vocab]
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
