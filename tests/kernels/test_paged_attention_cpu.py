@@ -84,8 +84,9 @@ def test_cpu_fp8_and_bf16_caches():
 
 
 def _eager_bf16(batch, scale: float, window: int | None) -> torch.Tensor:
-    """Hugging Face's eager bf16 attention on the naive dense layout: bf16 scores (one rounding of a
-    float32-accumulated dot), float32 softmax, bf16 probabilities times bf16 values."""
+    """Eager bf16 attention on the naive dense layout, head by head: scaled bf16 scores (one
+    rounding of a float32-accumulated dot), softmax normalised in float32, bf16 probabilities
+    times bf16 values."""
     from .helpers import visible_mask
     out = []
     for s, spec in enumerate(batch.seqs):
@@ -95,9 +96,10 @@ def _eager_bf16(batch, scale: float, window: int | None) -> torch.Tensor:
         v = batch.v_dense[s].transpose(0, 1).to(torch.bfloat16)
         rep = q.shape[0] // k.shape[0]
         k, v = k.repeat_interleave(rep, 0), v.repeat_interleave(rep, 0)
-        scores = torch.matmul(q, k.transpose(1, 2)).float() * scale  # [H, q, kv]
+        scores = torch.baddbmm(torch.zeros(q.shape[0], q.shape[1], k.shape[1], dtype=q.dtype), q,
+                               k.transpose(1, 2), beta=0, alpha=scale)  # [H, q, kv] bf16
         mask = visible_mask(batch, s, window)  # [q, kv]
-        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1).to(torch.bfloat16)
+        probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), -1)
         o = torch.matmul(probs, v).transpose(0, 1)  # [q, H, D]
         out.append(torch.where(mask.any(-1)[:, None, None], o, torch.zeros((), dtype=o.dtype)))
     return torch.cat(out)
