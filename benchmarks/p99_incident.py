@@ -97,14 +97,22 @@ async def main() -> None:
     write(results, qps, args)
 
 
-async def calibrate(address: str, items, args) -> float:
-    """Capacity without speculation: a burst of requests all at once, completed per second."""
+async def calibrate(address: str, items, args, bursts: int = 3) -> float:
+    """Capacity without speculation: a burst of requests all at once, completed per second;
+    the median of `bursts` bursts after a discarded first one. A fresh engine's first steps
+    are slow, and on a shared machine one burst can stall for seconds (measured here: bursts
+    of one engine ranged 0.8-6.4 req/s), which alone would set the load at a fraction of
+    saturation."""
     burst = poisson_schedule(1000.0, args.seed + 99, len(items), num_requests=args.max_num_seqs * 2)
     await _serve(address, items, ARMS["off"], burst, args)  # a fresh engine's first steps are slow
-    records = await _serve(address, items, ARMS["off"], burst, args)
-    elapsed = max(r.sent_s + (r.e2e_s or 0) for r in records)
-    capacity = len(records) / elapsed
-    print(f"capacity without speculation ~{capacity:.2f} req/s; offering {args.load:.0%} of it", flush=True)
+    capacities = []
+    for _ in range(bursts):
+        records = await _serve(address, items, ARMS["off"], burst, args)
+        capacities.append(len(records) / max(r.sent_s + (r.e2e_s or 0) for r in records))
+    capacity = sorted(capacities)[len(capacities) // 2]
+    print(f"capacity without speculation ~{capacity:.2f} req/s (median of "
+          f"{', '.join(f'{c:.2f}' for c in capacities)}); offering {args.load:.0%} of it", flush=True)
+    args.capacities = capacities
     return capacity * args.load
 
 
@@ -137,7 +145,7 @@ async def run_rounds(address: str, items, arms: dict, qps: float, args) -> dict:
                 part = await _send(routers[arm], items, schedule)
                 walls[arm] += time.perf_counter() - start
                 durations[arm] += max(x.sent_s + (x.e2e_s or 0) for x in part)
-                records[arm] += part
+                records[arm] += [(r, x) for x in part]
                 print(f"round {r + 1}/{len(sizes)} {arm}: {len(part)} requests, "
                       f"{time.perf_counter() - start:.0f} s", flush=True)
     finally:
@@ -145,7 +153,7 @@ async def run_rounds(address: str, items, arms: dict, qps: float, args) -> dict:
             await router.stop(grace=1)
     results = {}
     for arm, plan in arms.items():
-        requests = [x.to_json() for x in records[arm]]
+        requests = [x.to_json() | {"round": r} for r, x in records[arm]]
         results[arm] = {"plan": plan, "qps": qps, "duration_s": durations[arm], "wall_s": walls[arm],
                         "requests": requests, "summary": summarize(requests, durations[arm], Slo())}
     return results
@@ -176,13 +184,47 @@ def write(results: dict, qps: float, args) -> None:
     docs = ROOT / "docs"
     docs.mkdir(exist_ok=True)
     name = f"p99_incident{args.tag}"
+    arms = {a: {k: v for k, v in r.items() if k != "requests"} | {"records": _records(r["requests"])}
+            for a, r in results.items()}
     (docs / f"{name}.json").write_text(json.dumps(
-        {"qps": qps, "args": vars(args), "arms": {a: {k: v for k, v in r.items() if k != "requests"}
-                                                  for a, r in results.items()}}, indent=1))
+        {"qps": qps, "args": vars(args), "code": _code_state(), "arms": arms}, indent=1))
     (docs / f"{name}.md").write_text(markdown(results, qps, args))
     if "off" in results:
         plot(results, docs / f"{name}.png", qps, args)
     print(f"wrote {docs / name}.md")
+
+
+RECORD_FIELDS = ("round", "bucket", "sent_s", "ttft_s", "tpot_s", "e2e_s", "completion_tokens", "rejected_tokens")
+
+
+def _records(requests: list[dict]) -> dict:
+    """Per-request rows (compact), so tails can be re-examined and resampled later."""
+    def cell(v):
+        return round(v, 5) if isinstance(v, float) else v
+    return {"fields": RECORD_FIELDS, "rows": [[cell(x.get(f)) for f in RECORD_FIELDS] for x in requests]}
+
+
+def _code_state() -> dict:
+    """The commit measured, and whether the tree differed from it (other sessions edit it)."""
+    import subprocess
+
+    def git(*cmd):
+        return subprocess.run(["git", *cmd], cwd=ROOT, capture_output=True, text=True).stdout.rstrip()
+    return {"commit": git("rev-parse", "--short", "HEAD"),
+            "uncommitted": git("status", "--porcelain", "--untracked-files=no", "services", "benchmarks").splitlines()}
+
+
+def p99_ratio_interval(arm: list[float], off: list[float], draws: int = 2000, seed: int = 0) -> tuple[float, float]:
+    """90% bootstrap interval of P99(arm) / P99(off): each arm's requests resampled with
+    replacement. With ~170 requests a bucket, P99 is about the 2nd-3rd largest value, so a
+    single stalled step moves it; the interval says how far."""
+    import numpy as np
+    rng = np.random.default_rng(seed)
+    a, o = np.asarray(arm), np.asarray(off)
+    ratios = (np.percentile(rng.choice(a, (draws, len(a))), 99, axis=1)
+              / np.percentile(rng.choice(o, (draws, len(o))), 99, axis=1))
+    low, high = np.percentile(ratios, [5, 95])
+    return float(low), float(high)
 
 
 def markdown(results: dict, qps: float, args) -> str:
@@ -231,7 +273,28 @@ def goal(results: dict) -> list[str]:
         kept = f", {gain[arm] / gain['fixed']:.0%} of fixed's" if "fixed" in gain and arm != "fixed" and gain["fixed"] > 0 else ""
         lines.append(f"- {arm}: worst P99 TTFT {worst['ttft_s']}, worst P99 TPOT {worst['tpot_s']}; "
                      f"mean TPOT gain {gain[arm]:.0%}{kept}")
+    lines += ["", "P99 ratio to off per bucket with its 90% bootstrap interval (requests resampled):", "",
+              "| bucket | arm | TTFT P99 ratio | TPOT P99 ratio |", "|---|---|---|---|"]
+    for bucket in off:
+        for arm, result in results.items():
+            if arm == "off" or bucket not in result["summary"]:
+                continue
+            cells = []
+            for metric in ("ttft_s", "tpot_s"):
+                mine = [x[metric] for x in result["requests"] if _in(x, bucket) and x[metric] is not None]
+                base = [x[metric] for x in results["off"]["requests"] if _in(x, bucket) and x[metric] is not None]
+                if not mine or not base:
+                    cells.append("-")
+                    continue
+                low, high = p99_ratio_interval(mine, base)
+                ratio = result["summary"][bucket][metric]["p99"] / off[bucket][metric]["p99"]
+                cells.append(f"{ratio:.2f} [{low:.2f}, {high:.2f}]")
+            lines.append(f"| {bucket} | {arm} | {cells[0]} | {cells[1]} |")
     return lines
+
+
+def _in(record: dict, bucket: str) -> bool:
+    return bucket == ALL or record["bucket"] == bucket
 
 
 def plot(results: dict, path: Path, qps: float, args) -> None:

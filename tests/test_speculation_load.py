@@ -1,8 +1,10 @@
 """Load-aware speculation: the target's per-step depth starts from the router's predicted
-acceptance and protects a waiting request's prefill (TTFT); shared cost pieces live in
-services/common/speculation_cost.py."""
+acceptance and protects the first token of a request prefilled in the step or arriving while
+it runs (TTFT); shared cost pieces live in services/common/speculation_cost.py."""
 
 from __future__ import annotations
+
+import time
 
 import pytest
 from transformers import AutoTokenizer
@@ -11,7 +13,8 @@ from services.common.sampling_params import SamplingConfig
 from services.common.speculation_cost import LoadAwareDepth, StepCostModel, sequence_alpha
 from services.router.speculation_policy import PolicyConfig, SpeculationPolicy, acceptance_prior
 from services.target.detokenizer import IncrementalDetokenizer
-from services.target.scheduler import ScheduledSeq
+from services.target.block_manager import BlockManager
+from services.target.scheduler import ArrivalRate, ScheduledSeq, Scheduler
 from services.target.sequence import Sequence, SpeculationPlan
 from services.target.service import _plan
 from services.target.speculator import Speculator
@@ -56,6 +59,30 @@ def test_a_prefill_step_speculates_only_within_the_ttft_slack():
     assert LoadAwareDepth().choose(10, 1, [0.5], [5], prefill_tokens=10) == 0
 
 
+def test_a_step_that_requests_may_arrive_in_speculates_within_the_expected_ttft_slack():
+    # Memory-bound: 30 ms + 0.2 ms per token and per logit row, draft call 1 ms; eight
+    # sequences at α = 0.8. The plain step takes 33.2 ms; 5% of it is 1.66 ms.
+    chooser = _chooser(a=0.030, b=0.0002, draft_s=0.001)
+    alphas, limits = [0.8] * 8, [8] * 8
+    assert chooser.choose(0, 0, alphas, limits) == 6  # nobody arriving: tokens per second decide
+    # 4 requests a second: depth 2 (40.6 ms) is waited for by an arrival with chance
+    # 1 - exp(-4 · 0.0406) = 0.15, an expected 0.15 · 7.4 = 1.1 ms; depth 3 (43.8 ms) 1.7 ms.
+    assert chooser.choose(0, 0, alphas, limits, arrival_rate=4.0) == 2
+    # The faster they arrive, the shorter the draft; a certain arrival is a prefill step.
+    assert [chooser.choose(0, 0, alphas, limits, arrival_rate=r) for r in (3.0, 10.0, 20.0)] == [3, 1, 0]
+    assert chooser.choose(0, 0, alphas, limits, prefill_tokens=1) == 0
+
+
+def test_arrival_rate_counts_recent_arrivals_and_falls_when_they_stop():
+    rate = ArrivalRate(window=4)
+    rate.observe(0.0)
+    assert rate.rate(0.0) == 0.0  # one arrival says nothing about a rate
+    for t in (0.5, 1.0, 1.5, 2.0):
+        rate.observe(t)
+    assert rate.rate(2.0) == pytest.approx(2.0)  # the last 4: 3 gaps in 1.5 s
+    assert rate.rate(6.5) == pytest.approx(0.5)  # nothing since: 3 arrivals in 6 s
+
+
 def test_sequence_alpha_starts_from_the_router_prior():
     assert sequence_alpha(0, 0, 0.75) == pytest.approx(0.75)
     assert sequence_alpha(0, 0) == sequence_alpha(0, 0, 0.0) == pytest.approx(0.3)  # no prediction
@@ -95,6 +122,26 @@ def test_target_depth_follows_the_router_prior_and_yields_to_a_prefill(tiny_llam
     assert speculator._depths([_decoding(copy2), ScheduledSeq(new, 0, new.num_tokens)]) == []
 
 
+def test_target_depth_shortens_while_the_scheduler_sees_requests_arrive(tiny_llama_dir):
+    """Tool-like requests (short prompts, no speculation of their own) arriving at a busy
+    target wait for the step in flight before their prefill starts: the speculator reads the
+    scheduler's arrival rate (as the engine wires it) and keeps that wait within the slack."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    speculator = Speculator(None, None, max_context=1024, metrics=None)
+    speculator.load = _chooser(a=0.030, b=0.0002, draft_s=0.001)  # as in the test above
+    scheduler = Scheduler(BlockManager(num_blocks=64, block_size=4), max_num_seqs=32,
+                          max_batched_tokens=256, draft_limit=speculator.max_draft_nodes)
+    speculator.arrival_rate = scheduler.arrival_rate
+    batch = [_decoding(_seq(tokenizer, f"copy{i}", _aware(0.8))) for i in range(8)]
+    assert {d for _, d in speculator._depths(batch)} == {5}  # no arrivals: the plan's depth
+    now = time.monotonic()
+    for i in range(9):  # a request every 0.1 s up to now: 10 a second (6.3-13.5 give depth 1)
+        tool = _seq(tokenizer, f"tool{i}", None)
+        tool.arrival = now - 0.1 * (8 - i)
+        scheduler.add(tool)
+    assert {d for _, d in speculator._depths(batch)} == {1}
+
+
 def test_router_plan_carries_the_predicted_acceptance_to_the_target():
     policy = SpeculationPolicy(PolicyConfig(mode="adaptive"), default_depth=5)
     depth, alpha = policy.plan("rewrite-short-greedy", max_tokens=64, temperature=0.0)
@@ -123,6 +170,8 @@ async def test_adaptive_mesh_sends_the_prior_in_the_plan(tiny_llama_dir):
     try:
         await collect(mesh.router_stub, request(PROMPTS[3], 16))
         assert len(plans) == 1 and plans[0].load_aware
+        # The engine's speculator weighs the arrivals its scheduler counts.
+        assert mesh.engine.speculator.arrival_rate == mesh.engine.scheduler.arrival_rate
         assert plans[0].acceptance == pytest.approx(acceptance_prior("chat-short-greedy", 0.0))
     finally:
         await mesh.stop()

@@ -13,10 +13,13 @@ sequences draft, from what it measures:
 Speculation spends idle compute: with a small batch a verify pass of d+1 tokens per sequence
 costs about as much as a decode step, with a large one it costs d+1 times more, and a step
 that prefills a waiting request makes that request's TTFT pay for every verified draft token
-(`LoadAwareDepth.choose`, `prefill_tokens`).
+(`LoadAwareDepth.choose`, `prefill_tokens`). So does a request that arrives while the step
+runs: it waits for the step before its prefill can start (`arrival_rate`).
 """
 
 from __future__ import annotations
+
+import math
 
 import numpy as np
 
@@ -107,8 +110,16 @@ class LoadAwareDepth:
       chunks, plain decodes); plain_outputs: tokens those commit (decodes only);
       plain_logits: their logit rows (default: plain_outputs);
     - alphas / max_depths: each speculation candidate's acceptance estimate and plan limit;
-    - prefill_tokens: of plain_tokens, those of requests still waiting for their first token.
+    - prefill_tokens: of plain_tokens, those of requests still waiting for their first token;
+    - arrival_rate: new requests per second lately (the scheduler's measure).
     Returns one depth for every candidate (0 = decode normally this step).
+
+    TTFT bound: the first-token delay a step adds by speculating, (t_spec - t_plain), times
+    the chance that some request's first token waits for this step, stays within `ttft_slack`
+    of the plain step. That chance is 1 when the step prefills a request, else the chance that
+    a request arrives while it runs, 1 - exp(-λ·t_spec). A request's TTFT holds at least one
+    plain step (its prefill), so each step it waits behind adds at most `ttft_slack` to its
+    expected TTFT; the plain step it would wait for anyway is not counted against speculation.
     """
 
     def __init__(self, cost: StepCostModel | None = None, ewma: float = 0.2, min_alpha: float = 0.05,
@@ -118,14 +129,15 @@ class LoadAwareDepth:
         self.ewma = ewma
         self.min_alpha = min_alpha
         self.margin = margin  # speculation must beat plain decoding by this factor (model error)
-        self.ttft_slack = ttft_slack  # how much longer a prefill step may get (the P99 goal's 5%)
+        self.ttft_slack = ttft_slack  # expected first-token delay per step, of a plain step (the goal's 5%)
 
     def observe_draft(self, seconds: float) -> None:
         w = self.ewma
         self.draft_seconds = seconds if self.draft_seconds is None else (1 - w) * self.draft_seconds + w * seconds
 
     def choose(self, plain_tokens: int, plain_outputs: int, alphas: list[float],
-               max_depths: list[int], prefill_tokens: int = 0, plain_logits: int | None = None) -> int:
+               max_depths: list[int], prefill_tokens: int = 0, plain_logits: int | None = None,
+               arrival_rate: float = 0.0) -> int:
         """The common depth for all candidates (each still capped by its own max depth)."""
         if not alphas:
             return 0
@@ -135,16 +147,18 @@ class LoadAwareDepth:
         n = len(alphas)
         rows = (plain_outputs if plain_logits is None else plain_logits) + n  # logit rows without speculation
         plain_time = self.cost.predict(plain_tokens + n, rows)
-        # A step holding a waiting request's prefill is that request's TTFT: speculation may
-        # lengthen it by at most `ttft_slack` (the draft call and every verified draft token).
-        limit = plain_time * (1 + self.ttft_slack) if prefill_tokens else float("inf")
+        # A step holding a waiting request's prefill is that request's TTFT, and a request that
+        # arrives meanwhile waits for it: speculation (the draft call and every verified draft
+        # token) may add at most `ttft_slack` of the plain step to a first token, in expectation.
+        slack = self.ttft_slack * plain_time
         best_depth, best_rate = 0, (plain_outputs + n) / max(plain_time, 1e-9)
         draft = self.draft_seconds or 0.0
         for d in range(1, max(max_depths) + 1):
             depths = [min(d, m) if a >= self.min_alpha else 0 for a, m in zip(alphas, max_depths)]
             extra = sum(depths)  # draft nodes: each a token and a logit row of the verify pass
             step_time = self.cost.predict(plain_tokens + n + extra, rows + extra) + draft
-            if step_time > limit:
+            pending = 1.0 if prefill_tokens else 1.0 - math.exp(-max(arrival_rate, 0.0) * step_time)
+            if pending * (step_time - plain_time) > slack:
                 break  # deeper only costs more
             committed = plain_outputs + sum(expected_tokens(a, k) if k else 1.0 for a, k in zip(alphas, depths))
             rate = committed / max(step_time, 1e-9)

@@ -69,6 +69,8 @@ class Engine:
             self.speculator = Speculator(client, self.runner.kernels, spec.max_context, self._metrics)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batched_tokens,
                                    self.speculator.max_draft_nodes if self.speculator else None)
+        if self.speculator is not None:
+            self.speculator.arrival_rate = self.scheduler.arrival_rate  # arrivals wait for the step
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":

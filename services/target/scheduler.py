@@ -15,6 +15,7 @@ lowest-priority (then youngest) running sequence is preempted first.
 
 from __future__ import annotations
 
+import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -71,10 +72,16 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.arrivals = ArrivalRate()  # new requests per second (speculation weighs their TTFT)
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
+        self.arrivals.observe(seq.arrival)
         self._enqueue(seq, front=False)
+
+    def arrival_rate(self, now: float | None = None) -> float:
+        """Requests per second arriving lately (0 when none arrived in the window)."""
+        return self.arrivals.rate(time.monotonic() if now is None else now)
 
     def _enqueue(self, seq: Sequence, front: bool) -> None:
         """Waiting order: higher priority first; within a priority FIFO (preempted ones first)."""
@@ -196,6 +203,23 @@ class Scheduler:
         seq.status = SeqStatus.WAITING
         self._enqueue(seq, front=True)
         self.num_preemptions += 1
+
+
+class ArrivalRate:
+    """Arrival rate of new requests from their last `window` arrival times (monotonic seconds):
+    (arrivals - 1) / (now - oldest), so the estimate falls when arrivals stop. A request
+    arriving while a step runs waits for that step before its prefill can start."""
+
+    def __init__(self, window: int = 32) -> None:
+        self._times: deque[float] = deque(maxlen=window)
+
+    def observe(self, arrival: float) -> None:
+        self._times.append(arrival)
+
+    def rate(self, now: float) -> float:
+        if len(self._times) < 2:
+            return 0.0
+        return (len(self._times) - 1) / max(now - self._times[0], self._times[-1] - self._times[0], 1e-6)
 
 
 def _append(seq: Sequence, tokens: list[int], eos_token_ids: frozenset[int]) -> SeqUpdate:

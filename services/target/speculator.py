@@ -10,6 +10,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -52,6 +53,7 @@ class Speculator:
         self.max_context = max_context
         self._metrics = metrics  # services/target/metrics.TargetMetrics
         self.load = LoadAwareDepth()  # measured step and draft times -> depth per step
+        self.arrival_rate: Callable[[], float] = lambda: 0.0  # the scheduler's, set by the engine
 
     def propose(self, batch: list[ScheduledSeq]) -> dict[str, DraftTree]:
         """One batched draft call for every decoding sequence with a plan; {} on fallback."""
@@ -120,8 +122,9 @@ class Speculator:
 
     def _depths(self, batch: list[ScheduledSeq]) -> list[tuple[Sequence, int]]:
         """(sequence, depth >= 1) for the sequences that speculate this step. Load-aware plans
-        take the depth that maximises the batch's committed tokens per second, and beside a
-        waiting request's prefill at most what keeps that step within the TTFT slack
+        take the depth that maximises the batch's committed tokens per second, at most what
+        keeps the first-token delay of a request prefilled in the step, or arriving while it
+        runs (the scheduler's arrival rate), within the TTFT slack
         (services/common/speculation_cost.LoadAwareDepth); 0 = decode normally."""
         fixed, aware = [], []
         plain_tokens = plain_outputs = plain_logits = prefill_tokens = 0
@@ -146,7 +149,7 @@ class Speculator:
             plain_logits += 1 + depth
             plain_outputs += expected_tokens(self.alpha(seq), depth)
         cap = self.load.choose(plain_tokens, int(plain_outputs), alphas, [d for _, d in aware],
-                               prefill_tokens, plain_logits)
+                               prefill_tokens, plain_logits, self.arrival_rate())
         capped = [(seq, min(depth, cap)) for (seq, depth), alpha in zip(aware, alphas)
                   if cap and alpha >= self.load.min_alpha]
         return fixed + capped
