@@ -23,12 +23,13 @@ from tests.mesh import collect, request, start_draft, start_mesh
 from tests.test_speculation import PROMPTS
 
 
-def _chooser(a: float, b: float, draft_s: float, c: float | None = None) -> LoadAwareDepth:
-    """Measured steps t = a + b·tokens + c·logit rows (c = b unless given), draft call draft_s."""
+def _chooser(a: float, b: float, draft_s: float, c: float | None = None, e: float = 0.0) -> LoadAwareDepth:
+    """Measured steps t = a + b·tokens + c·logit rows + e·draft trees (c = b unless given),
+    draft call draft_s."""
     c = b if c is None else c
     chooser = LoadAwareDepth(StepCostModel(decay=1.0, min_steps=2))
-    for tokens, rows in ((1, 1), (10, 10), (100, 1), (100, 100)):
-        chooser.cost.observe(tokens, a + b * tokens + c * rows, rows)
+    for tokens, rows, trees in ((1, 1, 0), (10, 10, 0), (100, 1, 0), (100, 100, 0), (24, 24, 4)):
+        chooser.cost.observe(tokens, a + b * tokens + c * rows + e * trees, rows, trees)
     chooser.observe_draft(draft_s)
     return chooser
 
@@ -36,10 +37,26 @@ def _chooser(a: float, b: float, draft_s: float, c: float | None = None) -> Load
 def test_step_cost_model_prices_logit_rows_apart_from_tokens():
     # A prompt chunk computes many tokens and one logit row; a verify pass one row per node.
     chooser = _chooser(a=0.02, b=0.0005, c=0.002, draft_s=0.0)
-    a, b, c = chooser.cost.coefficients()
-    assert (a, b, c) == (pytest.approx(0.02), pytest.approx(0.0005), pytest.approx(0.002))
+    a, b, c, e = chooser.cost.coefficients()
+    assert (a, b, c, e) == (pytest.approx(0.02), pytest.approx(0.0005), pytest.approx(0.002), pytest.approx(0.0))
     assert chooser.cost.predict(40, 40) == pytest.approx(0.02 + 40 * 0.0025)  # 8 sequences at depth 4
     assert chooser.cost.predict(40, 1) == pytest.approx(0.02 + 40 * 0.0005 + 0.002)  # a 40-token prompt
+
+
+def test_a_draft_tree_costs_a_step_time_of_its_own():
+    # Measured here: a verify pass costs far more than its logit rows (masked attention outside
+    # the batched decode path, accept and compaction per tree). 30 ms + 0.2 ms per token and per
+    # logit row + 4 ms per tree; eight idle sequences at α = 0.8, draft call 1 ms.
+    chooser = _chooser(a=0.030, b=0.0002, draft_s=0.001, e=0.004)
+    assert chooser.cost.coefficients()[3] == pytest.approx(0.004)
+    assert chooser.cost.predict(24, 24, 4) == pytest.approx(0.030 + 24 * 0.0004 + 4 * 0.004)
+    # Plain: 8 tokens in 33.2 ms (241/s). At α = 0.5, depth d takes 66.2 + 3.2·d ms for
+    # 16·(1 - 0.5^(d+1)) tokens: at most 174/s (d = 8), so no speculation; priced without the
+    # trees, depth 2 (14 tokens in 40.6 ms, 345/s) would look best.
+    assert chooser.choose(0, 0, [0.5] * 8, [8] * 8) == 0
+    assert _chooser(a=0.030, b=0.0002, draft_s=0.001).choose(0, 0, [0.5] * 8, [8] * 8) == 2
+    # Copy-heavy sequences still pay for their trees, deeper ones (the fixed cost amortised).
+    assert chooser.choose(0, 0, [0.8] * 8, [8] * 8) == 8
 
 
 def test_a_prefill_step_speculates_only_within_the_ttft_slack():

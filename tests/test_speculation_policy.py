@@ -83,8 +83,9 @@ def test_step_cost_model_fits_time_per_token():
     assert not model.ready
     for n in (1, 8, 32, 4, 16, 64):
         model.observe(n, 0.01 + 0.001 * n)
-    a, b, c = model.coefficients()  # every token a logit row here: tokens and rows share the slope
+    a, b, c, e = model.coefficients()  # every token a logit row here: tokens and rows share the slope
     assert model.ready and a == pytest.approx(0.01, rel=1e-9) and b + c == pytest.approx(0.001, rel=1e-9)
+    assert e == 0.0  # no draft trees seen
     assert model.predict(100) == pytest.approx(0.11, rel=1e-9)
 
 

@@ -41,13 +41,17 @@ def sequence_alpha(proposed: int, accepted: int, prior: float | None = None, pri
 
 
 class StepCostModel:
-    """Engine step time from what the forward pass computes: t ≈ a + b·tokens + c·rows.
+    """Engine step time from what the forward pass computes: t ≈ a + b·tokens + c·rows + e·trees.
 
     tokens: positions computed (prompt chunks, decodes, draft-tree nodes); rows: positions
     that get logits (one per sampled position; every node of a verify pass). A logit row runs
     the LM head, which on a large vocabulary costs more than the rest of a token's forward
     (Gemma 3: 262k × 640), so a verify pass is dearer per token than a prompt chunk and one
-    slope would underprice speculation. Fitted online by exponentially weighted least
+    slope would underprice speculation. trees: sequences verifying a draft tree; each leaves
+    the batched decode path (its attention is masked, row by row) and is accepted and compacted
+    on its own, a cost per tree whatever its size (measured on Gemma 3 270M here, 2 cores: a
+    step of 8 sequences 42 ms plain, 53-59 ms with ~4.5 draft nodes in all, far more than
+    4.5 logit rows). Fitted online by exponentially weighted least
     squares (`decay` per step), so it follows the machine as it is now (other load, thermal
     state); a slope that comes out negative is dropped. Not thread-safe: the engine thread
     owns it.
@@ -56,15 +60,16 @@ class StepCostModel:
     def __init__(self, decay: float = 0.98, min_steps: int = 16) -> None:
         self.decay = decay
         self.min_steps = min_steps
-        self._xx = np.zeros((3, 3))  # decayed sum of x xᵀ, x = (1, tokens, rows)
-        self._xt = np.zeros(3)  # decayed sum of x t
-        self._fit: tuple[float, float, float] | None = None
+        self._xx = np.zeros((4, 4))  # decayed sum of x xᵀ, x = (1, tokens, rows, trees)
+        self._xt = np.zeros(4)  # decayed sum of x t
+        self._fit: tuple[float, float, float, float] | None = None
         self._stale = True
         self.steps = 0
 
-    def observe(self, num_tokens: int, seconds: float, num_logits: int | None = None) -> None:
-        """One step: its tokens, its time, its logit rows (None: one per token)."""
-        x = np.array([1.0, num_tokens, num_tokens if num_logits is None else num_logits])
+    def observe(self, num_tokens: int, seconds: float, num_logits: int | None = None,
+                num_trees: int = 0) -> None:
+        """One step: its tokens, its time, its logit rows (None: one per token), its draft trees."""
+        x = np.array([1.0, num_tokens, num_tokens if num_logits is None else num_logits, num_trees])
         self._xx = self.decay * self._xx + np.outer(x, x)
         self._xt = self.decay * self._xt + x * seconds
         self.steps += 1
@@ -74,23 +79,23 @@ class StepCostModel:
     def ready(self) -> bool:
         return self.steps >= self.min_steps and self.coefficients() is not None
 
-    def coefficients(self) -> tuple[float, float, float] | None:
-        """(a, b, c): seconds, seconds per token, seconds per logit row; None while the steps
+    def coefficients(self) -> tuple[float, float, float, float] | None:
+        """(a, b, c, e): seconds, per token, per logit row, per draft tree; None while the steps
         do not vary in size. Where tokens and rows always move together (no prompt chunks
-        seen yet) b and c share the common slope."""
+        seen yet) b and c share the common slope; e is 0 until trees are seen."""
         if self._stale:
             self._fit, self._stale = self._solve(), False
         return self._fit
 
-    def predict(self, num_tokens: float, num_logits: float | None = None) -> float:
-        a, b, c = self.coefficients() or (0.0, 0.0, 0.0)
-        return a + b * num_tokens + c * (num_tokens if num_logits is None else num_logits)
+    def predict(self, num_tokens: float, num_logits: float | None = None, num_trees: float = 0) -> float:
+        a, b, c, e = self.coefficients() or (0.0, 0.0, 0.0, 0.0)
+        return a + b * num_tokens + c * (num_tokens if num_logits is None else num_logits) + e * num_trees
 
-    def _solve(self) -> tuple[float, float, float] | None:
+    def _solve(self) -> tuple[float, float, float, float] | None:
         w = self._xx[0, 0]
         if w == 0 or self._xx[1, 1] / w - (self._xx[0, 1] / w) ** 2 <= 1e-9:
             return None
-        active = [0, 1, 2]
+        active = [0, 1, 2, 3]
         while True:
             xx, xt = self._xx[np.ix_(active, active)], self._xt[active]
             coef = np.linalg.lstsq(xx, xt, rcond=1e-12)[0]  # minimum norm where rank-deficient
@@ -98,8 +103,8 @@ class StepCostModel:
             if not negative:
                 break
             active.remove(negative[0])  # a slope the data cannot support: refit without it
-        fit = dict.fromkeys(range(3), 0.0) | {i: float(k) for i, k in zip(active, coef)}
-        return max(fit[0], 0.0), fit[1], fit[2]
+        fit = dict.fromkeys(range(4), 0.0) | {i: float(k) for i, k in zip(active, coef)}
+        return max(fit[0], 0.0), fit[1], fit[2], fit[3]
 
 
 class LoadAwareDepth:
@@ -108,7 +113,8 @@ class LoadAwareDepth:
     `choose(plain_tokens, plain_outputs, alphas, max_depths, prefill_tokens)`:
     - plain_tokens: tokens the step computes for sequences that do not speculate (prefill
       chunks, plain decodes); plain_outputs: tokens those commit (decodes only);
-      plain_logits: their logit rows (default: plain_outputs);
+      plain_logits: their logit rows (default: plain_outputs); plain_trees: their draft trees
+      (fixed plans);
     - alphas / max_depths: each speculation candidate's acceptance estimate and plan limit;
     - prefill_tokens: of plain_tokens, those of requests still waiting for their first token;
     - arrival_rate: new requests per second lately (the scheduler's measure).
@@ -137,7 +143,7 @@ class LoadAwareDepth:
 
     def choose(self, plain_tokens: int, plain_outputs: int, alphas: list[float],
                max_depths: list[int], prefill_tokens: int = 0, plain_logits: int | None = None,
-               arrival_rate: float = 0.0) -> int:
+               arrival_rate: float = 0.0, plain_trees: int = 0) -> int:
         """The common depth for all candidates (each still capped by its own max depth)."""
         if not alphas:
             return 0
@@ -146,7 +152,7 @@ class LoadAwareDepth:
             return 0 if prefill_tokens else max(max_depths)
         n = len(alphas)
         rows = (plain_outputs if plain_logits is None else plain_logits) + n  # logit rows without speculation
-        plain_time = self.cost.predict(plain_tokens + n, rows)
+        plain_time = self.cost.predict(plain_tokens + n, rows, plain_trees)
         # A step holding a waiting request's prefill is that request's TTFT, and a request that
         # arrives meanwhile waits for it: speculation (the draft call and every verified draft
         # token) may add at most `ttft_slack` of the plain step to a first token, in expectation.
@@ -156,7 +162,8 @@ class LoadAwareDepth:
         for d in range(1, max(max_depths) + 1):
             depths = [min(d, m) if a >= self.min_alpha else 0 for a, m in zip(alphas, max_depths)]
             extra = sum(depths)  # draft nodes: each a token and a logit row of the verify pass
-            step_time = self.cost.predict(plain_tokens + n + extra, rows + extra) + draft
+            trees = plain_trees + sum(1 for k in depths if k)
+            step_time = self.cost.predict(plain_tokens + n + extra, rows + extra, trees) + draft
             pending = 1.0 if prefill_tokens else 1.0 - math.exp(-max(arrival_rate, 0.0) * step_time)
             if pending * (step_time - plain_time) > slack:
                 break  # deeper only costs more

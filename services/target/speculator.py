@@ -38,7 +38,7 @@ def verify_span(trees: dict, batch, speculator: "Speculator | None" = None):
         nodes = sum(len(t.token_ids) for t in trees.values())
         tokens = sum(i.num_tokens for i in batch) + nodes
         rows = sum(1 for i in batch if i.samples) + nodes  # logit rows: sampled positions, tree nodes
-        speculator.load.cost.observe(tokens, end - start, rows)
+        speculator.load.cost.observe(tokens, end - start, rows, len(trees))
     for item in batch:
         tree = trees.get(item.seq.seq_id)
         if tree is not None:
@@ -149,7 +149,7 @@ class Speculator:
             plain_logits += 1 + depth
             plain_outputs += expected_tokens(self.alpha(seq), depth)
         cap = self.load.choose(plain_tokens, int(plain_outputs), alphas, [d for _, d in aware],
-                               prefill_tokens, plain_logits, self.arrival_rate())
+                               prefill_tokens, plain_logits, self.arrival_rate(), len(fixed))
         capped = [(seq, min(depth, cap)) for (seq, depth), alpha in zip(aware, alphas)
                   if cap and alpha >= self.load.min_alpha]
         return fixed + capped
