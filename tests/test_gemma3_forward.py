@@ -13,42 +13,60 @@ from services.target.model_runner_inputs import StepInput
 EMPTY = PrefixMatch((), (), 0)
 
 
-def _runner(model_dir, dtype):
-    model, _, spec = load_model(model_dir, dtype, weights="auto")
+def _runner(model_dir, dtype, weights="auto", fuse=True):
+    model, _, spec = load_model(model_dir, dtype, weights=weights, fuse=fuse)
     return ModelRunner(model, spec, BlockManager(128, 4), dtype, kernels="cpu")
 
 
-def _both(runner: ModelRunner, inputs: list[StepInput]) -> tuple[torch.Tensor, torch.Tensor]:
-    """Logits of the lean forward and of transformers' forward for the same step. Both write the
-    same KV (bit-identical), so running one after the other leaves the pool as one run would."""
-    lean = runner.forward(inputs)
-    saved, runner.lean_forward = runner.lean_forward, None
-    try:
-        return lean, runner.forward(inputs)
-    finally:
-        runner.lean_forward = saved
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_lean_forward_equals_transformers_on_prefill_decode_and_tree_steps(tiny_gemma_dir, dtype):
-    runner = _runner(tiny_gemma_dir, dtype)
-    assert runner.lean_forward is not None
-    blocks = runner.blocks
+def _steps():
+    """Prefill (two whole prompts, one longer than the window of 16, and a chunk), then decode rows
+    beside the rest of a prompt, then a draft tree beside a decode row."""
     prompts = {"a": list(range(5, 45)), "b": list(range(100, 123)), "c": list(range(200, 207))}
-    for seq, ids in prompts.items():
-        blocks.admit(seq, EMPTY, len(ids) + 16, len(ids))
-    # A mixed prefill step: two whole prompts (one longer than the sliding window of 16) and a chunk.
-    lean, hf = _both(runner, [StepInput.chunk("a", prompts["a"], 0, True),
-                              StepInput("b", prompts["b"][:12], list(range(12)), 0, 12),
-                              StepInput.chunk("c", prompts["c"], 0, True)])
-    assert lean.shape == (1 + 12 + 1, runner.spec.vocab_size) and torch.equal(lean, hf)
-    # Decode rows beside the rest of b's prompt, then a draft tree beside a decode row.
-    lean, hf = _both(runner, [StepInput.chunk("a", [7], 40, True), StepInput.chunk("b", prompts["b"][12:], 12, True),
-                              StepInput.chunk("c", [9], 7, True)])
-    assert torch.equal(lean, hf)
     tree = StepInput.tree("a", 11, 41, [12, 13, 14, 15], [-1, 0, 0, 2], [1, 2, 2, 3])
-    lean, hf = _both(runner, [tree, StepInput.chunk("c", [10], 8, True)])
-    assert lean.shape[0] == 5 + 1 and torch.equal(lean, hf)
+    return prompts, [
+        [StepInput.chunk("a", prompts["a"], 0, True), StepInput("b", prompts["b"][:12], list(range(12)), 0, 12),
+         StepInput.chunk("c", prompts["c"], 0, True)],
+        [StepInput.chunk("a", [7], 40, True), StepInput.chunk("b", prompts["b"][12:], 12, True),
+         StepInput.chunk("c", [9], 7, True)],
+        [tree, StepInput.chunk("c", [10], 8, True)],
+    ]
+
+
+def _run(runner: ModelRunner) -> list[torch.Tensor]:
+    prompts, steps = _steps()
+    for seq, ids in prompts.items():
+        runner.blocks.admit(seq, EMPTY, len(ids) + 16, len(ids))
+    return [runner.forward(step) for step in steps]
+
+
+def _formats():
+    from services.target.linear import native_bf16_cpu
+    return [(torch.float32, "none"), (torch.bfloat16, "fp16"), (torch.bfloat16, "int8")] + (
+        [(torch.bfloat16, "bf16")] if native_bf16_cpu() else [])
+
+
+@pytest.mark.parametrize("dtype,weights", _formats())
+def test_lean_forward_equals_transformers_on_prefill_decode_and_tree_steps(tiny_gemma_dir, dtype, weights):
+    """The lean forward with fused projections against transformers' forward over the model's own,
+    unfused modules: the same logits, bit for bit, for every weight format."""
+    lean = _runner(tiny_gemma_dir, dtype, weights)
+    plain = _runner(tiny_gemma_dir, dtype, weights, fuse=False)
+    assert lean.lean_forward is not None and plain.lean_forward is None
+    got, expected = _run(lean), _run(plain)
+    assert [g.shape[0] for g in got] == [1 + 12 + 1, 3, 5 + 1]
+    for g, e in zip(got, expected):
+        assert torch.equal(g, e)
+
+
+def test_fused_model_still_runs_transformers_forward(tiny_gemma_dir):
+    """q_proj, gate_proj, ... of a fused model are column views of the fused products: transformers'
+    own forward over them gives the lean forward's logits."""
+    runner = _runner(tiny_gemma_dir, torch.bfloat16)
+    lean = _run(runner)
+    runner.lean_forward = None
+    for seq in ("a", "b", "c"):
+        runner.blocks.release(seq)
+    assert all(torch.equal(a, b) for a, b in zip(lean, _run(runner)))
 
 
 def test_other_models_keep_transformers_forward(tiny_llama_dir):

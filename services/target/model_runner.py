@@ -46,7 +46,8 @@ class ModelRunner:
                                        block_manager.block_size, spec.num_kv_heads, spec.head_dim,
                                        kv_dtype, self.device)
         # Gemma 3 runs a lean forward with transformers' exact ops; other models their own forward.
-        self.lean_forward = Gemma3PagedForward(model) if gemma3_forward.supports(model) else None
+        lean = gemma3_forward.supports(model) and hasattr(model, gemma3_forward.FUSED)
+        self.lean_forward = Gemma3PagedForward(model) if lean else None
 
     @torch.inference_mode()
     def forward(self, inputs: list[StepInput]) -> torch.Tensor:
@@ -133,10 +134,13 @@ def _tree_mask(inputs: list[StepInput]) -> torch.Tensor | None:
     return torch.cat(rows)
 
 
-def load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu", weights: str = "none"):
+def load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu", weights: str = "none",
+               fuse: bool = True):
     """Loads any local Hugging Face causal LM with paged attention; returns (model, tokenizer, spec).
 
     `weights` picks how linear layers are stored and multiplied (services/target/linear.py).
+    `fuse`: Gemma 3's projections fused for its lean forward (False: transformers' modules as
+    they are, and transformers' forward).
     """
     from services.common.models.loading import load_causal_lm
 
@@ -144,6 +148,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu", weights
     model, tokenizer = load_causal_lm(model_dir, dtype=dtype, device=device, attn_implementation=attn)
     model.eval()
     spec = model_spec(model, tokenizer)
+    if fuse and gemma3_forward.supports(model):
+        gemma3_forward.fuse_projections(model)  # before packing: the fused weights get packed
     prepack_linears(model, resolve_weight_format(weights, dtype, device))
     return model, tokenizer, spec
 
