@@ -1,4 +1,5 @@
-"""Runs the Hugging Face model over a flat batch of tokens against the paged KV pool."""
+"""Runs the Hugging Face model over a flat batch of tokens against the paged KV pool
+(Gemma 3 through its lean forward, services/target/gemma3_forward.py)."""
 
 from __future__ import annotations
 
@@ -12,9 +13,8 @@ from services.target.attention import (
     KVPool,
     register_paged_attention,
 )
-from services.target import gemma3_forward
 from services.target.block_manager import BlockManager
-from services.target.gemma3_forward import Gemma3PagedForward
+from services.target.gemma3_forward import FUSED, Gemma3PagedForward, fuse_projections, supports
 from services.target.kernels.select import get_kernels
 from services.target.linear import prepack_linears, resolve_weight_format
 from services.target.model_runner_inputs import StepInput
@@ -46,7 +46,7 @@ class ModelRunner:
                                        block_manager.block_size, spec.num_kv_heads, spec.head_dim,
                                        kv_dtype, self.device)
         # Gemma 3 runs a lean forward with transformers' exact ops; other models their own forward.
-        lean = gemma3_forward.supports(model) and hasattr(model, gemma3_forward.FUSED)
+        lean = supports(model) and hasattr(model, FUSED)
         self.lean_forward = Gemma3PagedForward(model) if lean else None
 
     @torch.inference_mode()
@@ -148,8 +148,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu", weights
     model, tokenizer = load_causal_lm(model_dir, dtype=dtype, device=device, attn_implementation=attn)
     model.eval()
     spec = model_spec(model, tokenizer)
-    if fuse and gemma3_forward.supports(model):
-        gemma3_forward.fuse_projections(model)  # before packing: the fused weights get packed
+    if fuse and supports(model):
+        fuse_projections(model)  # before packing: the fused weights get packed
     prepack_linears(model, resolve_weight_format(weights, dtype, device))
     return model, tokenizer, spec
 
