@@ -8,7 +8,8 @@ runs the same tensor operations in the same order, so its logits equal transform
 bit (tests/test_gemma3_forward.py, float32 and bf16), minus that machinery:
 
   * each RMSNorm's `1 + weight` in float32 is computed once, at load (the same values);
-  * cos/sin are computed once per step for each RoPE kind (sliding / full), not per layer;
+  * cos/sin are computed once per step for each RoPE kind (sliding / full), not per layer, and
+    q and k are normed and rotated side by side in one pass (the same per-row operations);
   * activations stay [num_tokens, ...] without the batch dimension and its transposes;
   * q/k/v and gate/up are one matmul each (`fuse_projections`, at load): each output column is
     the same dot product, bit for bit (checked at M = 1, 11 and 512 on the default model's shapes
@@ -105,8 +106,7 @@ class _Layer:
     rope: str  # layer type: which cos/sin it uses
     input_norm: torch.Tensor  # [hidden] f32, 1 + weight
     qkv_proj: nn.Module  # fused: [T, hidden] -> [T, (heads + 2 kv heads) * head_dim]
-    q_norm: torch.Tensor  # [head_dim] f32
-    k_norm: torch.Tensor
+    qk_norm: torch.Tensor  # [num_heads + num_kv_heads, head_dim] f32: q_norm's per query head, then k_norm's
     o_proj: nn.Module
     post_attention_norm: torch.Tensor
     pre_feedforward_norm: torch.Tensor
@@ -150,7 +150,9 @@ class Gemma3PagedForward:
             self.act = mlp.act_fn
             self.layers.append(_Layer(
                 i, attn.sliding_window, config.layer_types[i], _one_plus(layer.input_layernorm),
-                getattr(fused, f"qkv_{i}"), _one_plus(attn.q_norm), _one_plus(attn.k_norm),
+                getattr(fused, f"qkv_{i}"),
+                torch.cat([_one_plus(attn.q_norm).expand(self.num_heads, -1),
+                           _one_plus(attn.k_norm).expand(self.num_kv_heads, -1)]),
                 attn.o_proj, _one_plus(layer.post_attention_layernorm),
                 _one_plus(layer.pre_feedforward_layernorm), getattr(fused, f"gate_up_{i}"), mlp.down_proj,
                 _one_plus(layer.post_feedforward_layernorm)))
@@ -176,13 +178,13 @@ class Gemma3PagedForward:
             cos, sin = rope[layer.rope]
             x = _rms_norm(h, layer.input_norm, eps)
             qkv = layer.qkv_proj(x)  # [T, q_size + 2 * kv_size]
-            q = qkv[:, :self.q_size].view(num_tokens, self.num_heads, self.head_dim)
-            k = qkv[:, self.q_size:self.q_size + self.kv_size].view(num_tokens, self.num_kv_heads, self.head_dim)
+            # q and k side by side: one norm (per head row, each with its own weight) and one RoPE
+            qk = qkv[:, :self.q_size + self.kv_size].view(num_tokens, -1, self.head_dim)  # [T, H + KV, D]
             v = qkv[:, self.q_size + self.kv_size:].view(num_tokens, self.num_kv_heads, self.head_dim)
-            q = _rms_norm(q, layer.q_norm, eps)
-            k = _rms_norm(k, layer.k_norm, eps)
-            q = q * cos + _rotate_half(q) * sin
-            k = k * cos + _rotate_half(k) * sin
+            qk = _rms_norm(qk, layer.qk_norm, eps)
+            qk = qk * cos + _rotate_half(qk) * sin
+            q = qk[:, :self.num_heads].contiguous()  # [T, H, D]
+            k = qk[:, self.num_heads:].contiguous()  # [T, KV, D]
             a = paged_attention(meta, layer.index, q, k, v.contiguous(), self.scaling, layer.sliding_window)
             a = layer.o_proj(a.reshape(num_tokens, -1))
             h = h + _rms_norm(a, layer.post_attention_norm, eps)
