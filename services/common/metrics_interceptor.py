@@ -67,6 +67,8 @@ def status_of(context, error: BaseException | None) -> str:
     try:
         code = context.code()
     except (AttributeError, NotImplementedError, RuntimeError):
+        # Not every context can tell: grpc's generic-handler contexts have no code(), and some
+        # raise once the call has ended. The status then follows from the error alone.
         pass
     if isinstance(code, grpc.StatusCode):
         return code.name

@@ -143,11 +143,11 @@ class Gemma3PagedForward:
         self.q_size = self.num_heads * self.head_dim
         self.kv_size = self.num_kv_heads * self.head_dim
         self.intermediate = config.intermediate_size
+        self.scaling = text.layers[0].self_attn.scaling  # every layer's: query_pre_attn_scalar ** -0.5
+        self.act = text.layers[0].mlp.act_fn  # config.hidden_activation, the same in every layer
         self.layers = []
         for i, layer in enumerate(text.layers[:config.num_hidden_layers]):
             attn, mlp = layer.self_attn, layer.mlp
-            self.scaling = attn.scaling  # the same for every layer (query_pre_attn_scalar ** -0.5)
-            self.act = mlp.act_fn
             self.layers.append(_Layer(
                 i, attn.sliding_window, config.layer_types[i], _one_plus(layer.input_layernorm),
                 getattr(fused, f"qkv_{i}"),

@@ -175,19 +175,9 @@ def naive_attention(batch: PagedBatch, scale: float, sliding_window: int | None)
     group = batch.num_heads // nkv
     row = 0
     for s, spec in enumerate(batch.seqs):
-        c = spec.context_len
-        pos_new = [c + x for x in (depths(spec.parents) if spec.parents is not None else range(spec.q_len))]
+        mask = visible_mask(batch, s, sliding_window)  # [q_len, kv_len]
         for i in range(spec.q_len):
-            vis_new = ancestors_or_self(spec.parents, i) if spec.parents is not None else set(range(i + 1))
-            p_q = pos_new[i]
-            visible = []
-            for j in range(c + spec.q_len):
-                p_kv = j if j < c else pos_new[j - c]
-                ok = j < c or (j - c) in vis_new
-                if sliding_window is not None and p_q - p_kv >= sliding_window:
-                    ok = False
-                if ok:
-                    visible.append(j)
+            visible = mask[i].nonzero().flatten().tolist()
             for h in range(batch.num_heads):
                 if not visible:
                     continue

@@ -184,13 +184,7 @@ def test_cpu_grouped_decode_never_reads_what_a_row_may_not_see():
     plan = plan_cpu_attention(4, batch.block_tables, batch.context_lens, batch.query_start_loc,
                               batch.query_positions, 4)
     assert len(plan.groups) == 1 and len(plan.groups[0].members) == 3
-    visible = torch.zeros(batch.k_cache.shape[0] * 4, dtype=torch.bool)  # [num_slots]
-    for s, spec in enumerate(batch.seqs):
-        total = spec.context_len + spec.q_len
-        for j in range(max(0, total - 4), total):  # the window of 4 ending at the decode row
-            visible[int(batch.block_tables[s, j // 4]) * 4 + j % 4] = True
-    for cache, poison in ((batch.k_cache, float("inf")), (batch.v_cache, float("nan"))):
-        cache.view(-1, *cache.shape[2:])[~visible] = poison
+    _poison_invisible_slots(batch, 4)  # all but the window of 4 ending at each decode row
     out = paged_attention_cpu(**batch.args(0.3, 4))
     torch.testing.assert_close(out, expected, atol=1e-5, rtol=1e-5)
 

@@ -18,12 +18,13 @@ Per layer the work is then one attention call per sequence, in one of two precis
   * float32 (float32 queries, or any cache that is not bf16): SDPA in float32, as the
     reference computes; float32 models stay token-exact against Hugging Face.
   * bf16 (bf16 queries over a bf16 cache, the engine's CPU default for bf16 models where the
-    CPU multiplies bf16 natively): scores (scaled) and outputs are two bf16 matmuls (float32
-    accumulation, each result rounded once to bf16) around a softmax computed in float32 --
-    the precision of Hugging Face's eager bf16 attention. A lone decode row (one query, nothing masked) instead
-    calls SDPA in bf16, which keeps its scores in float32 and is faster at one query. For many
-    rows CPU SDPA is no faster in bf16 than in float32; the matmuls are: a 64-row piece of a 512-window layer took 0.38 ms against SDPA's 0.91 ms, a
-    512-row chunk over 2,000 entries 7.5 ms against 22 ms (4 heads x 256, this machine).
+    CPU multiplies bf16 natively): scaled scores and outputs are two bf16 matmuls (float32
+    accumulation, each result rounded once to bf16) around a softmax computed in float32, the
+    precision of Hugging Face's eager bf16 attention. For many rows CPU SDPA is no faster in
+    bf16 than in float32, the matmuls are: a 64-row piece of a 512-window layer took 0.38 ms
+    against SDPA's 0.91 ms, a 512-row chunk over 2,000 entries 6.6 ms against 22 ms (4 heads x
+    256, this machine). A lone decode row (one query, nothing masked) calls SDPA in bf16, which
+    is faster at one query and keeps its scores in float32.
 
 Decode rows of a busy step are batched: per-sequence calls cost Python and dispatch time per
 sequence per layer (a mixed 18-request step spent 42% in attention, 16% in the per-sequence
@@ -295,9 +296,9 @@ def _attention_bf16(
         k = _kv_range(k_cache, None, p, torch.bfloat16)  # [nkv, kv_len, D]
         v = _kv_range(v_cache, None, p, torch.bfloat16)
         q = query[p.q_start:p.q_start + p.q_len].transpose(0, 1)  # [num_heads, q_len, D]
-        if p.mask is None:  # a lone decode row: bf16 SDPA is faster at one query (12 us against
-            # 36 at 100 entries, 93 against 69 only past 1,500) and keeps its scores in float32
-            # A kv head's query heads as its query rows (GQA without expanding kv).
+        if p.mask is None:
+            # A lone decode row: bf16 SDPA is faster at one query (12 us against 36 at 100
+            # entries; slower only past ~1,500). A kv head's query heads are its query rows.
             o = F.scaled_dot_product_attention(q.reshape(1, nkv, group, head_dim), k[None], v[None],
                                                scale=scale)  # [1, nkv, group, D]
             out[p.q_start] = o.view(num_heads, head_dim)
