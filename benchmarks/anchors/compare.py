@@ -14,7 +14,9 @@ specmesh runs through the mesh (router -> target, draft service for speculation)
 service a `specmesh serve` subprocess (services/common/builders.py assembles them); vLLM is
 its OpenAI server with Intel OpenMP preloaded (one server per speculation setting, started in
 turn). vLLM's worker busy-polls about a second after each request, so every measurement is
-preceded by a pause. Writes JSON + markdown to benchmarks/results/ and prints the table.
+preceded by a pause. Writes JSON, markdown and a plot of specmesh's speed relative to vLLM
+(each round's ratio, since both systems ran minutes apart within a round) to benchmarks/results/,
+and prints the table.
 """
 
 from __future__ import annotations
@@ -316,17 +318,66 @@ ROWS = [("single", "single-stream decode, tok/s", True), ("batch18", "18 concurr
         ("spec10", "speculation depth 10, tok/s", True)]
 
 
+SHORT = {"single": "single-stream decode", "batch18": "18 mixed requests", "cold_ttft": "cold prefill, ~2,000 tokens",
+         "cached_ttft": "cached prefix", "spec5": "speculation, depth 5", "spec10": "speculation, depth 10"}
+GOALS = {"single": 1.0, "batch18": 1.0, "cold_ttft": 1.0, "spec5": 1.3, "spec10": 1.3}  # issue 9
+
+
+def round_ratios(result: dict, key: str, higher: bool) -> list[float]:
+    """specmesh's speed relative to vLLM in each round (> 1: specmesh faster). Both systems ran
+    minutes apart within a round, so a round's ratio drifts less with the host's load than the
+    ratio of medians taken over the whole run."""
+    runs = result.get(key, {}).get("_all", {})
+    pairs = zip(runs.get("vLLM", []), runs.get("specmesh", []))
+    return [s / v if higher else v / s for v, s in pairs if v and s]
+
+
 def table(result: dict) -> str:
-    lines = ["| | vLLM | specmesh (through the mesh) | HF `generate` |", "|---|---|---|---|"]
+    lines = ["| | vLLM | specmesh (through the mesh) | per round | HF `generate` |", "|---|---|---|---|---|"]
     for key, label, higher in ROWS:
         m = result.get(key, {})
         v, s, h = m.get("vLLM"), m.get("specmesh"), m.get("HF")
         ratio = ""
         if v and s:
             ratio = f" ({s / v:.2f}x)" if higher else f" ({v / s:.2f}x vLLM's speed)"
+        per_round = round_ratios(result, key, higher)
+        band = (f"{min(per_round):.2f}–{max(per_round):.2f}x" if len(per_round) > 1
+                else f"{per_round[0]:.2f}x" if per_round else "—")
         fmt = (lambda x: "—" if x is None else (f"{x:.1f}" if higher else f"{x:.3f}"))
-        lines.append(f"| {label} | {fmt(v)} | {fmt(s)}{ratio} | {fmt(h)} |")
+        lines.append(f"| {label} | {fmt(v)} | {fmt(s)}{ratio} | {band} | {fmt(h)} |")
     return "\n".join(lines)
+
+
+def plot(result: dict, path: Path) -> Path | None:
+    """specmesh's speed relative to vLLM per metric: each round a dot, the median a bar, the
+    goal a tick. None when matplotlib is missing (`pip install -e .[bench]`)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    rows = [(key, SHORT[key], round_ratios(result, key, higher)) for key, _, higher in ROWS]
+    rows = [r for r in rows if r[2]]
+    if not rows:
+        return None
+    fig, ax = plt.subplots(figsize=(8, 0.6 * len(rows) + 1.2))
+    for y, (key, label, ratios) in enumerate(rows):
+        ax.scatter(ratios, [y] * len(ratios), color="tab:blue", zorder=3, label="a round" if y == 0 else None)
+        ax.plot([statistics.median(ratios)] * 2, [y - 0.3, y + 0.3], color="tab:blue", lw=3,
+                label="median of the rounds" if y == 0 else None)
+        if key in GOALS:
+            ax.plot([GOALS[key]] * 2, [y - 0.35, y + 0.35], color="tab:red", lw=1.5, ls="--",
+                    label="goal (issue 9)" if y == 0 else None)
+    ax.axvline(1.0, color="grey", lw=0.8)
+    ax.set_yticks(range(len(rows)), [label for _, label, _ in rows])
+    ax.invert_yaxis()
+    ax.set_xlabel("specmesh / vLLM, speed (> 1: specmesh faster)")
+    ax.legend(loc="lower right", fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
 
 
 def main() -> None:
@@ -348,9 +399,13 @@ def main() -> None:
     out = ROOT / "benchmarks" / "results"
     stamp = time.strftime("%Y%m%d-%H%M%S")
     (out / f"compare-{stamp}.json").write_text(json.dumps({"args": vars(args), "result": result}, indent=1))
-    (out / f"compare-{stamp}.md").write_text(header + "\n\n" + md + "\n")
+    png = plot(result, out / f"compare-{stamp}.png")
+    figure = f"\n![specmesh / vLLM per round](compare-{stamp}.png)\n" if png else ""
+    (out / f"compare-{stamp}.md").write_text(header + "\n\n" + md + "\n" + figure)
     print(header)
     print(md)
+    if png:
+        print(f"plot: {png}")
 
 
 if __name__ == "__main__":

@@ -1,0 +1,54 @@
+"""The side-by-side report (benchmarks/anchors/compare.py): per-round ratios, their band, the plot."""
+
+from __future__ import annotations
+
+import importlib.util
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def compare():
+    spec = importlib.util.spec_from_file_location("anchors_compare", ROOT / "benchmarks" / "anchors" / "compare.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def _result(runs: dict) -> dict:
+    import statistics
+    return {metric: {s: statistics.median(v) for s, v in by.items()} | {"_all": by} for metric, by in runs.items()}
+
+
+RUNS = {
+    "single": {"vLLM": [40.0, 50.0, 60.0], "specmesh": [30.0, 50.0, 66.0]},  # 0.75, 1.0, 1.1
+    "cold_ttft": {"vLLM": [1.0, 1.2], "specmesh": [2.0, 1.0]},  # a time: lower is faster -> 0.5, 1.2
+    "spec5": {"vLLM": [100.0], "specmesh": [130.0]},
+}
+
+
+def test_round_ratios_are_specmesh_speed_over_vllm_speed_round_by_round(compare):
+    result = _result(RUNS)
+    assert compare.round_ratios(result, "single", True) == pytest.approx([0.75, 1.0, 1.1])
+    assert compare.round_ratios(result, "cold_ttft", False) == pytest.approx([0.5, 1.2])
+    assert compare.round_ratios(result, "batch18", True) == []  # not measured
+
+
+def test_table_gives_the_ratio_of_medians_and_the_band_of_rounds(compare):
+    lines = compare.table(_result(RUNS)).splitlines()
+    single = next(line for line in lines if line.startswith("| single-stream"))
+    assert "50.0 (1.00x)" in single and "0.75–1.10x" in single
+    cold = next(line for line in lines if line.startswith("| cold prefill"))
+    assert "1.500 (0.73x vLLM's speed)" in cold  # medians 1.1 and 1.5 and "0.50–1.20x" in cold
+    spec = next(line for line in lines if line.startswith("| speculation depth 5"))
+    assert "1.30x" in spec
+
+
+def test_plot_writes_a_png_of_the_rounds(compare, tmp_path):
+    pytest.importorskip("matplotlib")
+    path = compare.plot(_result(RUNS), tmp_path / "ratios.png")
+    assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    assert compare.plot(_result({}), tmp_path / "none.png") is None  # nothing measured, no plot
