@@ -51,3 +51,22 @@ def test_engine_serves_with_int8_weights(tiny_llama_dir):
         assert len(tokens) == 8
     finally:
         engine.shutdown()
+
+
+def test_int8_rows_are_quantized_each_with_its_own_scale():
+    # A prefill chunk whose first row is 1,000x the others (Gemma's first token is like that):
+    # with one activation scale per call the other rows would round to a few levels.
+    torch.manual_seed(0)
+    linear = torch.nn.Linear(64, 32, bias=True)
+    packed = Int8Linear(linear)
+    rows = torch.randn(6, 64)
+    chunk = torch.cat([rows[:1] * 1000, rows[1:]])
+    with torch.inference_mode():
+        exact = torch.nn.functional.linear(chunk, linear.weight, linear.bias)  # [6, 32]
+        got = packed(chunk)
+        alone = torch.cat([packed(chunk[i:i + 1]) for i in range(6)])  # each row quantized on its own
+
+    def rel(a):  # [6] relative error of each row against the float product
+        return (a - exact).norm(dim=1) / exact.norm(dim=1)
+    assert rel(got).max() < 0.05, rel(got)  # every row within int8 error, the small rows included
+    assert (rel(got) - rel(alone)).abs().max() < 0.02, (rel(got), rel(alone))  # as good as alone

@@ -173,8 +173,9 @@ async def prefill(client, prompt: str) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------- servers
-def start_specmesh(model: str, log_dir: Path) -> list[subprocess.Popen]:
+def start_specmesh(model: str, log_dir: Path, weights: str = "auto") -> list[subprocess.Popen]:
     env = {**os.environ, "SPECMESH_TOKENS": f"{DEV_TOKEN}=bench", "SPECMESH_METRICS_PORT": "0",
+           "SPECMESH_WEIGHTS": weights,
            "SPECMESH_MODEL": model}
     cmd = [sys.executable, "-m", "services.cli", "serve", "--dev"]  # plaintext on loopback
     procs = [subprocess.Popen([*cmd, "draft", "--port", str(PORTS["draft"])], cwd=ROOT, env=env,
@@ -264,7 +265,7 @@ async def run(args) -> dict:
     def note(system: str, metric: str, value: float) -> None:
         res.setdefault(metric, {}).setdefault(system, []).append(value)
 
-    procs = start_specmesh(args.model, log_dir)
+    procs = start_specmesh(args.model, log_dir, args.specmesh_weights)
     hf = HF(model_dir) if "hf" not in args.skip else None
     try:
         for name in ("router-off", "router-5", "router-10"):
@@ -388,13 +389,17 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=9, help="how many of the nine prompts (single-stream runs)")
     parser.add_argument("--prefill-tokens", type=int, default=2000)
     parser.add_argument("--skip", nargs="*", default=[], choices=["vllm", "hf"])
+    parser.add_argument("--specmesh-weights", default="auto", choices=["auto", "bf16", "int8"],
+                        help="specmesh's linear layers (SPECMESH_WEIGHTS); int8 trades accuracy for speed "
+                             "(README: greedy agreement and log-prob gap), vLLM and HF stay bf16")
     parser.add_argument("--vllm-venv", default=os.environ.get("SPECMESH_VLLM_VENV",
                                                              "~/.cache/specmesh/vllm-venv"))
     args = parser.parse_args()
     result = asyncio.run(run(args))
     md = table(result)
     load = os.getloadavg()
-    header = (f"model={args.model} bf16 greedy tokens={args.tokens} rounds={args.rounds} prompts={args.prompts} "
+    header = (f"model={args.model} bf16 (specmesh weights: {args.specmesh_weights}) greedy tokens={args.tokens} "
+              f"rounds={args.rounds} prompts={args.prompts} "
               f"(medians); load average during the run ended at {load[0]:.1f} on {os.cpu_count()} cores")
     out = ROOT / "benchmarks" / "results"
     stamp = time.strftime("%Y%m%d-%H%M%S")

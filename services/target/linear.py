@@ -22,7 +22,7 @@ for both (`bf16` below).
                   which become fp16 subnormals (error < 3e-8 absolute each).
   weights="int8"  int8 weights with one scale per output channel (symmetric, amax / 127) through
                   fbgemm's dynamic-quantized linear: the activations are also quantized per call
-                  (uint8, one scale per tensor), so this trades accuracy for half the bytes; the
+                  (uint8, one scale per row: `Int8Linear`), so this trades accuracy for half the bytes; the
                   accuracy is measured in tests/test_quantization.py and README (weight-only int8
                   kernels in torch measured slower here than fp16 fbgemm, so they do not pay).
 The lm_head keeps float32 outputs (no bf16 rounding of the logits before sampling).
@@ -88,7 +88,14 @@ def native_bf16_cpu() -> bool:
 
 
 class Int8Linear(nn.Module):
-    """int8 weights, one float scale per output channel, through fbgemm's dynamic linear."""
+    """int8 weights, one float scale per output channel, through fbgemm's dynamic linear.
+
+    fbgemm quantizes a call's activations with one scale for all its rows, so one row of outsized
+    activations (Gemma's first token carries activations hundreds of times the others') would leave
+    every other row of a prefill chunk a few quantization levels. Rows are therefore scaled to an
+    absmax of 1 first and the products scaled back: one activation scale per row (per token), as a
+    decode row gets anyway.
+    """
 
     def __init__(self, linear: nn.Linear, out_dtype: torch.dtype | None = None) -> None:
         super().__init__()
@@ -100,12 +107,20 @@ class Int8Linear(nn.Module):
         with warnings.catch_warnings():  # deprecated in name only; fbgemm has no other entry point
             warnings.simplefilter("ignore")
             q = torch.quantize_per_channel(w, self.scales.double(), zero, 0, torch.qint8)
+        # The bias is added after the per-row rescaling, so it is not packed with the weights.
         bias = linear.bias.detach().float() if linear.bias is not None else None
-        self.packed = torch.ops.quantized.linear_prepack(q, bias)
+        self.register_buffer("bias", bias, persistent=False)  # [out] f32 or None
+        self.packed = torch.ops.quantized.linear_prepack(q, None)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         flat = x.reshape(-1, self.in_features).float()  # [rows, in] f32
-        y = torch.ops.quantized.linear_dynamic(flat, self.packed, True)  # [rows, out] f32
+        if flat.shape[0] > 1:
+            row = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)  # [rows, 1]
+            y = torch.ops.quantized.linear_dynamic(flat / row, self.packed, True).mul_(row)  # [rows, out]
+        else:  # one row: its own scale already
+            y = torch.ops.quantized.linear_dynamic(flat, self.packed, True)
+        if self.bias is not None:
+            y = y.add_(self.bias)
         return y.to(self.out_dtype or x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
