@@ -115,8 +115,9 @@ class Int8Linear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         flat = x.reshape(-1, self.in_features).float()  # [rows, in] f32
         if flat.shape[0] > 1:
-            row = flat.abs().amax(dim=1, keepdim=True).clamp(min=1e-12)  # [rows, 1]
-            y = torch.ops.quantized.linear_dynamic(flat / row, self.packed, True).mul_(row)  # [rows, out]
+            row = flat.abs().amax(dim=1, keepdim=True).clamp_(min=1e-12)  # [rows, 1]
+            scaled = flat.div_(row) if flat.data_ptr() != x.data_ptr() else flat / row  # never the caller's x
+            y = torch.ops.quantized.linear_dynamic(scaled, self.packed, True).mul_(row)  # [rows, out]
         else:  # one row: its own scale already
             y = torch.ops.quantized.linear_dynamic(flat, self.packed, True)
         if self.bias is not None:
