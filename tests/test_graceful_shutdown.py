@@ -35,3 +35,16 @@ async def test_stopping_the_router_drains_in_flight_streams(tiny_llama_dir):
         await stopping
     finally:
         await mesh.stop()
+
+
+def test_engine_shutdown_returns_after_its_torch_thread_has_ended(tiny_llama_dir):
+    # A process that exits while the engine's torch thread still runs can abort at exit
+    # ("terminate called without an active exception", status 134; seen with
+    # benchmarks/engine_step.py), so shutdown waits for the thread.
+    from services.target.config import EngineConfig
+    from services.target.engine import Engine
+    engine = Engine.load(EngineConfig(model_dir=tiny_llama_dir, dtype="float32", num_blocks=32, block_size=4))
+    engine.start()
+    thread = engine._torch_thread._thread
+    engine.shutdown()
+    assert not thread.is_alive()

@@ -116,7 +116,9 @@ class Engine:
                 self._loop_future.result(timeout)
             except Exception:
                 log.exception("engine loop ended with an error")
-        self._torch_thread.shutdown()
+        # Joined, not only told to stop: a process that exits while this thread still runs
+        # torch aborts at exit ("terminate called without an active exception", status 134).
+        self._torch_thread.shutdown(timeout)
         if self.speculator is not None:
             self.speculator.client.close()
 

@@ -24,9 +24,12 @@ class TorchThread:
         self._tasks.put((fn, args, future))
         return future
 
-    def shutdown(self) -> None:
-        """Stops after the tasks already queued (does not wait)."""
+    def shutdown(self, timeout: float | None = None) -> None:
+        """Stops after the tasks already queued; waits up to `timeout` seconds (None: no wait)
+        for the thread to end."""
         self._tasks.put(None)
+        if timeout is not None and threading.current_thread() is not self._thread:
+            self._thread.join(timeout)
 
     def _run(self) -> None:
         while (task := self._tasks.get()) is not None:
