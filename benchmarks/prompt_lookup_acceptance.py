@@ -21,13 +21,13 @@ ratio of tokens per step is the ratio of speeds. Rows:
 from __future__ import annotations
 
 import argparse
-import importlib.util
 import threading
 import time
 from pathlib import Path
 
 from tqdm import tqdm
 
+from benchmarks.anchors.compare import make_prompts
 from services.common.env import read_settings
 from services.common.models.loading import resolve_model_dir
 from services.common.sampling_params import SamplingConfig
@@ -35,16 +35,6 @@ from services.draft.proposers.prompt_lookup import PromptLookupProposer
 from services.draft.state import SequenceState
 from services.target.config import EngineConfig
 from services.target.engine import Engine
-
-ROOT = Path(__file__).resolve().parents[1]
-
-
-def nine_prompts(tokenizer) -> list[str]:
-    spec = importlib.util.spec_from_file_location("anchors_compare", ROOT / "benchmarks" / "anchors" / "compare.py")
-    compare = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(compare)
-    return compare.make_prompts(tokenizer)
-
 
 def greedy_outputs(engine: Engine, prompts: list[str], tokens: int) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, greedy output ids) per prompt, decoded by the engine without speculation."""
@@ -127,7 +117,7 @@ def main() -> None:
     engine = Engine.load(EngineConfig(model_dir=model_dir, dtype=args.dtype))
     engine.start()
     try:
-        outputs = greedy_outputs(engine, nine_prompts(engine.tokenizer), args.tokens)
+        outputs = greedy_outputs(engine, make_prompts(engine.tokenizer), args.tokens)
     finally:
         engine.shutdown()
     rows = [("n 1..3, most recent (the draft service's)", proposer_chain(3, 1)),

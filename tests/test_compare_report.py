@@ -2,25 +2,13 @@
 
 from __future__ import annotations
 
-import importlib.util
-from pathlib import Path
-
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
-
-
-@pytest.fixture(scope="module")
-def compare():
-    spec = importlib.util.spec_from_file_location("anchors_compare", ROOT / "benchmarks" / "anchors" / "compare.py")
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+from benchmarks.anchors import compare
 
 
 def _result(runs: dict) -> dict:
-    import statistics
-    return {metric: {s: statistics.median(v) for s, v in by.items()} | {"_all": by} for metric, by in runs.items()}
+    return compare.summarize(runs)
 
 
 RUNS = {
@@ -30,14 +18,14 @@ RUNS = {
 }
 
 
-def test_round_ratios_are_specmesh_speed_over_vllm_speed_round_by_round(compare):
+def test_round_ratios_are_specmesh_speed_over_vllm_speed_round_by_round():
     result = _result(RUNS)
     assert compare.round_ratios(result, "single", True) == pytest.approx([0.75, 1.0, 1.1])
     assert compare.round_ratios(result, "cold_ttft", False) == pytest.approx([0.5, 1.2])
     assert compare.round_ratios(result, "batch18", True) == []  # not measured
 
 
-def test_table_gives_the_ratio_of_medians_and_the_band_of_rounds(compare):
+def test_table_gives_the_ratio_of_medians_and_the_band_of_rounds():
     lines = compare.table(_result(RUNS)).splitlines()
     single = next(line for line in lines if line.startswith("| single-stream"))
     assert "50.0 (1.00x)" in single and "0.75–1.10x" in single
@@ -47,7 +35,7 @@ def test_table_gives_the_ratio_of_medians_and_the_band_of_rounds(compare):
     assert "1.30x" in spec
 
 
-def test_plot_writes_a_png_of_the_rounds(compare, tmp_path):
+def test_plot_writes_a_png_of_the_rounds(tmp_path):
     pytest.importorskip("matplotlib")
     path = compare.plot(_result(RUNS), tmp_path / "ratios.png")
     assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"

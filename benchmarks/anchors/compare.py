@@ -308,6 +308,11 @@ async def run(args) -> dict:
         bar.close()
     finally:
         stop(procs)
+    return summarize(res)
+
+
+def summarize(res: dict[str, dict[str, list[float]]]) -> dict:
+    """metric -> system -> median over rounds, plus "_all": every round's value per system."""
     return {metric: {s: statistics.median(v) for s, v in by.items()} | {"_all": by}
             for metric, by in res.items()}
 
