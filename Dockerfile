@@ -6,6 +6,8 @@ ARG VARIANT=cpu
 
 FROM python:3.11-slim AS base-cpu
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
+# g++ builds the AVX-512 bf16 linear kernel (services/target/kernels/cpu_linear.cpp) below.
+RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
 FROM nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04 AS base-cuda
 RUN apt-get update && apt-get install -y --no-install-recommends python3 python3-venv \
@@ -15,6 +17,7 @@ ENV PATH=/opt/venv/bin:$PATH \
     TORCH_INDEX_URL=https://download.pytorch.org/whl/cu126
 
 FROM base-${VARIANT}
+ARG VARIANT
 WORKDIR /app
 ENV PIP_NO_CACHE_DIR=1 PYTHONUNBUFFERED=1
 
@@ -39,6 +42,10 @@ RUN pip install --no-deps .
 # (compose mounts its `models` volume at /models for your own model directories).
 ENV SPECMESH_MODEL_CACHE=/opt/specmesh/models
 RUN specmesh models prepare
+
+# The CPU linear kernel, compiled once into the image (the CUDA image has no compiler: it skips it).
+ENV TORCH_EXTENSIONS_DIR=/opt/specmesh/torch_extensions
+RUN if [ "$VARIANT" = "cpu" ]; then python -m services.target.kernels.cpu_linear --build; fi
 
 EXPOSE 50051 50052 50053 50054 9464
 CMD ["specmesh", "serve", "router", "--host", "0.0.0.0"]

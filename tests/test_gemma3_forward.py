@@ -40,9 +40,11 @@ def _run(runner: ModelRunner) -> list[torch.Tensor]:
 
 
 def _formats():
+    from services.target.kernels import cpu_linear
     from services.target.linear import native_bf16_cpu
     return [(torch.float32, "none"), (torch.bfloat16, "fp16"), (torch.bfloat16, "int8")] + (
-        [(torch.bfloat16, "bf16")] if native_bf16_cpu() else [])
+        [(torch.bfloat16, "bf16")] if native_bf16_cpu() else []) + (
+        [(torch.bfloat16, "bf16-avx512")] if cpu_linear.available() else [])
 
 
 @pytest.mark.parametrize("dtype,weights", _formats())

@@ -58,6 +58,7 @@ def test_bf16_packed_is_bit_identical_to_torch_bf16_linear(rows, bias):
 def test_bf16_packing_is_refused_without_native_bf16(monkeypatch):
     import services.target.linear as linear
     monkeypatch.setattr(linear, "native_bf16_cpu", lambda: False)
+    monkeypatch.setattr(linear.cpu_linear, "available", lambda: False)  # nor the AVX-512 kernel
     assert resolve_weight_format("auto", torch.bfloat16, "cpu") == "fp16"
     with pytest.raises(ValueError, match="native bf16"):
         prepack_linears(nn.Sequential(nn.Linear(4, 4)), "bf16")
@@ -74,7 +75,11 @@ def test_int8_weights_are_per_channel_symmetric():
 
 
 def test_auto_format_packs_16_bit_models_on_the_cpu_only():
-    bf16_format = "bf16" if native_bf16_cpu() else "fp16"
+    from services.target.kernels import cpu_linear
+    if not cpu_linear.native_bf16_dot() and cpu_linear.available():
+        bf16_format = "bf16-avx512"  # oneDNN would emulate bf16 (tests/test_cpu_linear.py)
+    else:
+        bf16_format = "bf16" if native_bf16_cpu() else "fp16"
     assert resolve_weight_format("auto", torch.bfloat16, "cpu") == bf16_format
     assert resolve_weight_format("auto", torch.float16, "cpu") == "fp16"
     assert resolve_weight_format("auto", torch.float32, "cpu") == "none"

@@ -35,7 +35,9 @@ import warnings
 import torch
 from torch import nn
 
-WEIGHT_FORMATS = ("auto", "none", "bf16", "fp16", "int8")
+from services.target.kernels import cpu_linear
+
+WEIGHT_FORMATS = ("auto", "none", "bf16", "bf16-avx512", "fp16", "int8")
 
 
 class PackedLinearFP16(nn.Module):
@@ -76,6 +78,30 @@ class PackedLinearBF16(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [rows, in] bf16
         y = torch.ops.mkldnn._linear_pointwise(flat, self.packed, self.bias, "none", [], "")  # [rows, out]
+        return y.to(self.out_dtype or x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+
+class AVX512LinearBF16(nn.Module):
+    """y = x W^T with bf16 W through specmesh's AVX-512 kernel (services/target/kernels/cpu_linear.cpp).
+
+    For AVX-512 CPUs without bf16 dot products, where oneDNN emulates bf16: bf16 products, float32
+    sums and one rounding to bf16, as torch's bf16 linear, but summed in k order, so an output can
+    differ from torch's by one bf16 rounding step (tests/test_cpu_linear.py), and a row's outputs
+    do not depend on the other rows of the step.
+    """
+
+    def __init__(self, linear: nn.Linear, out_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        if linear.bias is not None:
+            raise ValueError("AVX512LinearBF16 has no bias; layers with a bias keep oneDNN")
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.out_dtype = out_dtype
+        weight = linear.weight.detach().to(torch.bfloat16)  # [out_features, in_features]
+        self.register_buffer("panels", cpu_linear.pack(weight), persistent=False)  # [ceil(out / 32), in, 32] bf16
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [rows, in] bf16
+        y = cpu_linear.bf16_linear(flat, self.panels, self.out_features)  # [rows, out] bf16
         return y.to(self.out_dtype or x.dtype).reshape(*x.shape[:-1], self.out_features)
 
 
@@ -137,6 +163,8 @@ def resolve_weight_format(weights: str, dtype: torch.dtype, device: str) -> str:
         return weights
     if torch.device(device).type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
         return "none"
+    if dtype == torch.bfloat16 and not cpu_linear.native_bf16_dot() and cpu_linear.available():
+        return "bf16-avx512"  # oneDNN would emulate bf16 here
     return "bf16" if dtype == torch.bfloat16 and native_bf16_cpu() else "fp16"
 
 
@@ -148,12 +176,16 @@ def prepack_linears(model: nn.Module, weights: str) -> int:
     """
     if weights == "none":
         return 0
-    classes = {"bf16": PackedLinearBF16, "fp16": PackedLinearFP16, "int8": Int8Linear}
+    classes = {"bf16": PackedLinearBF16, "bf16-avx512": AVX512LinearBF16, "fp16": PackedLinearFP16,
+               "int8": Int8Linear}
     if weights not in classes:
         raise ValueError(f"cannot pack linear layers as {weights!r}")
     if weights == "bf16" and not native_bf16_cpu():
         raise ValueError("weights='bf16' needs a CPU with native bf16 (AVX512-BF16 or AMX); "
                          "use --weights fp16 or auto on this machine")
+    if weights == "bf16-avx512" and not cpu_linear.available():
+        raise ValueError(f"weights='bf16-avx512' cannot run here: {cpu_linear.unavailable_reason()}; "
+                         "use --weights bf16 or auto")
     cls = classes[weights]
     lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -161,5 +193,6 @@ def prepack_linears(model: nn.Module, weights: str) -> int:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         out_dtype = torch.float32 if module is lm_head else None
-        setattr(parent, attr, cls(module, out_dtype))
+        layer_cls = PackedLinearBF16 if cls is AVX512LinearBF16 and module.bias is not None else cls
+        setattr(parent, attr, layer_cls(module, out_dtype))
     return len(targets)

@@ -1,0 +1,85 @@
+"""Builds and loads the AVX-512 bf16 linear kernel (cpu_linear.cpp) on first use.
+
+The kernel is compiled with torch's own extension builder (`torch.utils.cpp_extension.load`,
+ninja and the system C++ compiler) into torch's extension cache, keyed by the source, so a
+machine compiles it once (~1 minute; `scripts/setup.sh` does it ahead of time). Where it cannot
+be built or the CPU lacks AVX-512, `available()` says why and the engine keeps oneDNN.
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+_SOURCE = Path(__file__).with_name("cpu_linear.cpp")
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-fopenmp"]
+
+
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux reports them (empty elsewhere)."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("flags"):
+                return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def native_bf16_dot() -> bool:
+    """Whether the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), where oneDNN is the fast path."""
+    flags = cpu_flags()
+    return bool(flags & {"avx512_bf16", "amx_bf16"})
+
+
+def avx512() -> bool:
+    flags = cpu_flags()
+    return platform.machine() in ("x86_64", "AMD64") and {"avx512f", "avx512bw", "avx512dq"} <= flags
+
+
+@functools.cache
+def _module():
+    from torch.utils.cpp_extension import load
+
+    return load(name="specmesh_cpu_linear", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
+                extra_ldflags=["-fopenmp"], verbose=os.environ.get("SPECMESH_VERBOSE_BUILD") == "1")
+
+
+@functools.cache
+def unavailable_reason() -> str | None:
+    """None if the kernel runs here, else why not (what a user can do about it)."""
+    if not avx512():
+        return "the CPU has no AVX-512 (avx512f/bw/dq)"
+    try:
+        _module()
+    except Exception as exc:  # a missing compiler or ninja: report it, keep serving with oneDNN
+        return f"the kernel did not build ({type(exc).__name__}: {exc}); install ninja and a C++ compiler"
+    return None
+
+
+def available() -> bool:
+    return unavailable_reason() is None
+
+
+def pack(weight: torch.Tensor) -> torch.Tensor:
+    """weight [N, K] bf16 -> its panels [ceil(N / 32), K, 32] bf16, the layout `bf16_linear` reads."""
+    return _module().pack_bf16_weight(weight)
+
+
+def bf16_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
+    """x [M, K] bf16 times the packed weight [N, K] -> [M, N] bf16 (float32 sums in k order, one rounding)."""
+    return _module().bf16_linear(x, panels, out_features)
+
+
+if __name__ == "__main__":  # scripts/setup.sh and the image: build before the first engine start
+    import sys
+
+    if "--build" in sys.argv or (avx512() and not native_bf16_dot()):  # --build: for another machine's CPU
+        print("building the AVX-512 bf16 linear kernel (once, about a minute)...", flush=True)
+        _module()
+    reason = unavailable_reason()
+    print("AVX-512 bf16 linear kernel: " + ("ready" if reason is None else f"not used here: {reason}"))
