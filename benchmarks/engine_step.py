@@ -82,7 +82,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--weights", default="auto", choices=["auto", "none", "bf16", "fp16", "int8"],
+    parser.add_argument("--weights", default="auto", choices=["auto", "none", "bf16", "bf16-avx512", "fp16", "int8"],
                         help="how the linear layers are stored (services/target/linear.py)")
     parser.add_argument("--prefill-tokens", type=int, default=2000)
     parser.add_argument("--chunk", type=int, default=512)

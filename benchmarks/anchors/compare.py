@@ -394,7 +394,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=9, help="how many of the nine prompts (single-stream runs)")
     parser.add_argument("--prefill-tokens", type=int, default=2000)
     parser.add_argument("--skip", nargs="*", default=[], choices=["vllm", "hf"])
-    parser.add_argument("--specmesh-weights", default="auto", choices=["auto", "bf16", "int8"],
+    parser.add_argument("--specmesh-weights", default="auto", choices=["auto", "bf16", "bf16-avx512", "int8"],
                         help="specmesh's linear layers (SPECMESH_WEIGHTS); int8 trades accuracy for speed "
                              "(README: greedy agreement and log-prob gap), vLLM and HF stay bf16")
     parser.add_argument("--vllm-venv", default=os.environ.get("SPECMESH_VLLM_VENV",

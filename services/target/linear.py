@@ -6,8 +6,9 @@ token and 8x slower than fbgemm at 18 tokens — so bf16 weights are the wrong f
 multiply there, although they are the right format to store; with native bf16 they are right
 for both (`bf16` below).
 
-  weights="auto"  bf16 models on a CPU with native bf16 (AVX512-BF16 / AMX, as oneDNN reports it):
-                  `bf16`; other bf16/fp16 models on the CPU: `fp16`; else `none`.
+  weights="auto"  bf16 models on a CPU with bf16 dot products in hardware (AVX512-BF16 / AMX):
+                  `bf16`; on an AVX-512 CPU without them, where oneDNN only emulates bf16:
+                  `bf16-avx512`; other bf16/fp16 models on the CPU: `fp16`; else `none`.
   weights="none"  the model's own nn.Linear (float32 models always use it: MKL sgemm is
                   already at the FMA peak, and HF-exactness tests run in float32).
   weights="bf16"  each weight reordered once into oneDNN's blocked bf16 layout and multiplied by
@@ -16,6 +17,13 @@ for both (`bf16` below).
                   an AVX512-BF16 CPU (measured on this project's 2-core AMD EPYC with AVX512-BF16, see
                   benchmarks/linear_formats.py) 1.5x faster than fbgemm fp16 on the 262k-row
                   lm_head at one token.
+  weights="bf16-avx512"  specmesh's kernel (kernels/cpu_linear.cpp): bf16 weights packed once in
+                  32-column panels, widened to float32 in registers, float32 sums in k order, one
+                  rounding to bf16. The same products and precision as torch's bf16 linear, in
+                  another summation order: an output may differ by one bf16 rounding step, and a
+                  row's outputs never depend on the other rows of the step. Measured 2026-11-29
+                  on an Intel Xeon with AVX-512 but no AVX512-BF16 (linear_formats.py): 3-4x
+                  oneDNN's emulated bf16 at 6-512 rows, 1.14x on the lm_head at one row.
   weights="fp16"  each weight converted once to fp16 and packed for fbgemm; activations go in
                   as float32 and products accumulate in float32. bf16 values are exact in fp16
                   except the 0.02% of Gemma 3 270M weights below fp16's normal range (< 6.1e-5),
