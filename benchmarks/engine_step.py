@@ -84,6 +84,8 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--weights", default="auto", choices=["auto", "none", "bf16", "bf16-avx512", "fp16", "int8"],
                         help="how the linear layers are stored (services/target/linear.py)")
+    parser.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
+                        help="the KV pool, and so attention's precision (services/target/config.py)")
     parser.add_argument("--prefill-tokens", type=int, default=2000)
     parser.add_argument("--chunk", type=int, default=512)
     parser.add_argument("--context", type=int, default=200, help="decode1's context")
@@ -93,7 +95,7 @@ def main() -> None:
     args = parser.parse_args()
     model_dir = resolve_model_dir(args.model, Path(read_settings().model_cache).expanduser())
     engine = Engine.load(EngineConfig(model_dir=model_dir, dtype=args.dtype, num_blocks=2048,
-                                      weights=args.weights))
+                                      weights=args.weights, kv_dtype=args.kv_dtype))
     # decode18's longest context is 1,380 tokens, plus its steps
     bench = StepBench(engine, corpus_ids(engine.tokenizer, max(args.prefill_tokens, 1400 + args.steps)), args.chunk)
     runs = {
@@ -118,7 +120,7 @@ def main() -> None:
         tables = {kind: engine.run_on_engine_thread(profile, kind) for kind in args.profile}
     finally:
         engine.shutdown()
-    print(f"\nmodel={args.model} dtype={args.dtype} weights={args.weights} threads={torch.get_num_threads()} "
+    print(f"\nmodel={args.model} dtype={args.dtype} weights={args.weights} kv={args.kv_dtype} threads={torch.get_num_threads()} "
           f"prefill={args.prefill_tokens} tokens in chunks of {args.chunk}, decode1 context={args.context}")
     for kind, times in result.items():
         print(f"{kind:>9}: median {statistics.median(times) * 1000:8.1f} ms   min {min(times) * 1000:8.1f} ms"

@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -18,6 +19,8 @@ from services.target.gemma3_forward import FUSED, Gemma3PagedForward, fuse_proje
 from services.target.kernels.select import get_kernels
 from services.target.linear import prepack_linears, resolve_weight_format
 from services.target.model_runner_inputs import StepInput
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -150,7 +153,9 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu", weights
     spec = model_spec(model, tokenizer)
     if fuse and supports(model):
         fuse_projections(model)  # before packing: the fused weights get packed
-    prepack_linears(model, resolve_weight_format(weights, dtype, device))
+    weight_format = resolve_weight_format(weights, dtype, device)
+    packed = prepack_linears(model, weight_format)
+    log.info("linear layers: %s (asked: %s), %d packed", weight_format, weights, packed)
     return model, tokenizer, spec
 
 
