@@ -74,3 +74,13 @@ def test_fused_model_still_runs_transformers_forward(tiny_gemma_dir):
 def test_other_models_keep_transformers_forward(tiny_llama_dir):
     runner = _runner(tiny_llama_dir, torch.float32)
     assert not supports(runner.model) and runner.lean_forward is None
+
+
+def test_loading_logs_which_linear_format_was_packed(tiny_gemma_dir, caplog):
+    import logging
+
+    from services.target.linear import resolve_weight_format
+    with caplog.at_level(logging.INFO, logger="services.target.model_runner"):
+        load_model(tiny_gemma_dir, torch.bfloat16, weights="auto")
+    chosen = resolve_weight_format("auto", torch.bfloat16, "cpu")
+    assert f"linear layers: {chosen} (asked: auto)" in caplog.text
