@@ -19,8 +19,9 @@ _SOURCE = Path(__file__).with_name("cpu_linear.cpp")
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-fopenmp"]
 
 
+@functools.cache
 def cpu_flags() -> frozenset[str]:
-    """The CPU's feature flags as Linux reports them (empty elsewhere)."""
+    """The CPU's feature flags as Linux reports them (empty elsewhere); read once per process."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("flags"):
