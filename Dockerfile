@@ -43,7 +43,8 @@ RUN pip install --no-deps .
 ENV SPECMESH_MODEL_CACHE=/opt/specmesh/models
 RUN specmesh models prepare
 
-# The CPU linear kernel, compiled once into the image (the CUDA image has no compiler: it skips it).
+# The CPU linear kernel, compiled once into the image where the build host has AVX-512 (elsewhere
+# the engine compiles it on first use; the CUDA image has no compiler and skips it).
 ENV TORCH_EXTENSIONS_DIR=/opt/specmesh/torch_extensions
 RUN if [ "$VARIANT" = "cpu" ]; then python -m services.target.kernels.cpu_linear --build; fi
 

@@ -79,7 +79,10 @@ def bf16_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> tor
 if __name__ == "__main__":  # scripts/setup.sh and the image: build before the first engine start
     import sys
 
-    if "--build" in sys.argv or (avx512() and not native_bf16_dot()):  # --build: for another machine's CPU
+    # --build: also where oneDNN has bf16 in hardware (an image runs elsewhere). Never without
+    # AVX-512: loading the built module there could execute AVX-512 code and crash; the engine
+    # then builds it on first use on an AVX-512 machine (the image has g++).
+    if avx512() and ("--build" in sys.argv or not native_bf16_dot()):
         print("building the AVX-512 bf16 linear kernel (once, about a minute)...", flush=True)
         _module()
     reason = unavailable_reason()
