@@ -46,7 +46,7 @@ RUN specmesh models prepare
 # The CPU linear kernel, compiled once into the image where the build host has AVX-512 (elsewhere
 # the engine compiles it on first use; the CUDA image has no compiler and skips it).
 ENV TORCH_EXTENSIONS_DIR=/opt/specmesh/torch_extensions
-RUN if [ "$VARIANT" = "cpu" ]; then python -m services.target.kernels.cpu_linear --build; fi
+RUN if [ "$VARIANT" = "cpu" ]; then python -m services.target.kernels.cpu_linear; fi
 
 EXPOSE 50051 50052 50053 50054 9464
 CMD ["specmesh", "serve", "router", "--host", "0.0.0.0"]

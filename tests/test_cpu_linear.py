@@ -10,6 +10,8 @@ from services.target import linear
 from services.target.kernels import cpu_linear
 
 needs_kernel = pytest.mark.skipif(not cpu_linear.available(), reason=f"{cpu_linear.unavailable_reason()}")
+# The inner loops this CPU runs: widen + FMA everywhere the kernel builds, VDPBF16PS where the CPU has it.
+INNER_LOOPS = [False] + ([True] if cpu_linear.bf16_dot_instruction() else [])
 
 
 def _bf16(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
@@ -17,8 +19,8 @@ def _bf16(*shape: int, seed: int, scale: float = 1.0) -> torch.Tensor:
     return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
 
 
-def _linear(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return cpu_linear.bf16_linear(x, cpu_linear.pack(w), w.shape[0])
+def _linear(x: torch.Tensor, w: torch.Tensor, dot: bool | None = None) -> torch.Tensor:
+    return cpu_linear.bf16_linear(x, cpu_linear.pack(w), w.shape[0], dot=dot)
 
 
 def _sequential_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
@@ -34,32 +36,95 @@ def _sequential_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return acc.to(torch.bfloat16)
 
 
+def _pairwise_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """VDPBF16PS's arithmetic as Intel documents it: per pair of k (K padded to even with a zero),
+    add the odd k's product, then the even k's, each add rounded to float32; then bf16."""
+    xf, wf = x.float(), w.float()
+    if x.shape[1] % 2:
+        xf, wf = torch.nn.functional.pad(xf, (0, 1)), torch.nn.functional.pad(wf, (0, 1))
+    acc = torch.zeros(x.shape[0], w.shape[0])  # [M, N] f32
+    for k in range(0, xf.shape[1], 2):
+        acc += xf[:, k + 1:k + 2] * wf[:, k + 1]
+        acc += xf[:, k:k + 1] * wf[:, k]
+    return acc.to(torch.bfloat16)
+
+
 @needs_kernel
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 97])  # every microtile, past the 96-row pass
-@pytest.mark.parametrize("n,k", [(37, 200), (128, 33), (5, 1)])  # a part panel, whole panels, one column
-def test_kernel_equals_float32_sums_in_k_order_bit_for_bit(rows, n, k):
+@pytest.mark.parametrize("n,k", [(37, 200), (128, 33), (5, 1)])  # a part panel, whole panels, odd K, one column
+def test_fma_loop_equals_float32_sums_in_k_order_bit_for_bit(rows, n, k):
     x, w = _bf16(rows, k, seed=rows), _bf16(n, k, seed=n + k, scale=0.05)
-    y = _linear(x, w)
+    y = _linear(x, w, dot=False)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
     assert torch.equal(y, _sequential_reference(x, w))
 
 
 @needs_kernel
-def test_a_rows_outputs_do_not_depend_on_the_other_rows_of_the_call():
-    x, w = _bf16(40, 640, seed=7), _bf16(300, 640, seed=8, scale=0.05)
-    panels = cpu_linear.pack(w)
-    alone = torch.cat([cpu_linear.bf16_linear(x[i:i + 1], panels, 300) for i in range(40)])
-    for rows in (2, 3, 5, 6, 11, 12, 40):  # each microtile shape the kernel picks
-        assert torch.equal(cpu_linear.bf16_linear(x[:rows], panels, 300), alone[:rows])
+@pytest.mark.skipif(not cpu_linear.bf16_dot_instruction(), reason="the CPU has no AVX512-BF16")
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 97])  # every microtile, past the 96-row pass
+@pytest.mark.parametrize("n,k", [(37, 200), (128, 33), (5, 1)])
+def test_dot_loop_equals_documented_pair_order_bit_for_bit(rows, n, k):
+    x, w = _bf16(rows, k, seed=rows), _bf16(n, k, seed=n + k, scale=0.05)
+    y = _linear(x, w, dot=True)
+    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
+    assert torch.equal(y, _pairwise_reference(x, w))
 
 
 @needs_kernel
+@pytest.mark.skipif(not cpu_linear.bf16_dot_instruction(), reason="the CPU has no AVX512-BF16")
+def test_the_two_loops_add_in_the_orders_they_state():
+    # Sums where float32 rounding shows the order: 2^24 + 1 rounds back to 2^24.
+    x = torch.ones(1, 4, dtype=torch.bfloat16)
+    cancel_odd = torch.tensor([[2.0**24, 0, 1, -2.0**24]], dtype=torch.bfloat16)
+    cancel_even = torch.tensor([[2.0**24, 0, -2.0**24, 1]], dtype=torch.bfloat16)
+    assert _linear(x, cancel_odd, dot=False).item() == 0  # ((2^24 + 1) - 2^24): k in order
+    assert _linear(x, cancel_odd, dot=True).item() == 1  # ((2^24 - 2^24) + 1): odd k first
+    assert _linear(x, cancel_even, dot=False).item() == 1
+    assert _linear(x, cancel_even, dot=True).item() == 0
+
+
+@needs_kernel
+@pytest.mark.parametrize("dot", INNER_LOOPS)
+def test_the_kernel_rounds_to_bf16_as_torch_does_ties_overflow_and_nan(dot):
+    x = torch.tensor([[1.0, 1.0], [float("nan"), 1.0]], dtype=torch.bfloat16)
+    w = torch.tensor([[1.0, 2.0**-8],  # 1 + 2^-8: a tie, to even (1.0)
+                      [1.0, 3 * 2.0**-8],  # a tie, to even (1 + 2^-6)
+                      [1.0, -(2.0**-8)],  # 1 - 2^-8: exact in bf16
+                      [3.0e38, 3.0e38],  # past float32's range: inf
+                      [torch.finfo(torch.bfloat16).max, 2.0**119]],  # half a step past bf16's largest: inf
+                     dtype=torch.bfloat16)
+    y = _linear(x, w, dot=dot)
+    expected = _sequential_reference(x[:1], w)
+    assert torch.equal(y[:1], expected)
+    assert expected[0].tolist() == [1.0, 1.0 + 2.0**-6, 1.0 - 2.0**-8, float("inf"), float("inf")]
+    assert bool(y[1].isnan().all())
+
+
+def test_asking_for_the_dot_loop_without_avx512_bf16_is_refused(monkeypatch):
+    monkeypatch.setattr(cpu_linear, "bf16_dot_instruction", lambda: False)
+    with pytest.raises(ValueError, match="AVX512-BF16"):
+        cpu_linear.bf16_linear(torch.ones(1, 2, dtype=torch.bfloat16), torch.zeros(1, 1, 64, dtype=torch.bfloat16),
+                               1, dot=True)
+
+
+@needs_kernel
+@pytest.mark.parametrize("dot", INNER_LOOPS)
+def test_a_rows_outputs_do_not_depend_on_the_other_rows_of_the_call(dot):
+    x, w = _bf16(200, 640, seed=7), _bf16(300, 640, seed=8, scale=0.05)
+    panels = cpu_linear.pack(w)
+    alone = torch.cat([cpu_linear.bf16_linear(x[i:i + 1], panels, 300, dot=dot) for i in range(200)])
+    for rows in (2, 3, 5, 6, 11, 12, 40, 200):  # each microtile shape the kernel picks, past 96 rows
+        assert torch.equal(cpu_linear.bf16_linear(x[:rows], panels, 300, dot=dot), alone[:rows])
+
+
+@needs_kernel
+@pytest.mark.parametrize("dot", INNER_LOOPS)
 @pytest.mark.parametrize("rows", [1, 11, 512])
-def test_kernel_differs_from_torch_bf16_linear_by_at_most_one_rounding_step(rows):
+def test_kernel_differs_from_torch_bf16_linear_by_at_most_one_rounding_step(rows, dot):
     # Same products, same float32 accumulation, another summation order: an output may land on
     # the other side of a bf16 rounding boundary, never further.
     x, w = _bf16(rows, 1024, seed=1), _bf16(640, 1024, seed=2, scale=0.05)
-    ours, theirs = _linear(x, w).float(), torch.nn.functional.linear(x, w).float()
+    ours, theirs = _linear(x, w, dot=dot).float(), torch.nn.functional.linear(x, w).float()
     step = torch.maximum(ours.abs(), theirs.abs()) * 2.0**-7  # one bf16 step (8 significant bits)
     summation = 2 * x.shape[1] * 2.0**-24 * (x.float().abs() @ w.float().abs().T)  # both orders' error
     assert bool(((ours - theirs).abs() <= step + summation).all())
@@ -93,17 +158,17 @@ def test_avx512_layers_replace_bias_free_linears_and_keep_onednn_for_a_bias():
     assert lm_head(x).dtype == torch.float32
 
 
-def test_auto_picks_the_avx512_kernel_only_where_bf16_is_emulated(monkeypatch):
+def test_auto_picks_the_avx512_kernel_wherever_it_builds(monkeypatch):
     monkeypatch.setattr(cpu_linear, "available", lambda: True)
-    monkeypatch.setattr(cpu_linear, "native_bf16_dot", lambda: False)
-    assert linear.resolve_weight_format("auto", torch.bfloat16, "cpu") == "bf16-avx512"
-    assert linear.resolve_weight_format("auto", torch.float32, "cpu") == "none"
-    monkeypatch.setattr(cpu_linear, "native_bf16_dot", lambda: True)
-    monkeypatch.setattr(linear, "native_bf16_cpu", lambda: True)
-    assert linear.resolve_weight_format("auto", torch.bfloat16, "cpu") == "bf16"
-    monkeypatch.setattr(cpu_linear, "native_bf16_dot", lambda: False)
+    for hardware_dot in (False, True):  # VDPBF16PS where the CPU has it, widen + FMA elsewhere
+        monkeypatch.setattr(cpu_linear, "native_bf16_dot", lambda: hardware_dot)
+        monkeypatch.setattr(linear, "native_bf16_cpu", lambda: hardware_dot)
+        assert linear.resolve_weight_format("auto", torch.bfloat16, "cpu") == "bf16-avx512"
+        assert linear.resolve_weight_format("auto", torch.float32, "cpu") == "none"
     monkeypatch.setattr(cpu_linear, "available", lambda: False)
-    assert linear.resolve_weight_format("auto", torch.bfloat16, "cpu") == "bf16"
+    assert linear.resolve_weight_format("auto", torch.bfloat16, "cpu") == "bf16"  # oneDNN's
+    monkeypatch.setattr(linear, "native_bf16_cpu", lambda: False)
+    assert linear.resolve_weight_format("auto", torch.bfloat16, "cpu") == "fp16"
 
 
 def test_the_kernel_is_refused_where_it_cannot_run(monkeypatch):

@@ -53,9 +53,9 @@ class Settings(BaseModel):
     kernels: Literal["auto", "triton", "cpu", "reference"] = Field(
         "auto", description="attention kernels; auto = Triton where CUDA is present, else cpu")
     weights: Literal["auto", "none", "bf16", "bf16-avx512", "fp16", "int8"] = Field(
-        "auto", description="linear-layer weights; auto = oneDNN-packed bf16 for a bf16 model on a CPU "
-        "with bf16 dot products in hardware, specmesh's AVX-512 kernel (bf16-avx512) on an AVX-512 CPU "
-        "without them, else fp16 packed for fbgemm when a bf16/fp16 model runs on the CPU; "
+        "auto", description="linear-layer weights; auto = specmesh's AVX-512 kernel (bf16-avx512) for a "
+        "bf16 model on an AVX-512 CPU, else oneDNN-packed bf16 on a CPU with bf16 dot products in "
+        "hardware, else fp16 packed for fbgemm when a bf16/fp16 model runs on the CPU; "
         "int8 = per-channel int8 (fbgemm dynamic quantization)")
     device: str = Field("cpu", description="torch device of the target (cpu, cuda, cuda:N)")
     block_size: int = Field(16, gt=0, description="tokens per KV block")

@@ -6,9 +6,9 @@ token and 8x slower than fbgemm at 18 tokens — so bf16 weights are the wrong f
 multiply there, although they are the right format to store; with native bf16 they are right
 for both (`bf16` below).
 
-  weights="auto"  bf16 models on a CPU with bf16 dot products in hardware (AVX512-BF16 / AMX):
-                  `bf16`; on an AVX-512 CPU without them, where oneDNN only emulates bf16:
-                  `bf16-avx512`; other bf16/fp16 models on the CPU: `fp16`; else `none`.
+  weights="auto"  bf16 models on an AVX-512 CPU where specmesh's kernel builds: `bf16-avx512`;
+                  else, with bf16 dot products in hardware (oneDNN): `bf16`; other bf16/fp16
+                  models on the CPU: `fp16`; else `none`.
   weights="none"  the model's own nn.Linear (float32 models always use it: MKL sgemm is
                   already at the FMA peak, and HF-exactness tests run in float32).
   weights="bf16"  each weight reordered once into oneDNN's blocked bf16 layout and multiplied by
@@ -18,12 +18,15 @@ for both (`bf16` below).
                   benchmarks/linear_formats.py) 1.5x faster than fbgemm fp16 on the 262k-row
                   lm_head at one token.
   weights="bf16-avx512"  specmesh's kernel (kernels/cpu_linear.cpp): bf16 weights packed once in
-                  32-column panels, widened to float32 in registers, float32 sums in k order, one
-                  rounding to bf16. The same products and precision as torch's bf16 linear, in
-                  another summation order: an output may differ by one bf16 rounding step, and a
-                  row's outputs never depend on the other rows of the step. Measured 2026-11-29
-                  on an Intel Xeon with AVX-512 but no AVX512-BF16 (linear_formats.py): 3-4x
-                  oneDNN's emulated bf16 at 6-512 rows, 1.14x on the lm_head at one row.
+                  panels of 32 columns and pairs of k, multiplied with VDPBF16PS where the CPU has
+                  AVX512-BF16, else widened to float32 and summed in k order with FMA; float32
+                  sums, one rounding to bf16. The same products and precision as torch's bf16
+                  linear, in another summation order: an output may differ by one bf16 rounding
+                  step, and a row's outputs never depend on the other rows of the step.
+                  Measured 2026-11-29 on an Intel Xeon with AVX-512 but no AVX512-BF16
+                  (linear_formats.py): 3-4x oneDNN's emulated bf16 at 6-512 rows, 1.14x on the
+                  lm_head at one row. 2026-11-30 on an AMD EPYC with AVX512-BF16: 1.3-1.4x
+                  oneDNN's bf16 on the lm_head at one row, 1.0-1.1x at 18 to 2,000 rows.
   weights="fp16"  each weight converted once to fp16 and packed for fbgemm; activations go in
                   as float32 and products accumulate in float32. bf16 values are exact in fp16
                   except the 0.02% of Gemma 3 270M weights below fp16's normal range (< 6.1e-5),
@@ -92,10 +95,10 @@ class PackedLinearBF16(nn.Module):
 class AVX512LinearBF16(nn.Module):
     """y = x W^T with bf16 W through specmesh's AVX-512 kernel (services/target/kernels/cpu_linear.cpp).
 
-    For AVX-512 CPUs without bf16 dot products, where oneDNN emulates bf16: bf16 products, float32
-    sums and one rounding to bf16, as torch's bf16 linear, but summed in k order, so an output can
-    differ from torch's by one bf16 rounding step (tests/test_cpu_linear.py), and a row's outputs
-    do not depend on the other rows of the step.
+    bf16 products, float32 sums and one rounding to bf16, as torch's bf16 linear, but in the
+    kernel's summation order (k in order with FMA; pairs of k with VDPBF16PS on AVX512-BF16), so an
+    output can differ from torch's by one bf16 rounding step (tests/test_cpu_linear.py), and a
+    row's outputs do not depend on the other rows of the step.
     """
 
     def __init__(self, linear: nn.Linear, out_dtype: torch.dtype | None = None) -> None:
@@ -105,7 +108,7 @@ class AVX512LinearBF16(nn.Module):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.out_dtype = out_dtype
         weight = linear.weight.detach().to(torch.bfloat16)  # [out_features, in_features]
-        self.register_buffer("panels", cpu_linear.pack(weight), persistent=False)  # [ceil(out / 32), in, 32] bf16
+        self.register_buffer("panels", cpu_linear.pack(weight), persistent=False)  # [ceil(out / 32), ceil(in / 2), 64] bf16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [rows, in] bf16
@@ -171,8 +174,8 @@ def resolve_weight_format(weights: str, dtype: torch.dtype, device: str) -> str:
         return weights
     if torch.device(device).type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
         return "none"
-    if dtype == torch.bfloat16 and not cpu_linear.native_bf16_dot() and cpu_linear.available():
-        return "bf16-avx512"  # oneDNN would emulate bf16 here
+    if dtype == torch.bfloat16 and cpu_linear.available():
+        return "bf16-avx512"  # faster than oneDNN's bf16 at one row, as fast from 18 rows up
     return "bf16" if dtype == torch.bfloat16 and native_bf16_cpu() else "fp16"
 
 

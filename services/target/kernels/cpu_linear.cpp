@@ -1,17 +1,25 @@
-// bf16 linear layers for AVX-512 CPUs without native bf16 dot products (no AVX512-BF16, no AMX).
+// bf16 linear layers on AVX-512 CPUs: y[M, N] = x[M, K] @ w[N, K]^T, x and w in bf16, products
+// and sums in float32, y rounded once to bf16 (round to nearest even), as torch's bf16 linear.
 //
-// y[M, N] = x[M, K] @ w[N, K]^T, with x and w in bf16, the products and sums in float32 and y
-// rounded once to bf16 (round to nearest even), as torch's own bf16 linear does. Every bf16 x bf16
-// product is exact in float32 (8 + 8 significant bits), so each output differs from torch's only
-// by where a different summation order lands it: here each output is summed over k = 0 .. K-1 in
-// order, whatever M, N or the tiling, so a row's outputs do not depend on the other rows of the
-// call (batch-invariant).
+// Two inner loops read the same packed weights:
+// - widen + FMA (any AVX-512 CPU): each bf16 is widened to float32 and multiplied-added; a
+//   bf16 x bf16 product is exact in float32, and each output is summed over k = 0 .. K-1 in
+//   order, so the result is reproducible in plain torch (tests/test_cpu_linear.py).
+// - VDPBF16PS (CPUs with AVX512-BF16): one instruction multiplies two k's of 16 columns and adds
+//   both products to float32 sums: half the instructions of widen + FMA. Sums run over the k
+//   pairs in order; the hardware adds a pair's two products in its own order.
+// Either way a row's outputs do not depend on the other rows of the call (batch-invariant):
+// every row runs the same instructions over the same k order whatever M or the tiling.
 //
-// Why: on such a CPU oneDNN emulates bf16 and was 1.5-7x slower than this (benchmarks/
-// linear_formats.py). Weights are packed once into panels of 32 output columns, [P, K, 32] bf16,
-// each k's 32 values ordered (c0, c16, c1, c17, ..., c15, c31): a bf16 is the high half of a
-// float32, so one 64-byte load widens into columns 0-15 by a 16-bit shift and columns 16-31 by
-// masking the low halves. The inner loop broadcasts one float32 x[m, k] per row and does two FMAs.
+// Why: where oneDNN emulates bf16 it was 1.5-7x slower than widen + FMA; where it has
+// AVX512-BF16 its one-row (decode) path streamed the weights at ~2/3 of this kernel's rate
+// (benchmarks/linear_formats.py).
+//
+// Layout: weights packed once into panels of 32 output columns and pairs of k,
+// [P = ceil(N/32), K2 = ceil(K/2), 64] bf16 (K padded with a zero to even). Within [p, kk]:
+// slots 0-31 hold columns 0-15 as (k=2kk, k=2kk+1) pairs, slots 32-63 columns 16-31 likewise.
+// One 64-byte load is then 16 columns' pairs: the operand VDPBF16PS takes, and for widen + FMA
+// a 16-bit shift gives the even k's as float32 and masking the low halves the odd k's.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -19,127 +27,202 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 namespace {
 
-constexpr int64_t kPanel = 32;  // output columns per panel: two 16-lane float32 vectors
+constexpr int64_t kPanel = 32;           // output columns per panel: two 16-lane float32 vectors
+constexpr int64_t kPairSlots = 2 * kPanel;  // bf16 values per [panel, k pair]
 
-// acc[NP panels][MB rows][2 halves] over k for panels p0 .. p0 + NP of `packed`, rows of `x`
-// ([MB, K] float32, row stride ldx); writes out[m, panel columns] (row stride ldo), up to N.
+// Stores acc[p][m][0..1] into buf[p * lpanel + m * 32 + 0..31] (a thread's panel-major block).
 template <int NP, int MB>
-inline void microkernel(const float* x, int64_t ldx, const uint16_t* packed, int64_t K, int64_t p0,
-                        int64_t N, float* out, int64_t ldo) {
-  __m512 acc[NP][MB][2];
+inline void store(__m512 (&acc)[NP][MB][2], float* buf, int64_t lpanel) {
   for (int p = 0; p < NP; ++p)
-    for (int m = 0; m < MB; ++m) acc[p][m][0] = acc[p][m][1] = _mm512_setzero_ps();
-  const __m512i high_half = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
-  const uint16_t* panel = packed + p0 * K * kPanel;
-  for (int64_t k = 0; k < K; ++k) {
-    for (int p = 0; p < NP; ++p) {
-      const __m512i v = _mm512_loadu_si512(panel + (p * K + k) * kPanel);
-      const __m512 lo = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));  // columns 0-15
-      const __m512 hi = _mm512_castsi512_ps(_mm512_and_si512(v, high_half));  // columns 16-31
-      for (int m = 0; m < MB; ++m) {
-        const __m512 xb = _mm512_set1_ps(x[m * ldx + k]);
-        acc[p][m][0] = _mm512_fmadd_ps(xb, lo, acc[p][m][0]);
-        acc[p][m][1] = _mm512_fmadd_ps(xb, hi, acc[p][m][1]);
-      }
-    }
-  }
-  for (int p = 0; p < NP; ++p) {
-    const int64_t n0 = (p0 + p) * kPanel;
-    const int64_t valid = std::min<int64_t>(kPanel, N - n0);
-    const __mmask16 m0 = valid >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << valid) - 1);
-    const __mmask16 m1 = valid >= 32 ? 0xFFFF : valid <= 16 ? 0 : static_cast<__mmask16>((1u << (valid - 16)) - 1);
     for (int m = 0; m < MB; ++m) {
-      _mm512_mask_storeu_ps(out + m * ldo + n0, m0, acc[p][m][0]);
-      _mm512_mask_storeu_ps(out + m * ldo + n0 + 16, m1, acc[p][m][1]);
+      _mm512_storeu_ps(buf + p * lpanel + m * kPanel, acc[p][m][0]);
+      _mm512_storeu_ps(buf + p * lpanel + m * kPanel + 16, acc[p][m][1]);
     }
+}
+
+// float32 -> bf16, round to nearest even, NaN -> 0x7FC0 (as c10::BFloat16), in the low 16 bits.
+inline __m512i round_to_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
+}
+
+// buf's rows [0, rows) of panel p (32 float32 each) -> y[m, p * 32 ...] bf16 (row stride N), up to N.
+inline void write_panel(const float* buf, int64_t rows, int64_t p, int64_t N, uint16_t* y) {
+  const int64_t n0 = p * kPanel, valid = std::min<int64_t>(kPanel, N - n0);
+  const __mmask32 mask = valid >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << valid) - 1);
+  for (int64_t m = 0; m < rows; ++m) {
+    const __m256i lo = _mm512_cvtepi32_epi16(round_to_bf16(_mm512_loadu_ps(buf + m * kPanel)));
+    const __m256i hi = _mm512_cvtepi32_epi16(round_to_bf16(_mm512_loadu_ps(buf + m * kPanel + 16)));
+    _mm512_mask_storeu_epi16(y + m * N + n0, mask, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
   }
 }
 
-// Rows [0, M) of x against panels [p0, p0 + NP): microtiles of up to MAX_MB rows.
-template <int NP, int MAX_MB>
-inline void rows(const float* x, int64_t M, int64_t K, const uint16_t* packed, int64_t p0, int64_t N,
-                 float* out) {
-  int64_t m = 0;
-  for (; m + MAX_MB <= M; m += MAX_MB) microkernel<NP, MAX_MB>(x + m * K, K, packed, K, p0, N, out + m * N, N);
-  const int64_t left = M - m;
-  const float* xm = x + m * K;
-  float* om = out + m * N;
-#define SPECMESH_TAIL(R) \
-  case R: if constexpr (R < MAX_MB) microkernel<NP, R>(xm, K, packed, K, p0, N, om, N); break;
-  switch (left) {
-    SPECMESH_TAIL(1) SPECMESH_TAIL(2) SPECMESH_TAIL(3) SPECMESH_TAIL(4) SPECMESH_TAIL(5) SPECMESH_TAIL(6)
-    SPECMESH_TAIL(7) SPECMESH_TAIL(8) SPECMESH_TAIL(9) SPECMESH_TAIL(10) SPECMESH_TAIL(11)
-    default: break;
+// Widen + FMA: rows of x ([MB, 2*K2] float32, row stride ldx) against panels p0 .. p0 + NP.
+template <int NP, int MB>
+inline void fma_tile(const void* xv, int64_t ldx, const uint16_t* packed, int64_t K2, int64_t p0,
+                     float* out, int64_t lpanel) {
+  const float* x = static_cast<const float*>(xv);
+  __m512 acc[NP][MB][2];
+  for (int p = 0; p < NP; ++p)
+    for (int m = 0; m < MB; ++m) acc[p][m][0] = acc[p][m][1] = _mm512_setzero_ps();
+  const __m512i odd_k = _mm512_set1_epi32(static_cast<int>(0xFFFF0000u));
+  const uint16_t* panel = packed + p0 * K2 * kPairSlots;
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    for (int p = 0; p < NP; ++p) {
+      const uint16_t* w = panel + (p * K2 + kk) * kPairSlots;
+      for (int h = 0; h < 2; ++h) {
+        const __m512i v = _mm512_loadu_si512(w + 32 * h);
+        const __m512 even = _mm512_castsi512_ps(_mm512_slli_epi32(v, 16));  // k = 2kk
+        const __m512 odd = _mm512_castsi512_ps(_mm512_and_si512(v, odd_k));  // k = 2kk + 1
+        for (int m = 0; m < MB; ++m) {
+          acc[p][m][h] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + 2 * kk]), even, acc[p][m][h]);
+          acc[p][m][h] = _mm512_fmadd_ps(_mm512_set1_ps(x[m * ldx + 2 * kk + 1]), odd, acc[p][m][h]);
+        }
+      }
+    }
   }
-#undef SPECMESH_TAIL
+  store<NP, MB>(acc, out, lpanel);
+}
+
+#define SPECMESH_DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
+
+// VDPBF16PS: rows of x ([MB, 2*K2] bf16, row stride ldx) against panels p0 .. p0 + NP.
+template <int NP, int MB>
+SPECMESH_DOT_TARGET inline void dot_tile(const void* xv, int64_t ldx, const uint16_t* packed, int64_t K2,
+                                         int64_t p0, float* out, int64_t lpanel) {
+  const uint16_t* x = static_cast<const uint16_t*>(xv);
+  __m512 acc[NP][MB][2];
+  for (int p = 0; p < NP; ++p)
+    for (int m = 0; m < MB; ++m) acc[p][m][0] = acc[p][m][1] = _mm512_setzero_ps();
+  const uint16_t* panel = packed + p0 * K2 * kPairSlots;
+  for (int64_t kk = 0; kk < K2; ++kk) {
+    __m512bh w[NP][2];  // 16 columns' (2kk, 2kk + 1) pairs each
+    for (int p = 0; p < NP; ++p)
+      for (int h = 0; h < 2; ++h)
+        w[p][h] = (__m512bh)_mm512_loadu_si512(panel + (p * K2 + kk) * kPairSlots + 32 * h);
+    for (int m = 0; m < MB; ++m) {
+      int32_t pair;  // x[m, 2kk], x[m, 2kk + 1]
+      std::memcpy(&pair, x + m * ldx + 2 * kk, sizeof(pair));
+      const __m512bh xpair = (__m512bh)_mm512_set1_epi32(pair);
+      for (int p = 0; p < NP; ++p)
+        for (int h = 0; h < 2; ++h) acc[p][m][h] = _mm512_dpbf16_ps(acc[p][m][h], w[p][h], xpair);
+    }
+  }
+  store<NP, MB>(acc, out, lpanel);
+}
+
+using Tile = void (*)(const void*, int64_t, const uint16_t*, int64_t, int64_t, float*, int64_t);
+
+// Rows [0, M) of x (element size esize, row stride ldx) against panels [p0, p0 + NP) into buf
+// (panel-major, lpanel floats per panel): tiles of MAX_MB rows, then one tile for the rest.
+template <int NP, int MAX_MB, bool DOT>
+void rows(const char* x, int64_t esize, int64_t ldx, int64_t M, int64_t K2, const uint16_t* packed, int64_t p0,
+          float* buf, int64_t lpanel) {
+  constexpr Tile tiles[12] = {
+      nullptr,
+      DOT ? &dot_tile<NP, 1> : &fma_tile<NP, 1>, DOT ? &dot_tile<NP, 2> : &fma_tile<NP, 2>,
+      DOT ? &dot_tile<NP, 3> : &fma_tile<NP, 3>, DOT ? &dot_tile<NP, (4 <= MAX_MB ? 4 : 1)> : &fma_tile<NP, (4 <= MAX_MB ? 4 : 1)>,
+      DOT ? &dot_tile<NP, (5 <= MAX_MB ? 5 : 1)> : &fma_tile<NP, (5 <= MAX_MB ? 5 : 1)>,
+      DOT ? &dot_tile<NP, (6 <= MAX_MB ? 6 : 1)> : &fma_tile<NP, (6 <= MAX_MB ? 6 : 1)>,
+      DOT ? &dot_tile<NP, (7 <= MAX_MB ? 7 : 1)> : &fma_tile<NP, (7 <= MAX_MB ? 7 : 1)>,
+      DOT ? &dot_tile<NP, (8 <= MAX_MB ? 8 : 1)> : &fma_tile<NP, (8 <= MAX_MB ? 8 : 1)>,
+      DOT ? &dot_tile<NP, (9 <= MAX_MB ? 9 : 1)> : &fma_tile<NP, (9 <= MAX_MB ? 9 : 1)>,
+      DOT ? &dot_tile<NP, (10 <= MAX_MB ? 10 : 1)> : &fma_tile<NP, (10 <= MAX_MB ? 10 : 1)>,
+      DOT ? &dot_tile<NP, (11 <= MAX_MB ? 11 : 1)> : &fma_tile<NP, (11 <= MAX_MB ? 11 : 1)>,
+  };
+  int64_t m = 0;
+  const Tile full = DOT ? &dot_tile<NP, MAX_MB> : &fma_tile<NP, MAX_MB>;
+  for (; m + MAX_MB <= M; m += MAX_MB) full(x + m * ldx * esize, ldx, packed, K2, p0, buf + m * kPanel, lpanel);
+  if (M > m) tiles[M - m](x + m * ldx * esize, ldx, packed, K2, p0, buf + m * kPanel, lpanel);
+}
+
+template <bool DOT>
+void run(const char* x, int64_t esize, int64_t M, int64_t K2, const uint16_t* wp, int64_t P, int64_t N,
+         uint16_t* y) {
+  const int64_t ldx = 2 * K2;
+  // Few rows stream the weights (memory-bound): several panels per pass keep more loads and
+  // independent chains in flight. Many rows reuse each weight vector across 6 (VDPBF16PS) or 12
+  // (FMA, which needs registers for the widened weights) rows.
+  const int64_t np = DOT && M == 1 ? 8 : M <= 3 ? 4 : M <= 6 || DOT ? 2 : 1;
+  const int64_t m_chunk = 96;  // rows per pass over a thread's panels (their x stays in L2)
+  at::parallel_for(0, (P + np - 1) / np, 4, [&](int64_t begin, int64_t end) {
+    // The float32 sums of one panel group, panel-major ([np, rows, 32]): written by the tiles in
+    // whole vectors, then rounded into y. Writing y's rows directly strided by N, a power of two
+    // for the lm_head, made the tiles' stores collide in the caches.
+    std::vector<float> block(np * std::min(m_chunk, M) * kPanel);
+    for (int64_t m0 = 0; m0 < M; m0 += m_chunk) {
+      const int64_t rows_here = std::min(m_chunk, M - m0), lpanel = rows_here * kPanel;
+      const char* xm = x + m0 * ldx * esize;
+      for (int64_t g = begin; g < end; ++g) {
+        const int64_t p0 = g * np;
+        const int64_t panels = std::min(np, P - p0);
+        if (panels == 8) rows<8, 1, DOT>(xm, esize, ldx, rows_here, K2, wp, p0, block.data(), lpanel);
+        else if (panels == 4) rows<4, 3, DOT>(xm, esize, ldx, rows_here, K2, wp, p0, block.data(), lpanel);
+        else if (panels == 2) rows<2, 6, DOT>(xm, esize, ldx, rows_here, K2, wp, p0, block.data(), lpanel);
+        else
+          for (int64_t p = 0; p < panels; ++p)
+            rows<1, 12, DOT>(xm, esize, ldx, rows_here, K2, wp, p0 + p, block.data() + p * lpanel, lpanel);
+        for (int64_t p = 0; p < panels; ++p) write_panel(block.data() + p * lpanel, rows_here, p0 + p, N, y + m0 * N);
+      }
+    }
+  });
 }
 
 }  // namespace
 
-// w: [N, K] bf16 -> [ceil(N / 32), K, 32] bf16 panels (zero columns past N).
+// w: [N, K] bf16 -> [ceil(N / 32), ceil(K / 2), 64] bf16 panels (zeros past N and K).
 at::Tensor pack_bf16_weight(const at::Tensor& w_in) {
   TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == at::kBFloat16, "pack_bf16_weight: bf16 [N, K] expected");
   const at::Tensor w = w_in.contiguous();
-  const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel;
-  at::Tensor packed = at::zeros({P, K, kPanel}, w.options());
+  const int64_t N = w.size(0), K = w.size(1), P = (N + kPanel - 1) / kPanel, K2 = (K + 1) / 2;
+  at::Tensor packed = at::zeros({P, K2, kPairSlots}, w.options());
   const uint16_t* src = reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>());
   uint16_t* dst = reinterpret_cast<uint16_t*>(packed.data_ptr<at::BFloat16>());
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     for (int64_t p = begin; p < end; ++p)
       for (int64_t c = 0; c < kPanel && p * kPanel + c < N; ++c) {
-        const int64_t slot = c < 16 ? 2 * c : 2 * (c - 16) + 1;  // (c0, c16, c1, c17, ...)
+        const int64_t slot = (c / 16) * 32 + (c % 16) * 2;  // + k % 2
         const uint16_t* row = src + (p * kPanel + c) * K;
-        for (int64_t k = 0; k < K; ++k) dst[(p * K + k) * kPanel + slot] = row[k];
+        for (int64_t k = 0; k < K; ++k) dst[(p * K2 + k / 2) * kPairSlots + slot + k % 2] = row[k];
       }
   });
   return packed;
 }
 
-// x: [M, K] bf16, packed: pack_bf16_weight of a [N, K] weight -> [M, N] bf16.
-at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t N) {
-  TORCH_CHECK(x_in.dim() == 2 && packed.dim() == 3 && packed.size(2) == kPanel && x_in.size(1) == packed.size(1)
-                  && packed.size(0) == (N + kPanel - 1) / kPanel,
-              "bf16_linear: x [M, K] and panels [ceil(N/32), K, 32] expected, got ", x_in.sizes(), " and ",
+// x: [M, K] bf16, packed: pack_bf16_weight of a [N, K] weight -> [M, N] bf16. dot: VDPBF16PS
+// (the caller checks the CPU has it), else widen + FMA.
+at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, bool dot) {
+  TORCH_CHECK(x_in.dim() == 2 && packed.dim() == 3 && packed.size(2) == kPairSlots
+                  && packed.size(1) == (x_in.size(1) + 1) / 2 && packed.size(0) == (N + kPanel - 1) / kPanel,
+              "bf16_linear: x [M, K] and panels [ceil(N/32), ceil(K/2), 64] expected, got ", x_in.sizes(), " and ",
               packed.sizes(), " for N=", N);
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
               "bf16_linear: bf16 tensors expected");
   TORCH_CHECK(packed.is_contiguous(), "bf16_linear: the panels must be contiguous");
-  const int64_t M = x_in.size(0), K = x_in.size(1), P = packed.size(0);
+  const int64_t M = x_in.size(0), K = x_in.size(1), P = packed.size(0), K2 = packed.size(1);
   at::Tensor out = at::empty({M, N}, x_in.options());
   if (M == 0 || N == 0) return out;
-  const at::Tensor x = x_in.to(at::kFloat).contiguous();  // [M, K] f32 (exact)
-  at::Tensor acc = at::empty({M, N}, x.options());  // [M, N] f32
-  const float* xp = x.data_ptr<float>();
-  float* accp = acc.data_ptr<float>();
+  // [M, 2*K2], contiguous, a zero column where K is odd: bf16 for VDPBF16PS, float32 (exact) for FMA.
+  at::Tensor x = dot ? x_in.contiguous() : x_in.to(at::kFloat).contiguous();
+  if (2 * K2 != K) x = at::constant_pad_nd(x, {0, 1});
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
-
-  // Few rows stream the weights (memory-bound): several panels per pass keep more loads and
-  // independent FMA chains in flight. Many rows reuse each widened weight vector across 12 rows.
-  const int64_t np = M <= 3 ? 4 : M <= 6 ? 2 : 1;
-  const int64_t m_chunk = 96;  // rows per pass over a thread's panels (their x stays in L2)
-  at::parallel_for(0, (P + np - 1) / np, 4, [&](int64_t begin, int64_t end) {
-    for (int64_t m0 = 0; m0 < M; m0 += m_chunk) {
-      const int64_t rows_here = std::min(m_chunk, M - m0);
-      const float* xm = xp + m0 * K;
-      float* om = accp + m0 * N;
-      for (int64_t g = begin; g < end; ++g) {
-        const int64_t p0 = g * np;
-        const int64_t panels = std::min(np, P - p0);
-        if (panels == 4) rows<4, 3>(xm, rows_here, K, wp, p0, N, om);
-        else if (np == 2 && panels == 2) rows<2, 6>(xm, rows_here, K, wp, p0, N, om);
-        else
-          for (int64_t p = p0; p < p0 + panels; ++p) rows<1, 12>(xm, rows_here, K, wp, p, N, om);
-      }
-    }
-  });
-  out.copy_(acc);  // one rounding to bf16 (nearest even)
+  const char* xp = static_cast<const char*>(x.data_ptr());
+  uint16_t* yp = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  if (dot) run<true>(xp, x.element_size(), M, K2, wp, P, N, yp);
+  else run<false>(xp, x.element_size(), M, K2, wp, P, N, yp);
   return out;
 }
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack_bf16_weight", &pack_bf16_weight, "bf16 [N, K] -> [ceil(N/32), K, 32] panels for bf16_linear");
-  m.def("bf16_linear", &bf16_linear, "y = x w^T for bf16 x [M, K] and packed w (float32 sums in k order, bf16 out)");
+  m.def("pack_bf16_weight", &pack_bf16_weight,
+        "bf16 [N, K] -> [ceil(N/32), ceil(K/2), 64] panels for bf16_linear");
+  m.def("bf16_linear", &bf16_linear,
+        "y = x w^T for bf16 x [M, K] and packed w (float32 sums, bf16 out); dot: VDPBF16PS, else widen + FMA");
 }

@@ -1,5 +1,8 @@
 """Builds and loads the AVX-512 bf16 linear kernel (cpu_linear.cpp) on first use.
 
+On a CPU with AVX512-BF16 the kernel multiplies with VDPBF16PS; on other AVX-512 CPUs it widens
+bf16 to float32 and uses FMA (`bf16_linear(dot=...)`; the default is what the CPU has).
+
 The kernel is compiled with torch's own extension builder (`torch.utils.cpp_extension.load`,
 ninja and the system C++ compiler) into torch's extension cache, keyed by the source, so a
 machine compiles it once (~1 minute; `scripts/setup.sh` does it ahead of time). Where it cannot
@@ -37,6 +40,11 @@ def native_bf16_dot() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
+def bf16_dot_instruction() -> bool:
+    """Whether the kernel can multiply with VDPBF16PS (AVX512-BF16) here."""
+    return avx512() and "avx512_bf16" in cpu_flags()
+
+
 def avx512() -> bool:
     flags = cpu_flags()
     return platform.machine() in ("x86_64", "AMD64") and {"avx512f", "avx512bw", "avx512dq"} <= flags
@@ -67,22 +75,27 @@ def available() -> bool:
 
 
 def pack(weight: torch.Tensor) -> torch.Tensor:
-    """weight [N, K] bf16 -> its panels [ceil(N / 32), K, 32] bf16, the layout `bf16_linear` reads."""
+    """weight [N, K] bf16 -> its panels [ceil(N / 32), ceil(K / 2), 64] bf16, the layout `bf16_linear` reads."""
     return _module().pack_bf16_weight(weight)
 
 
-def bf16_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int) -> torch.Tensor:
-    """x [M, K] bf16 times the packed weight [N, K] -> [M, N] bf16 (float32 sums in k order, one rounding)."""
-    return _module().bf16_linear(x, panels, out_features)
+def bf16_linear(x: torch.Tensor, panels: torch.Tensor, out_features: int, dot: bool | None = None) -> torch.Tensor:
+    """x [M, K] bf16 times the packed weight [N, K] -> [M, N] bf16 (float32 sums, one rounding).
+
+    dot: True multiplies with VDPBF16PS (AVX512-BF16 only), False widens to float32 and sums in k
+    order with FMA (bit-reproducible in torch); None takes VDPBF16PS where the CPU has it.
+    """
+    if dot is None:
+        dot = bf16_dot_instruction()
+    elif dot and not bf16_dot_instruction():
+        raise ValueError("dot=True needs a CPU with AVX512-BF16 (avx512_bf16 in /proc/cpuinfo)")
+    return _module().bf16_linear(x, panels, out_features, dot)
 
 
 if __name__ == "__main__":  # scripts/setup.sh and the image: build before the first engine start
-    import sys
-
-    # --build: also where oneDNN has bf16 in hardware (an image runs elsewhere). Never without
-    # AVX-512: loading the built module there could execute AVX-512 code and crash; the engine
-    # then builds it on first use on an AVX-512 machine (the image has g++).
-    if avx512() and ("--build" in sys.argv or not native_bf16_dot()):
+    # Never without AVX-512: loading the built module there could execute AVX-512 code and
+    # crash; the engine then builds it on first use on an AVX-512 machine (the image has g++).
+    if avx512():
         print("building the AVX-512 bf16 linear kernel (once, about a minute)...", flush=True)
         _module()
     reason = unavailable_reason()
