@@ -173,7 +173,7 @@ def test_auto_picks_the_avx512_kernel_wherever_it_builds(monkeypatch):
 
 def test_the_kernel_is_refused_where_it_cannot_run(monkeypatch):
     monkeypatch.setattr(cpu_linear, "available", lambda: False)
-    monkeypatch.setattr(cpu_linear, "unavailable_reason", lambda: "the CPU has no AVX-512 (avx512f/bw/dq)")
+    monkeypatch.setattr(cpu_linear, "unavailable_reason", lambda: "the CPU has no AVX-512 (avx512f/bw/dq/vl)")
     with pytest.raises(ValueError, match="no AVX-512.*use --weights bf16 or auto"):
         linear.prepack_linears(nn.Sequential(nn.Linear(8, 8, bias=False)), "bf16-avx512")
 

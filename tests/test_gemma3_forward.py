@@ -84,3 +84,22 @@ def test_loading_logs_which_linear_format_was_packed(tiny_gemma_dir, caplog):
         load_model(tiny_gemma_dir, torch.bfloat16, weights="auto")
     chosen = resolve_weight_format("auto", torch.bfloat16, "cpu")
     assert f"linear layers: {chosen} (asked: auto)" in caplog.text
+
+
+def test_row_ops_run_with_the_avx512_kernel_only_and_keep_the_logits(tiny_gemma_dir):
+    """The C++ row ops (norms, residual adds, q/k norm + RoPE) replace torch's where the linear
+    layers are specmesh's kernel; forced on beside oneDNN/fbgemm layers they give the same greedy
+    tokens and logits within bf16 rounding of the torch ops' (tests/test_cpu_rowops.py per op)."""
+    from services.target.gemma3_forward import Gemma3PagedForward
+    from services.target.kernels import cpu_linear
+    if not cpu_linear.available():
+        pytest.skip(f"{cpu_linear.unavailable_reason()}")
+    assert _runner(tiny_gemma_dir, torch.bfloat16, "bf16-avx512").lean_forward.row_ops
+    assert not _runner(tiny_gemma_dir, torch.float32, "none").lean_forward.row_ops
+    torch_ops = _runner(tiny_gemma_dir, torch.bfloat16, "fp16")
+    assert not torch_ops.lean_forward.row_ops
+    row_ops = _runner(tiny_gemma_dir, torch.bfloat16, "fp16")
+    row_ops.lean_forward = Gemma3PagedForward(row_ops.model, row_ops=True)
+    for got, expected in zip(_run(row_ops), _run(torch_ops)):
+        assert torch.equal(got.argmax(-1), expected.argmax(-1))
+        torch.testing.assert_close(got, expected, atol=0.05, rtol=0.02)

@@ -28,6 +28,8 @@ import torch
 from torch import nn
 
 from services.target.attention import AttentionMetadata, paged_attention
+from services.target.kernels import cpu_linear, cpu_rowops
+from services.target.linear import AVX512LinearBF16
 
 _STATIC_ROPE = ("default", "linear")  # inv_freq fixed at load; dynamic kinds rescale per call
 
@@ -127,9 +129,16 @@ def _one_plus(norm: nn.Module) -> torch.Tensor:
 
 
 class Gemma3PagedForward:
-    """Callable: (input_ids [T], position_ids [T], logit_rows [R], meta) -> logits [R, vocab]."""
+    """Callable: (input_ids [T], position_ids [T], logit_rows [R], meta) -> logits [R, vocab].
 
-    def __init__(self, model: nn.Module) -> None:
+    row_ops: the norms, residual adds and q/k norm + RoPE through specmesh's C++ row ops
+    (kernels/cpu_rowops.cpp) instead of ~20 torch ops a layer. They round as torch does but add a
+    norm's squares in another order, so the logits are no longer transformers' bit for bit. None
+    (default): where the linear layers are already specmesh's kernel (`--weights bf16-avx512`),
+    which gave up that exactness; the `bf16` (oneDNN) and float32 paths stay exact.
+    """
+
+    def __init__(self, model: nn.Module, row_ops: bool | None = None) -> None:
         if not supports(model) or not hasattr(model, FUSED):
             raise ValueError(f"{type(model).__name__} is not a Gemma 3 text model with fused projections "
                              "(services.target.gemma3_forward.fuse_projections)")
@@ -152,6 +161,11 @@ class Gemma3PagedForward:
         self.intermediate = config.intermediate_size
         self.scaling = text.layers[0].self_attn.scaling  # every layer's: query_pre_attn_scalar ** -0.5
         self.act = text.layers[0].mlp.act_fn  # config.hidden_activation, the same in every layer
+        if row_ops is None:
+            row_ops = isinstance(self.lm_head, AVX512LinearBF16) and self.embed.weight.dtype == torch.bfloat16
+        if row_ops and not cpu_linear.available():
+            raise ValueError(f"row_ops cannot run here: {cpu_linear.unavailable_reason()}")
+        self.row_ops = row_ops
         self.layers = []
         for i, layer in enumerate(text.layers[:config.num_hidden_layers]):
             attn, mlp = layer.self_attn, layer.mlp
@@ -180,6 +194,8 @@ class Gemma3PagedForward:
         h = nn.functional.embedding(input_ids, embed.weight, embed.padding_idx)
         h = h * embed.embed_scale.to(embed.weight.dtype)  # [T, hidden]
         rope = self._cos_sin(position_ids, h.dtype)
+        if self.row_ops:
+            return self._call_row_ops(h, rope, logit_rows, meta)
         num_tokens, eps = h.shape[0], self.eps
         for layer in self.layers:
             cos, sin = rope[layer.rope]
@@ -200,7 +216,31 @@ class Gemma3PagedForward:
             x = layer.down_proj(self.act(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:])
             h = h + _rms_norm(x, layer.post_feedforward_norm, eps)
         h = _rms_norm(h.index_select(0, logit_rows), self.final_norm, eps)  # norm is per row
-        logits = self.lm_head(h)  # [R, vocab]
+        return self._logits(h)
+
+    def _logits(self, h: torch.Tensor) -> torch.Tensor:  # [R, hidden] normed -> [R, vocab]
+        logits = self.lm_head(h)
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+    def _call_row_ops(self, h: torch.Tensor, rope: dict, logit_rows: torch.Tensor,
+                      meta: AttentionMetadata) -> torch.Tensor:
+        """The loop of __call__ with each layer's norms, residual adds and q/k norm + RoPE fused
+        into three C++ row ops: each residual add runs with the norm after it (the next layer's
+        input norm, or the final norm, which is per row, so computing it on every row and
+        selecting the logit rows after gives the same rows)."""
+        num_tokens, eps = h.shape[0], self.eps
+        x = cpu_rowops.rms_norm(h, self.layers[0].input_norm, eps)
+        for i, layer in enumerate(self.layers):
+            cos, sin = rope[layer.rope]  # [T, 1, D]
+            qkv = layer.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+            q, k, v = cpu_rowops.qk_norm_rope(qkv, layer.qk_norm, cos, sin, self.num_heads, self.num_kv_heads, eps)
+            a = paged_attention(meta, layer.index, q, k, v, self.scaling, layer.sliding_window)
+            a = layer.o_proj(a.reshape(num_tokens, -1))
+            h, x = cpu_rowops.add_rms_norm(h, a, layer.post_attention_norm, layer.pre_feedforward_norm, eps)
+            gate_up = layer.gate_up_proj(x)  # [T, 2 * intermediate]
+            d = layer.down_proj(self.act(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:])
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            h, x = cpu_rowops.add_rms_norm(h, d, layer.post_feedforward_norm, next_norm, eps)
+        return self._logits(x.index_select(0, logit_rows))

@@ -28,6 +28,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <tuple>
 #include <vector>
 
 namespace {
@@ -220,9 +221,20 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
   return out;
 }
 
+// cpu_rowops.cpp, built into the same module.
+at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& h, const at::Tensor& a, const at::Tensor& w_a,
+                                                     const at::Tensor& w_next, double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bf16(const at::Tensor& qkv, const at::Tensor& w,
+                                                                 const at::Tensor& cos, const at::Tensor& sin,
+                                                                 int64_t H, int64_t KV, double eps);
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16_weight", &pack_bf16_weight,
         "bf16 [N, K] -> [ceil(N/32), ceil(K/2), 64] panels for bf16_linear");
   m.def("bf16_linear", &bf16_linear,
         "y = x w^T for bf16 x [M, K] and packed w (float32 sums, bf16 out); dot: VDPBF16PS, else widen + FMA");
+  m.def("rms_norm_bf16", &rms_norm_bf16, "Gemma RMSNorm of bf16 rows with float32 (1 + weight) rows");
+  m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "h + norm(a), then the next norm of it: (h_new, x)");
+  m.def("qk_norm_rope_bf16", &qk_norm_rope_bf16, "q/k norm and RoPE of a fused qkv: (q, k, v)");
 }

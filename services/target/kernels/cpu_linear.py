@@ -1,4 +1,5 @@
-"""Builds and loads the AVX-512 bf16 linear kernel (cpu_linear.cpp) on first use.
+"""Builds and loads the AVX-512 bf16 linear kernel (cpu_linear.cpp) on first use, with the
+per-row ops between the matmuls (cpu_rowops.cpp, wrapped in cpu_rowops.py) in the same module.
 
 On a CPU with AVX512-BF16 the kernel multiplies with VDPBF16PS; on other AVX-512 CPUs it widens
 bf16 to float32 and uses FMA (`bf16_linear(dot=...)`; the default is what the CPU has).
@@ -18,8 +19,8 @@ from pathlib import Path
 
 import torch
 
-_SOURCE = Path(__file__).with_name("cpu_linear.cpp")
-_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-fopenmp"]
+_SOURCES = [str(Path(__file__).with_name(name)) for name in ("cpu_linear.cpp", "cpu_rowops.cpp")]
+_FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-fopenmp"]
 
 
 @functools.cache
@@ -47,14 +48,14 @@ def bf16_dot_instruction() -> bool:
 
 def avx512() -> bool:
     flags = cpu_flags()
-    return platform.machine() in ("x86_64", "AMD64") and {"avx512f", "avx512bw", "avx512dq"} <= flags
+    return platform.machine() in ("x86_64", "AMD64") and {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags
 
 
 @functools.cache
 def _module():
     from torch.utils.cpp_extension import load
 
-    return load(name="specmesh_cpu_linear", sources=[str(_SOURCE)], extra_cflags=_FLAGS,
+    return load(name="specmesh_cpu_linear", sources=_SOURCES, extra_cflags=_FLAGS,
                 extra_ldflags=["-fopenmp"], verbose=os.environ.get("SPECMESH_VERBOSE_BUILD") == "1")
 
 
@@ -62,7 +63,7 @@ def _module():
 def unavailable_reason() -> str | None:
     """None if the kernel runs here, else why not (what a user can do about it)."""
     if not avx512():
-        return "the CPU has no AVX-512 (avx512f/bw/dq)"
+        return "the CPU has no AVX-512 (avx512f/bw/dq/vl)"
     try:
         _module()
     except Exception as exc:  # a missing compiler or ninja: report it, keep serving with oneDNN

@@ -1,0 +1,178 @@
+// Gemma 3's per-row "glue" between the matmuls, for bf16 activations on AVX-512 CPUs, in one pass
+// per row instead of 5-10 torch ops: RMSNorm, the residual add fused with the next norm, and the
+// q/k norm fused with RoPE. At one decode row a torch op costs a few microseconds whatever its
+// size, so a layer's ~30 small ops cost more than its four weight-streaming matmuls but the
+// lm_head's share; these cut a step's op count by about half (benchmarks/engine_step.py).
+//
+// Every elementwise step rounds to bf16 where torch's bf16 ops round (after each multiply and
+// add of RoPE and of the residual add), so those steps equal torch's bit for bit; only the
+// sum of squares of a norm is added in another order (16 float32 lanes, then across them), so a
+// normed value can differ from torch.rms_norm's by one bf16 rounding step
+// (tests/test_cpu_rowops.py).
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include <cmath>
+#include <cstdint>
+#include <tuple>
+#include <vector>
+
+namespace {
+
+inline __m512 load_bf16(const uint16_t* p, __mmask16 m) {  // 16 bf16 -> float32 (exact)
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(m, p)), 16));
+}
+
+// float32 -> bf16 (round to nearest even, NaN -> 0x7FC0, as c10::BFloat16), as float32 again.
+inline __m512 round_bf16(__m512 v) {
+  const __m512i bits = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
+  __m512i r = _mm512_and_si512(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
+                               _mm512_set1_epi32(static_cast<int>(0xFFFF0000u)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(r);
+}
+
+inline void store_bf16(uint16_t* p, __m512 rounded, __mmask16 m) {  // a round_bf16 result
+  _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
+}
+
+inline __mmask16 lanes(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
+
+// 1 / sqrt(mean(x^2) + eps) of one row of D bf16 values.
+inline float inv_rms(const uint16_t* x, int64_t D, float eps) {
+  __m512 sq = _mm512_setzero_ps();
+  for (int64_t j = 0; j < D; j += 16) {
+    const __m512 v = load_bf16(x + j, lanes(D - j));
+    sq = _mm512_fmadd_ps(v, v, sq);
+  }
+  return 1.0f / std::sqrt(_mm512_reduce_add_ps(sq) / static_cast<float>(D) + eps);
+}
+
+// out[j] = bf16((x[j] * r) * w[j]), the rounding of torch.rms_norm(x.float(), w) .to(bf16).
+inline void norm_row(const uint16_t* x, const float* w, float r, int64_t D, uint16_t* out) {
+  const __m512 rv = _mm512_set1_ps(r);
+  for (int64_t j = 0; j < D; j += 16) {
+    const __mmask16 m = lanes(D - j);
+    const __m512 y = _mm512_mul_ps(_mm512_mul_ps(load_bf16(x + j, m), rv), _mm512_maskz_loadu_ps(m, w + j));
+    store_bf16(out + j, round_bf16(y), m);
+  }
+}
+
+const uint16_t* bf16_ptr(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
+uint16_t* bf16_ptr(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
+
+void check_rows(const at::Tensor& x, const char* what) {
+  TORCH_CHECK(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.stride(1) == 1,
+              what, ": bf16 [rows, D] with unit column stride expected, got ", x.sizes(), " ", x.scalar_type());
+}
+
+void check_weight(const at::Tensor& w, int64_t D, const char* what) {
+  TORCH_CHECK(w.scalar_type() == at::kFloat && w.is_contiguous() && w.size(-1) == D && w.dim() <= 2,
+              what, ": float32 contiguous weight [D] or [W, D] with D=", D, " expected, got ", w.sizes());
+}
+
+}  // namespace
+
+// x [R, D] bf16, w [D] or [W, D] float32 (row r uses w[r % W]) -> [R, D] bf16.
+at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
+  check_rows(x, "rms_norm_bf16");
+  const int64_t R = x.size(0), D = x.size(1);
+  check_weight(w, D, "rms_norm_bf16");
+  const int64_t W = w.dim() == 2 ? w.size(0) : 1;
+  at::Tensor out = at::empty({R, D}, x.options());
+  const uint16_t* xp = bf16_ptr(x);
+  uint16_t* op = bf16_ptr(out);
+  const float* wp = w.data_ptr<float>();
+  at::parallel_for(0, R, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t* row = xp + r * x.stride(0);
+      norm_row(row, wp + (r % W) * D, inv_rms(row, D, static_cast<float>(eps)), D, op + r * D);
+    }
+  });
+  return out;
+}
+
+// The residual add after a sublayer and the norm before the next:
+//   h_new = bf16(h + bf16(rms_norm(a) * w_a)),  x = bf16(rms_norm(h_new) * w_next)
+// h, a [R, D] bf16; w_a, w_next [D] float32 -> (h_new, x).
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& h, const at::Tensor& a, const at::Tensor& w_a,
+                                                     const at::Tensor& w_next, double eps) {
+  check_rows(h, "add_rms_norm_bf16");
+  check_rows(a, "add_rms_norm_bf16");
+  const int64_t R = h.size(0), D = h.size(1);
+  TORCH_CHECK(a.size(0) == R && a.size(1) == D, "add_rms_norm_bf16: h and a differ in shape: ", h.sizes(), " ", a.sizes());
+  check_weight(w_a, D, "add_rms_norm_bf16");
+  check_weight(w_next, D, "add_rms_norm_bf16");
+  TORCH_CHECK(w_a.dim() == 1 && w_next.dim() == 1, "add_rms_norm_bf16: one weight row each");
+  at::Tensor h_new = at::empty({R, D}, h.options()), x = at::empty({R, D}, h.options());
+  const uint16_t *hp = bf16_ptr(h), *ap = bf16_ptr(a);
+  uint16_t *hn = bf16_ptr(h_new), *xp = bf16_ptr(x);
+  const float *wa = w_a.data_ptr<float>(), *wn = w_next.data_ptr<float>();
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, R, 64, [&](int64_t begin, int64_t end) {
+    for (int64_t r = begin; r < end; ++r) {
+      const uint16_t *hr = hp + r * h.stride(0), *ar = ap + r * a.stride(0);
+      const __m512 ra = _mm512_set1_ps(inv_rms(ar, D, e));
+      for (int64_t j = 0; j < D; j += 16) {
+        const __mmask16 m = lanes(D - j);
+        const __m512 normed = round_bf16(_mm512_mul_ps(_mm512_mul_ps(load_bf16(ar + j, m), ra), _mm512_maskz_loadu_ps(m, wa + j)));
+        store_bf16(hn + r * D + j, round_bf16(_mm512_add_ps(load_bf16(hr + j, m), normed)), m);
+      }
+      norm_row(hn + r * D, wn, inv_rms(hn + r * D, D, e), D, xp + r * D);
+    }
+  });
+  return {h_new, x};
+}
+
+// q/k norm and RoPE of a fused q|k|v projection, as the lean forward computes them in torch:
+//   n = bf16(rms_norm(head) * w[head]);  y = bf16(bf16(n * cos) + bf16(rotate_half(n) * sin))
+// qkv [T, (H + 2 KV) * D] bf16, w [H + KV, D] float32, cos/sin [T, D] bf16
+// -> q [T, H, D], k [T, KV, D], v [T, KV, D] (contiguous bf16; v copied as is).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bf16(const at::Tensor& qkv, const at::Tensor& w,
+                                                                 const at::Tensor& cos, const at::Tensor& sin,
+                                                                 int64_t H, int64_t KV, double eps) {
+  check_rows(qkv, "qk_norm_rope_bf16");
+  const int64_t T = qkv.size(0), D = w.size(-1);
+  TORCH_CHECK(D % 2 == 0 && qkv.size(1) == (H + 2 * KV) * D, "qk_norm_rope_bf16: qkv [T, (H + 2 KV) * D] with D ",
+              "even expected, got ", qkv.sizes(), " for H=", H, " KV=", KV, " D=", D);
+  TORCH_CHECK(w.dim() == 2 && w.size(0) == H + KV, "qk_norm_rope_bf16: w [H + KV, D] expected, got ", w.sizes());
+  check_weight(w, D, "qk_norm_rope_bf16");
+  for (const at::Tensor* t : {&cos, &sin})
+    TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() == T * D,
+                "qk_norm_rope_bf16: cos and sin contiguous bf16 [T, D] expected, got ", t->sizes());
+  auto opts = qkv.options();
+  at::Tensor q = at::empty({T, H, D}, opts), k = at::empty({T, KV, D}, opts);
+  at::Tensor v = qkv.narrow(1, (H + KV) * D, KV * D).reshape({T, KV, D}).contiguous();
+  const uint16_t *xp = bf16_ptr(qkv), *cp = bf16_ptr(cos), *sp = bf16_ptr(sin);
+  uint16_t *qp = bf16_ptr(q), *kp = bf16_ptr(k);
+  const float* wp = w.data_ptr<float>();
+  const int64_t half = D / 2;
+  const float e = static_cast<float>(eps);
+  at::parallel_for(0, T * (H + KV), 16, [&](int64_t begin, int64_t end) {
+    std::vector<uint16_t> normed(D);
+    for (int64_t i = begin; i < end; ++i) {
+      const int64_t t = i / (H + KV), head = i % (H + KV);
+      const uint16_t* row = xp + t * qkv.stride(0) + head * D;
+      norm_row(row, wp + head * D, inv_rms(row, D, e), D, normed.data());
+      uint16_t* out = head < H ? qp + (t * H + head) * D : kp + (t * KV + head - H) * D;
+      // rotate_half: -n[j + D/2] in the first half, n[j - D/2] in the second
+      for (int side = 0; side < 2; ++side) {
+        const int64_t lo = side * half, shift = side ? -half : half;
+        const __m512i sign = _mm512_set1_epi32(side ? 0 : static_cast<int>(0x80000000u));
+        for (int64_t j = lo; j < lo + half; j += 16) {
+          const __mmask16 m = lanes(lo + half - j);
+          const __m512 n = load_bf16(normed.data() + j, m);
+          const __m512 rot = _mm512_castsi512_ps(_mm512_xor_si512(
+              _mm512_castps_si512(load_bf16(normed.data() + j + shift, m)), sign));
+          const __m512 a = round_bf16(_mm512_mul_ps(n, load_bf16(cp + t * D + j, m)));
+          const __m512 b = round_bf16(_mm512_mul_ps(rot, load_bf16(sp + t * D + j, m)));
+          store_bf16(out + j, round_bf16(_mm512_add_ps(a, b)), m);
+        }
+      }
+    }
+  });
+  return {q, k, v};
+}

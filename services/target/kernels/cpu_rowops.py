@@ -1,0 +1,30 @@
+"""Gemma 3's per-row ops between the matmuls for bf16 activations (cpu_rowops.cpp).
+
+Built into the AVX-512 kernel's module (cpu_linear.py builds both); available where it is.
+Each returns what the lean forward's torch ops return, except that a norm's sum of squares is
+added in another order (one bf16 rounding step at most; tests/test_cpu_rowops.py).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.target.kernels import cpu_linear
+
+
+def rms_norm(x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
+    """x [R, D] bf16, w1 [D] or [W, D] f32 (1 + weight; row r uses w1[r % W]) -> [R, D] bf16."""
+    return cpu_linear._module().rms_norm_bf16(x, w1, eps)
+
+
+def add_rms_norm(h: torch.Tensor, a: torch.Tensor, w_a: torch.Tensor, w_next: torch.Tensor,
+                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """h + rms_norm(a, w_a), and rms_norm of that with w_next: ([R, D], [R, D]) bf16."""
+    return cpu_linear._module().add_rms_norm_bf16(h, a, w_a, w_next, eps)
+
+
+def qk_norm_rope(qkv: torch.Tensor, w1: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                 kv_heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [T, (H + 2 KV) * D] bf16, w1 [H + KV, D] f32, cos/sin [T, D] bf16 ->
+    q [T, H, D], k [T, KV, D] (normed, rotated), v [T, KV, D]: contiguous bf16."""
+    return cpu_linear._module().qk_norm_rope_bf16(qkv, w1, cos, sin, heads, kv_heads, eps)
