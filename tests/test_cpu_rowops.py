@@ -88,3 +88,18 @@ def test_bad_shapes_and_dtypes_are_refused():
         cpu_rowops.qk_norm_rope(_bf16(2, 100, seed=1), _weight(2, 64, seed=1), x, x, 1, 1, EPS)
     with pytest.raises(RuntimeError, match="cos and sin"):
         cpu_rowops.qk_norm_rope(_bf16(2, 192, seed=1), _weight(2, 64, seed=1), x[:, :32], x, 1, 1, EPS)
+
+
+def test_gelu_tanh_mul_matches_torch():
+    gate_up = _bf16(7, 2 * 1000, seed=12, scale=2.0)  # 1000: a part vector at the end
+    gate, up = gate_up[:, :1000], gate_up[:, 1000:]
+    theirs = torch.nn.functional.gelu(gate, approximate="tanh") * up
+    ours = cpu_rowops.gelu_tanh_mul(gate_up)
+    assert ours.shape == (7, 1000) and ours.dtype == torch.bfloat16
+    # Equal for gates above -3 (0 of ~250k differed on 2026-11-30); below, 1 + tanh cancels in
+    # torch's formula and ours, and both keep only ~1e-7 of it: tiny values within 1e-4.
+    plain = gate.float() > -3
+    assert torch.equal(ours[plain], theirs[plain])
+    assert bool(((ours.float() - theirs.float()).abs()[~plain] < 1e-4).all())
+    huge = torch.tensor([[-100.0, 100.0, 0.0, 1.0, 1.0, 1.0]], dtype=torch.bfloat16)  # gates, then ups
+    assert cpu_rowops.gelu_tanh_mul(huge).tolist() == [[-0.0, 100.0, 0.0]]

@@ -13,9 +13,15 @@ from services.target.model_runner_inputs import StepInput
 EMPTY = PrefixMatch((), (), 0)
 
 
-def _runner(model_dir, dtype, weights="auto", fuse=True):
+def _runner(model_dir, dtype, weights="auto", fuse=True, row_ops=None):
+    """row_ops=False: the lean forward with torch's ops between the matmuls, even beside
+    specmesh's kernel (whose default C++ row ops round alike but sum in another order)."""
     model, _, spec = load_model(model_dir, dtype, weights=weights, fuse=fuse)
-    return ModelRunner(model, spec, BlockManager(128, 4), dtype, kernels="cpu")
+    runner = ModelRunner(model, spec, BlockManager(128, 4), dtype, kernels="cpu")
+    if row_ops is not None and runner.lean_forward is not None:
+        from services.target.gemma3_forward import Gemma3PagedForward
+        runner.lean_forward = Gemma3PagedForward(model, row_ops=row_ops)
+    return runner
 
 
 def _steps():
@@ -50,8 +56,9 @@ def _formats():
 @pytest.mark.parametrize("dtype,weights", _formats())
 def test_lean_forward_equals_transformers_on_prefill_decode_and_tree_steps(tiny_gemma_dir, dtype, weights):
     """The lean forward with fused projections against transformers' forward over the model's own,
-    unfused modules: the same logits, bit for bit, for every weight format."""
-    lean = _runner(tiny_gemma_dir, dtype, weights)
+    unfused modules: the same logits, bit for bit, for every weight format (torch's ops between
+    the matmuls; the C++ row ops are checked against them below)."""
+    lean = _runner(tiny_gemma_dir, dtype, weights, row_ops=False)
     plain = _runner(tiny_gemma_dir, dtype, weights, fuse=False)
     assert lean.lean_forward is not None and plain.lean_forward is None
     got, expected = _run(lean), _run(plain)
@@ -63,7 +70,7 @@ def test_lean_forward_equals_transformers_on_prefill_decode_and_tree_steps(tiny_
 def test_fused_model_still_runs_transformers_forward(tiny_gemma_dir):
     """q_proj, gate_proj, ... of a fused model are column views of the fused products: transformers'
     own forward over them gives the lean forward's logits."""
-    runner = _runner(tiny_gemma_dir, torch.bfloat16)
+    runner = _runner(tiny_gemma_dir, torch.bfloat16, row_ops=False)
     lean = _run(runner)
     runner.lean_forward = None
     for seq in ("a", "b", "c"):
@@ -90,7 +97,6 @@ def test_row_ops_run_with_the_avx512_kernel_only_and_keep_the_logits(tiny_gemma_
     """The C++ row ops (norms, residual adds, q/k norm + RoPE) replace torch's where the linear
     layers are specmesh's kernel; forced on beside oneDNN/fbgemm layers they give the same greedy
     tokens and logits within bf16 rounding of the torch ops' (tests/test_cpu_rowops.py per op)."""
-    from services.target.gemma3_forward import Gemma3PagedForward
     from services.target.kernels import cpu_linear
     if not cpu_linear.available():
         pytest.skip(f"{cpu_linear.unavailable_reason()}")
@@ -98,8 +104,7 @@ def test_row_ops_run_with_the_avx512_kernel_only_and_keep_the_logits(tiny_gemma_
     assert not _runner(tiny_gemma_dir, torch.float32, "none").lean_forward.row_ops
     torch_ops = _runner(tiny_gemma_dir, torch.bfloat16, "fp16")
     assert not torch_ops.lean_forward.row_ops
-    row_ops = _runner(tiny_gemma_dir, torch.bfloat16, "fp16")
-    row_ops.lean_forward = Gemma3PagedForward(row_ops.model, row_ops=True)
+    row_ops = _runner(tiny_gemma_dir, torch.bfloat16, "fp16", row_ops=True)
     for got, expected in zip(_run(row_ops), _run(torch_ops)):
         assert torch.equal(got.argmax(-1), expected.argmax(-1))
         torch.testing.assert_close(got, expected, atol=0.05, rtol=0.02)

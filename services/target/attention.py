@@ -66,6 +66,8 @@ class AttentionMetadata:
     query_positions: torch.Tensor  # [num_tokens] int32
     tree_mask: torch.Tensor | None = None  # [num_tokens, max_q_len] bool (verify passes)
     plans: dict = field(default_factory=dict)  # sliding window -> AttentionPlan (reference path)
+    # bf16 decode rows through kernels/cpu_decode_attention.cpp (cpu backend; row ops' forward)
+    cpu_decode_kernel: bool = False
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -106,7 +108,8 @@ def paged_attention(meta: AttentionMetadata, layer: int, q: torch.Tensor, k: tor
                 pool.k_caches[layer].shape[1], meta.block_tables, meta.context_lens,
                 meta.query_start_loc, meta.query_positions, sliding_window, meta.tree_mask)
         return paged_attention_cpu_planned(q, pool.k_caches[layer], pool.v_caches[layer], plan, scale,
-                                           k_scale=k_scale, v_scale=v_scale)
+                                           k_scale=k_scale, v_scale=v_scale,
+                                           decode_kernel=meta.cpu_decode_kernel)
     if meta.kernels.backend == "reference":
         # Index and mask tensors depend only on the step, not the layer: build them once.
         plan = meta.plans.get(sliding_window)

@@ -131,8 +131,9 @@ def _one_plus(norm: nn.Module) -> torch.Tensor:
 class Gemma3PagedForward:
     """Callable: (input_ids [T], position_ids [T], logit_rows [R], meta) -> logits [R, vocab].
 
-    row_ops: the norms, residual adds and q/k norm + RoPE through specmesh's C++ row ops
-    (kernels/cpu_rowops.cpp) instead of ~20 torch ops a layer. They round as torch does but add a
+    row_ops: the norms, residual adds, q/k norm + RoPE and GELU * up through specmesh's C++ row
+    ops (kernels/cpu_rowops.cpp) instead of ~20 torch ops a layer; decode rows' attention in C++
+    too (model_runner sets AttentionMetadata.cpu_decode_kernel). They round as torch does but add a
     norm's squares in another order, so the logits are no longer transformers' bit for bit. None
     (default): where the linear layers are already specmesh's kernel (`--weights bf16-avx512`),
     which gave up that exactness; the `bf16` (oneDNN) and float32 paths stay exact.
@@ -166,6 +167,7 @@ class Gemma3PagedForward:
         if row_ops and not cpu_linear.available():
             raise ValueError(f"row_ops cannot run here: {cpu_linear.unavailable_reason()}")
         self.row_ops = row_ops
+        self.gelu_tanh = row_ops and getattr(config, "hidden_activation", None) == "gelu_pytorch_tanh"
         self.layers = []
         for i, layer in enumerate(text.layers[:config.num_hidden_layers]):
             attn, mlp = layer.self_attn, layer.mlp
@@ -240,7 +242,10 @@ class Gemma3PagedForward:
             a = layer.o_proj(a.reshape(num_tokens, -1))
             h, x = cpu_rowops.add_rms_norm(h, a, layer.post_attention_norm, layer.pre_feedforward_norm, eps)
             gate_up = layer.gate_up_proj(x)  # [T, 2 * intermediate]
-            d = layer.down_proj(self.act(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:])
+            if self.gelu_tanh:
+                d = layer.down_proj(cpu_rowops.gelu_tanh_mul(gate_up))
+            else:
+                d = layer.down_proj(self.act(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:])
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
             h, x = cpu_rowops.add_rms_norm(h, d, layer.post_feedforward_norm, next_norm, eps)
         return self._logits(x.index_select(0, logit_rows))

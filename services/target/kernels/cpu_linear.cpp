@@ -228,6 +228,11 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& h, const 
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bf16(const at::Tensor& qkv, const at::Tensor& w,
                                                                  const at::Tensor& cos, const at::Tensor& sin,
                                                                  int64_t H, int64_t KV, double eps);
+at::Tensor gelu_tanh_mul_bf16(const at::Tensor& gate_up);
+// cpu_decode_attention.cpp
+void decode_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& offsets,
+                           const at::Tensor& lens, double scale, at::Tensor& out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16_weight", &pack_bf16_weight,
@@ -237,4 +242,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm_bf16", &rms_norm_bf16, "Gemma RMSNorm of bf16 rows with float32 (1 + weight) rows");
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "h + norm(a), then the next norm of it: (h_new, x)");
   m.def("qk_norm_rope_bf16", &qk_norm_rope_bf16, "q/k norm and RoPE of a fused qkv: (q, k, v)");
+  m.def("gelu_tanh_mul_bf16", &gelu_tanh_mul_bf16, "gelu_tanh(gate) * up of a fused gate|up, bf16");
+  m.def("decode_attention_bf16", &decode_attention_bf16, "decode rows' attention over the paged bf16 pool, in place");
 }

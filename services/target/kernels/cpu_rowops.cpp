@@ -1,14 +1,15 @@
 // Gemma 3's per-row "glue" between the matmuls, for bf16 activations on AVX-512 CPUs, in one pass
-// per row instead of 5-10 torch ops: RMSNorm, the residual add fused with the next norm, and the
-// q/k norm fused with RoPE. At one decode row a torch op costs a few microseconds whatever its
+// per row instead of 5-10 torch ops: RMSNorm, the residual add fused with the next norm, the
+// q/k norm fused with RoPE, and the MLP's GELU (tanh) times up. At one decode row a torch op costs a few microseconds whatever its
 // size, so a layer's ~30 small ops cost more than its four weight-streaming matmuls but the
 // lm_head's share; these cut a step's op count by about half (benchmarks/engine_step.py).
 //
 // Every elementwise step rounds to bf16 where torch's bf16 ops round (after each multiply and
 // add of RoPE and of the residual add), so those steps equal torch's bit for bit; only the
 // sum of squares of a norm is added in another order (16 float32 lanes, then across them), so a
-// normed value can differ from torch.rms_norm's by one bf16 rounding step
-// (tests/test_cpu_rowops.py).
+// normed value can differ from torch.rms_norm's by one bf16 rounding step, and GELU's tanh comes
+// from an exp polynomial: equal to torch's for gates above -3, within 1e-4 below, where 1 + tanh
+// cancels in both (tests/test_cpu_rowops.py).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -59,6 +60,30 @@ inline void norm_row(const uint16_t* x, const float* w, float r, int64_t D, uint
     const __m512 y = _mm512_mul_ps(_mm512_mul_ps(load_bf16(x + j, m), rv), _mm512_maskz_loadu_ps(m, w + j));
     store_bf16(out + j, round_bf16(y), m);
   }
+}
+
+// exp(x) for float32 lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor polynomial to r^7
+// (relative error < 2e-7 before the final rounding), times 2^n. Inputs clamped to [-88, 88].
+inline __m512 exp_ps(__m512 x) {
+  x = _mm512_min_ps(_mm512_max_ps(x, _mm512_set1_ps(-88.0f)), _mm512_set1_ps(88.0f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693145751953125f), x);  // ln2 in two parts
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(1.428606765330187045e-06f), r);
+  __m512 p = _mm512_set1_ps(1.0f / 5040);
+  for (float c : {1.0f / 720, 1.0f / 120, 1.0f / 24, 1.0f / 6, 0.5f, 1.0f, 1.0f}) p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(c));
+  return _mm512_scalef_ps(p, n);
+}
+
+// GELU, tanh approximation, in torch's float32 formula:
+//   0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),  tanh(z) = 1 - 2 / (exp(2z) + 1)
+// (tanh within ~1e-7 of the true value, as torch's is: 1 + tanh cancels where torch's does)
+inline __m512 gelu_tanh(__m512 x) {
+  const __m512 inner = _mm512_mul_ps(_mm512_set1_ps(0.7978845608028654f),
+                                     _mm512_fmadd_ps(_mm512_mul_ps(_mm512_set1_ps(0.044715f), x), _mm512_mul_ps(x, x), x));
+  const __m512 e = exp_ps(_mm512_add_ps(inner, inner));
+  const __m512 tanh = _mm512_sub_ps(_mm512_set1_ps(1.0f), _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
+  return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(_mm512_set1_ps(1.0f), tanh));
 }
 
 const uint16_t* bf16_ptr(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
@@ -175,4 +200,26 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bf16(const at::Tenso
     }
   });
   return {q, k, v};
+}
+
+// The MLP's activation: gate_up [T, 2I] bf16 (gate | up) -> bf16(bf16(gelu_tanh(gate)) * up) [T, I],
+// torch's `gelu(gate, approximate="tanh") * up` on bf16 tensors.
+at::Tensor gelu_tanh_mul_bf16(const at::Tensor& gate_up) {
+  check_rows(gate_up, "gelu_tanh_mul_bf16");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) == 2 * I, "gelu_tanh_mul_bf16: gate_up [T, 2 I] expected, got ", gate_up.sizes());
+  at::Tensor out = at::empty({T, I}, gate_up.options());
+  const uint16_t* gp = bf16_ptr(gate_up);
+  uint16_t* op = bf16_ptr(out);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) {
+      const uint16_t* row = gp + t * gate_up.stride(0);
+      for (int64_t j = 0; j < I; j += 16) {
+        const __mmask16 m = lanes(I - j);
+        const __m512 act = round_bf16(gelu_tanh(load_bf16(row + j, m)));
+        store_bf16(op + t * I + j, round_bf16(_mm512_mul_ps(act, load_bf16(row + I + j, m))), m);
+      }
+    }
+  });
+  return out;
 }

@@ -28,3 +28,19 @@ def qk_norm_rope(qkv: torch.Tensor, w1: torch.Tensor, cos: torch.Tensor, sin: to
     """qkv [T, (H + 2 KV) * D] bf16, w1 [H + KV, D] f32, cos/sin [T, D] bf16 ->
     q [T, H, D], k [T, KV, D] (normed, rotated), v [T, KV, D]: contiguous bf16."""
     return cpu_linear._module().qk_norm_rope_bf16(qkv, w1, cos, sin, heads, kv_heads, eps)
+
+
+def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
+                     tables: torch.Tensor, offsets: torch.Tensor, lens: torch.Tensor, scale: float,
+                     out: torch.Tensor) -> None:
+    """Decode rows' attention over the paged bf16 pool, read in place (cpu_decode_attention.cpp).
+
+    query/out [T, H, D] bf16; caches [num_blocks, block_size, KV, D] bf16; per decode row i:
+    rows[i] its query row, tables[i] its block ids, entries offsets[i] .. offsets[i] + lens[i] - 1
+    of those blocks laid end to end visible (int64). Writes out[rows]."""
+    cpu_linear._module().decode_attention_bf16(query, k_cache, v_cache, rows, tables, offsets, lens, scale, out)
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] bf16 (gate | up) -> gelu(gate, approximate="tanh") * up [T, I] bf16."""
+    return cpu_linear._module().gelu_tanh_mul_bf16(gate_up)

@@ -41,6 +41,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
+from . import cpu_rowops
 from .paged_attention import validate_paged_attention_args
 
 
@@ -80,6 +81,7 @@ class CpuAttentionPlan(list):
 
     groups: list[DecodeGroup]
     grouped: frozenset[int]
+    decode_rows: "DecodeRows | None"  # set by _decode_rows on first use
 
 
 def paged_attention_cpu(
@@ -210,11 +212,15 @@ def paged_attention_cpu_planned(
     scale: float,
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] f32, FP8 only
     v_scale: torch.Tensor | None = None,
+    decode_kernel: bool = False,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query.dtype
+    """decode_kernel: a bf16 step's decode rows (one query, nothing masked) attend in one C++ call
+    over the pool in place (kernels/cpu_decode_attention.cpp; the bf16 path's precision, its
+    float32 sums in another order) instead of per group / per row torch calls."""
     num_tokens, num_heads, head_dim = query.shape
     nkv = k_cache.shape[2]
     if query.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16:
-        return _attention_bf16(query, k_cache, v_cache, plan, scale)
+        return _attention_bf16(query, k_cache, v_cache, plan, scale, decode_kernel)
     out = torch.zeros_like(query)
     qf = query.float()
     grouped = getattr(plan, "grouped", frozenset())
@@ -271,13 +277,22 @@ def _attention_bf16(
     v_cache: torch.Tensor,
     plan: list[SeqPlan],
     scale: float,
+    decode_kernel: bool = False,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] bf16
-    """Every plan and decode group as bf16 matmuls around a float32 softmax (module docstring)."""
+    """Every plan and decode group as bf16 matmuls around a float32 softmax (module docstring);
+    with decode_kernel, every decode row in one C++ call first."""
     num_heads, head_dim = query.shape[1:]
     nkv = k_cache.shape[2]
     group = num_heads // nkv  # query heads per kv head; query head h reads kv head h // group
+    query = query.contiguous()
     out = torch.zeros_like(query)
-    for g in getattr(plan, "groups", ()):
+    done = frozenset()
+    if decode_kernel:
+        rows = _decode_rows(plan)
+        if rows is not None:
+            cpu_rowops.decode_attention(query, k_cache, v_cache, *rows.tensors, scale, out)
+            done = rows.plans
+    for g in ([] if decode_kernel else getattr(plan, "groups", ())):
         n, kv_len = len(g.members), g.blocks_per_seq * k_cache.shape[1]
         k = k_cache.index_select(0, g.blocks).view(n, kv_len, nkv, head_dim)
         v = v_cache.index_select(0, g.blocks).view(n * kv_len, nkv * head_dim)
@@ -289,7 +304,7 @@ def _attention_bf16(
         probs = _softmax(scores.view(n, nkv, group, kv_len), g.hidden)
         o = torch.matmul(probs, v.view(n, kv_len, nkv, head_dim).transpose(1, 2))  # [n, nkv, group, D]
         out.index_copy_(0, g.rows, o.reshape(n, num_heads, head_dim))
-    grouped = getattr(plan, "grouped", frozenset())
+    grouped = done if decode_kernel else getattr(plan, "grouped", frozenset())
     for i, p in enumerate(plan):
         if i in grouped:
             continue
@@ -311,6 +326,34 @@ def _attention_bf16(
             o = torch.where(p.seen[:, None, None], o, 0.0)
         out[p.q_start:p.q_start + p.q_len] = o
     return out
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """A plan's decode rows (one query, nothing masked) as cpu_decode_attention.cpp reads them."""
+    plans: frozenset[int]  # their indices in the plan
+    tensors: tuple[torch.Tensor, ...]  # rows [n], block tables [n, max_blocks], kv offsets [n], kv lens [n] int64
+
+
+def _decode_rows(plan: list[SeqPlan]) -> DecodeRows | None:
+    """The plan's decode rows, built once per step and window (kept on the plan) or None if none."""
+    cached = getattr(plan, "decode_rows", False)
+    if cached is not False:
+        return cached
+    picked = [i for i, p in enumerate(plan) if p.q_len == 1 and p.mask is None]
+    rows = None
+    if picked:
+        width = max(plan[i].num_blocks for i in picked)
+        tables = torch.zeros(len(picked), width, dtype=torch.long)
+        for n, i in enumerate(picked):
+            tables[n, :plan[i].num_blocks] = torch.tensor(plan[i].block_ids, dtype=torch.long)
+        rows = DecodeRows(frozenset(picked), (
+            torch.tensor([plan[i].q_start for i in picked], dtype=torch.long), tables,
+            torch.tensor([plan[i].kv_offset for i in picked], dtype=torch.long),
+            torch.tensor([plan[i].kv_len for i in picked], dtype=torch.long)))
+    if isinstance(plan, CpuAttentionPlan):
+        plan.decode_rows = rows
+    return rows
 
 
 def _scores(q: torch.Tensor, k_t: torch.Tensor, scale: float) -> torch.Tensor:

@@ -1,0 +1,78 @@
+"""Decode rows' attention in C++ over the paged bf16 pool (kernels/cpu_decode_attention.cpp)
+against the bf16 torch path it replaces (paged_attention_cpu.py) and float32 attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.target.kernels import cpu_linear, cpu_rowops
+from services.target.kernels.paged_attention_cpu import paged_attention_cpu_planned, plan_cpu_attention
+
+from .helpers import SeqSpec, chain_tree, make_batch, naive_attention
+from .test_paged_attention_cpu import _eager_bf16, _poison_invisible_slots
+
+pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason=f"{cpu_linear.unavailable_reason()}")
+
+
+def _run(batch, window, decode_kernel: bool) -> tuple[torch.Tensor, list]:
+    plan = plan_cpu_attention(batch.k_cache.shape[1], batch.block_tables, batch.context_lens,
+                              batch.query_start_loc, batch.query_positions, window, batch.tree_mask)
+    out = paged_attention_cpu_planned(batch.query, batch.k_cache, batch.v_cache, plan, 0.3,
+                                      decode_kernel=decode_kernel)
+    return out, plan
+
+
+@pytest.mark.parametrize("heads,head_dim", [((4, 1), 256), ((4, 2), 16), ((3, 3), 32)])
+@pytest.mark.parametrize("window", [None, 6])
+def test_decode_rows_in_cpp_match_the_bf16_torch_path_and_leave_other_rows_alone(heads, head_dim, window):
+    """Decode rows (lone and grouped) over shuffled blocks, with NaN/inf in every slot no row may
+    see: the eager bf16 attention within bf16 rounding; prefill and tree rows bit for bit as before."""
+    g = torch.Generator().manual_seed(head_dim + (window or 0))
+    seqs = [SeqSpec(40, 1), SeqSpec(3, 1), SeqSpec(25, 1), SeqSpec(7, 4), SeqSpec(31, 1),
+            SeqSpec(0, 1), SeqSpec(12, 3, chain_tree(3)), SeqSpec(200, 1)]
+    batch = make_batch(seqs, heads[0], heads[1], head_dim, 4, torch.bfloat16, g, use_tree_mask=True)
+    _poison_invisible_slots(batch, window)
+    ours, plan = _run(batch, window, decode_kernel=True)
+    before, _ = _run(batch, window, decode_kernel=False)
+    decode = [p.q_start for p in plan if p.q_len == 1 and p.mask is None]
+    assert len(decode) >= 5 and plan.decode_rows is not None and not ours.isnan().any()
+    rest = [r for r in range(ours.shape[0]) if r not in decode]
+    assert torch.equal(ours[rest], before[rest])
+    eager = _eager_bf16(batch, 0.3, window)
+    # Scores, probabilities and outputs rounded to bf16 where the eager path rounds them; only
+    # float32 sums run in another order: outputs within a few bf16 steps, most of them equal.
+    torch.testing.assert_close(ours[decode].float(), eager[decode].float(), atol=0.03, rtol=0.03)
+    assert (ours[decode] == eager[decode]).float().mean().item() > 0.9
+    # Against float32 attention, no further off than the torch bf16 path (at head_dim 256 both
+    # are past the small-shape bf16 tolerance: their scores are rounded to bf16).
+    exact = naive_attention(batch, 0.3, window).float()
+    ours_err, before_err = (ours.float() - exact).abs(), (before.float() - exact).abs()
+    assert ours_err.max() <= 1.25 * before_err.max() and ours_err.mean() <= 1.5 * before_err.mean()
+
+
+def test_a_decode_rows_output_does_not_depend_on_the_other_rows_of_the_step():
+    g = torch.Generator().manual_seed(5)
+    seqs = [SeqSpec(50, 1), SeqSpec(9, 1), SeqSpec(70, 1)]
+    batch = make_batch(seqs, 4, 1, 64, 4, torch.bfloat16, g)
+    together, _ = _run(batch, None, decode_kernel=True)
+    plan = plan_cpu_attention(4, batch.block_tables, batch.context_lens, batch.query_start_loc,
+                              batch.query_positions, None, None)
+    for i, p in enumerate(plan):  # each row alone: its own plan of one
+        one = type(plan)([p])
+        one.groups, one.grouped = [], frozenset()
+        alone = paged_attention_cpu_planned(batch.query, batch.k_cache, batch.v_cache, one, 0.3, decode_kernel=True)
+        assert torch.equal(alone[p.q_start], together[p.q_start])
+
+
+def test_out_of_range_rows_and_blocks_are_refused_before_any_read():
+    q = torch.zeros(2, 4, 16, dtype=torch.bfloat16)
+    cache = torch.zeros(3, 4, 1, 16, dtype=torch.bfloat16)
+    out = torch.zeros_like(q)
+    ok = (torch.tensor([1]), torch.tensor([[0, 2]]), torch.tensor([0]), torch.tensor([8]))
+    cpu_rowops.decode_attention(q, cache, cache, *ok, 0.5, out)
+    for bad, match in [((torch.tensor([2]),) + ok[1:], "row 0 out of range"),
+                       ((ok[0], torch.tensor([[0, 3]])) + ok[2:], "block id out of range"),
+                       (ok[:3] + (torch.tensor([9]),), "row 0 out of range")]:
+        with pytest.raises(RuntimeError, match=match):
+            cpu_rowops.decode_attention(q, cache, cache, *bad, 0.5, out)
