@@ -43,6 +43,7 @@ def native_bf16_dot() -> bool:
     return bool(flags & {"avx512_bf16", "amx_bf16"})
 
 
+@functools.cache
 def bf16_dot_instruction() -> bool:
     """Whether the kernel can multiply with VDPBF16PS (AVX512-BF16) here."""
     return avx512() and "avx512_bf16" in cpu_flags()
