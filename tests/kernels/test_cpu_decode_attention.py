@@ -26,8 +26,9 @@ def _run(batch, window, decode_kernel: bool) -> tuple[torch.Tensor, list]:
 @pytest.mark.parametrize("heads,head_dim", [((4, 1), 256), ((4, 2), 16), ((3, 3), 32)])
 @pytest.mark.parametrize("window", [None, 6])
 def test_decode_rows_in_cpp_match_the_bf16_torch_path_and_leave_other_rows_alone(heads, head_dim, window):
-    """Decode rows (lone and grouped) over shuffled blocks, with NaN/inf in every slot no row may
-    see: the eager bf16 attention within bf16 rounding; prefill and tree rows bit for bit as before."""
+    """Decode rows (lone and grouped), a draft tree's and a short chunk's masked rows over shuffled
+    blocks, with NaN/inf in every slot no row may see: the eager bf16 attention within bf16
+    rounding; rows left to torch (none here but the too-large) bit for bit as before."""
     g = torch.Generator().manual_seed(head_dim + (window or 0))
     seqs = [SeqSpec(40, 1), SeqSpec(3, 1), SeqSpec(25, 1), SeqSpec(7, 4), SeqSpec(31, 1),
             SeqSpec(0, 1), SeqSpec(12, 3, chain_tree(3)), SeqSpec(200, 1)]
@@ -35,15 +36,18 @@ def test_decode_rows_in_cpp_match_the_bf16_torch_path_and_leave_other_rows_alone
     _poison_invisible_slots(batch, window)
     ours, plan = _run(batch, window, decode_kernel=True)
     before, _ = _run(batch, window, decode_kernel=False)
+    covered = [r for i in sorted(plan.decode_rows.plans)
+               for r in range(plan[i].q_start, plan[i].q_start + plan[i].q_len)]
     decode = [p.q_start for p in plan if p.q_len == 1 and p.mask is None]
-    assert len(decode) >= 5 and plan.decode_rows is not None and not ours.isnan().any()
-    rest = [r for r in range(ours.shape[0]) if r not in decode]
+    trees = [r for r in covered if r not in decode]  # the 4-row chunk's and the 3-node tree's rows
+    assert len(decode) >= 5 and len(trees) == 7 and not ours.isnan().any()
+    rest = [r for r in range(ours.shape[0]) if r not in covered]
     assert torch.equal(ours[rest], before[rest])
     eager = _eager_bf16(batch, 0.3, window)
     # Scores, probabilities and outputs rounded to bf16 where the eager path rounds them; only
     # float32 sums run in another order: outputs within a few bf16 steps, most of them equal.
-    torch.testing.assert_close(ours[decode].float(), eager[decode].float(), atol=0.03, rtol=0.03)
-    assert (ours[decode] == eager[decode]).float().mean().item() > 0.9
+    torch.testing.assert_close(ours[covered].float(), eager[covered].float(), atol=0.03, rtol=0.03)
+    assert (ours[covered] == eager[covered]).float().mean().item() > 0.9
     # Against float32 attention, no further off than the torch bf16 path (at head_dim 256 both
     # are past the small-shape bf16 tolerance: their scores are rounded to bf16).
     exact = naive_attention(batch, 0.3, window).float()
@@ -65,14 +69,30 @@ def test_a_decode_rows_output_does_not_depend_on_the_other_rows_of_the_step():
         assert torch.equal(alone[p.q_start], together[p.q_start])
 
 
+def test_a_masked_row_reads_only_what_it_sees_and_a_row_that_sees_nothing_is_zero():
+    q = torch.ones(2, 2, 16, dtype=torch.bfloat16)
+    k = torch.zeros(2, 4, 1, 16, dtype=torch.bfloat16)
+    v = torch.arange(8, dtype=torch.bfloat16).view(2, 4, 1, 1).expand(2, 4, 1, 16).contiguous()
+    k[1], v[1] = float("inf"), float("nan")  # block 1: another request's stale KV
+    out = torch.full_like(q, 7.0)
+    tables = torch.tensor([[0, 1], [0, 1]])
+    masks = torch.tensor([[True, False, True, False, False, False], [False] * 6])
+    cpu_rowops.decode_attention(q, k, v, torch.tensor([0, 1]), tables, torch.tensor([0, 0]), torch.tensor([6, 6]),
+                                masks, 0.5, out)
+    assert torch.equal(out[0], torch.ones(2, 16))  # equal scores: the mean of values 0 and 2
+    assert torch.equal(out[1], torch.zeros(2, 16))
+
+
 def test_out_of_range_rows_and_blocks_are_refused_before_any_read():
     q = torch.zeros(2, 4, 16, dtype=torch.bfloat16)
     cache = torch.zeros(3, 4, 1, 16, dtype=torch.bfloat16)
     out = torch.zeros_like(q)
-    ok = (torch.tensor([1]), torch.tensor([[0, 2]]), torch.tensor([0]), torch.tensor([8]))
+    ok = (torch.tensor([1]), torch.tensor([[0, 2]]), torch.tensor([0]), torch.tensor([8]), None)
     cpu_rowops.decode_attention(q, cache, cache, *ok, 0.5, out)
     for bad, match in [((torch.tensor([2]),) + ok[1:], "row 0 out of range"),
                        ((ok[0], torch.tensor([[0, 3]])) + ok[2:], "block id out of range"),
-                       (ok[:3] + (torch.tensor([9]),), "row 0 out of range")]:
+                       (ok[:3] + (torch.tensor([9]), None), "row 0 out of range"),
+                       (ok[:4] + (torch.ones(1, 4, dtype=torch.bool),), "row 0 out of range"),  # mask too short
+                       (ok[:4] + (torch.ones(1, 8),), "masks bool")]:
         with pytest.raises(RuntimeError, match=match):
             cpu_rowops.decode_attention(q, cache, cache, *bad, 0.5, out)

@@ -235,7 +235,7 @@ at::Tensor gelu_tanh_mul_bf16(const at::Tensor& gate_up);
 // cpu_decode_attention.cpp
 void decode_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& offsets,
-                           const at::Tensor& lens, double scale, at::Tensor& out);
+                           const at::Tensor& lens, const at::Tensor& masks, double scale, at::Tensor& out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16_weight", &pack_bf16_weight,

@@ -31,14 +31,17 @@ def qk_norm_rope(qkv: torch.Tensor, w1: torch.Tensor, cos: torch.Tensor, sin: to
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
-                     tables: torch.Tensor, offsets: torch.Tensor, lens: torch.Tensor, scale: float,
-                     out: torch.Tensor) -> None:
-    """Decode rows' attention over the paged bf16 pool, read in place (cpu_decode_attention.cpp).
+                     tables: torch.Tensor, offsets: torch.Tensor, lens: torch.Tensor, masks: torch.Tensor | None,
+                     scale: float, out: torch.Tensor) -> None:
+    """Single query rows' attention over the paged bf16 pool, read in place (cpu_decode_attention.cpp).
 
-    query/out [T, H, D] bf16; caches [num_blocks, block_size, KV, D] bf16; per decode row i:
-    rows[i] its query row, tables[i] its block ids, entries offsets[i] .. offsets[i] + lens[i] - 1
-    of those blocks laid end to end visible (int64). Writes out[rows]."""
-    cpu_linear._module().decode_attention_bf16(query, k_cache, v_cache, rows, tables, offsets, lens, scale, out)
+    query/out [T, H, D] bf16; caches [num_blocks, block_size, KV, D] bf16; per row i: rows[i]
+    its query row, tables[i] its block ids, entries offsets[i] .. offsets[i] + lens[i] - 1 of
+    those blocks laid end to end (int64), of which it sees those masks[i] allows ([n, width]
+    bool; None: all). Writes out[rows]; a row that sees nothing gets zeros."""
+    empty = torch.empty(0, dtype=torch.bool)
+    cpu_linear._module().decode_attention_bf16(query, k_cache, v_cache, rows, tables, offsets, lens,
+                                               empty if masks is None else masks, scale, out)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:

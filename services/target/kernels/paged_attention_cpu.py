@@ -214,9 +214,10 @@ def paged_attention_cpu_planned(
     v_scale: torch.Tensor | None = None,
     decode_kernel: bool = False,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query.dtype
-    """decode_kernel: a bf16 step's decode rows (one query, nothing masked) attend in one C++ call
-    over the pool in place (kernels/cpu_decode_attention.cpp; the bf16 path's precision, its
-    float32 sums in another order) instead of per group / per row torch calls."""
+    """decode_kernel: a bf16 step's decode rows (one query, nothing masked) and the rows of small
+    trees and chunks attend in one C++ call over the pool in place (kernels/
+    cpu_decode_attention.cpp; the bf16 path's precision, its float32 sums in another order)
+    instead of per group / per sequence torch calls."""
     num_tokens, num_heads, head_dim = query.shape
     nkv = k_cache.shape[2]
     if query.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16:
@@ -280,7 +281,7 @@ def _attention_bf16(
     decode_kernel: bool = False,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] bf16
     """Every plan and decode group as bf16 matmuls around a float32 softmax (module docstring);
-    with decode_kernel, every decode row in one C++ call first."""
+    with decode_kernel, decode rows and small trees / chunks in one C++ call first."""
     num_heads, head_dim = query.shape[1:]
     nkv = k_cache.shape[2]
     group = num_heads // nkv  # query heads per kv head; query head h reads kv head h // group
@@ -328,29 +329,43 @@ def _attention_bf16(
     return out
 
 
+SMALL_QUERY_ROWS = 16  # rows of a tree or chunk that attend row by row in C++ (decode_kernel)
+SMALL_QUERY_SCORES = 8192  # ... if their rows x visible range stays below this: per-row work
+# grows with the range (no matrix blocking), torch's matmuls do not; a 6-row tree over 300
+# entries took ~0.1 ms a layer in C++ against ~0.4 ms of torch ops (2026-11-30)
+
+
 @dataclass(frozen=True)
 class DecodeRows:
-    """A plan's decode rows (one query, nothing masked) as cpu_decode_attention.cpp reads them."""
-    plans: frozenset[int]  # their indices in the plan
-    tensors: tuple[torch.Tensor, ...]  # rows [n], block tables [n, max_blocks], kv offsets [n], kv lens [n] int64
+    """The plan's rows that attend one by one in C++ (cpu_decode_attention.cpp): decode rows
+    (one query, nothing masked) and the rows of small masked plans (draft trees, short chunks)."""
+    plans: frozenset[int]  # indices of the plans they cover, wholly
+    tensors: tuple  # rows [n], block tables [n, max_blocks], kv offsets [n], kv lens [n] int64; masks [n, w] bool or None
 
 
 def _decode_rows(plan: list[SeqPlan]) -> DecodeRows | None:
-    """The plan's decode rows, built once per step and window (kept on the plan) or None if none."""
+    """Those rows, built once per step and window (kept on the plan), or None if there are none."""
     cached = getattr(plan, "decode_rows", False)
     if cached is not False:
         return cached
-    picked = [i for i, p in enumerate(plan) if p.q_len == 1 and p.mask is None]
+    picked = [i for i, p in enumerate(plan) if (p.q_len == 1 and p.mask is None) or (
+        p.mask is not None and p.q_len <= SMALL_QUERY_ROWS and p.q_len * p.kv_len <= SMALL_QUERY_SCORES)]
     rows = None
     if picked:
-        width = max(plan[i].num_blocks for i in picked)
-        tables = torch.zeros(len(picked), width, dtype=torch.long)
-        for n, i in enumerate(picked):
-            tables[n, :plan[i].num_blocks] = torch.tensor(plan[i].block_ids, dtype=torch.long)
+        members = [(plan[i], r) for i in picked for r in range(plan[i].q_len)]  # (plan, row within it)
+        width = max(p.num_blocks for p, _ in members)
+        tables = torch.zeros(len(members), width, dtype=torch.long)
+        masks = None
+        if any(p.mask is not None for p, _ in members):
+            masks = torch.zeros(len(members), max(p.kv_len for p, _ in members), dtype=torch.bool)
+        for n, (p, r) in enumerate(members):
+            tables[n, :p.num_blocks] = torch.tensor(p.block_ids, dtype=torch.long)
+            if masks is not None:
+                masks[n, :p.kv_len] = True if p.mask is None else p.mask[r]
         rows = DecodeRows(frozenset(picked), (
-            torch.tensor([plan[i].q_start for i in picked], dtype=torch.long), tables,
-            torch.tensor([plan[i].kv_offset for i in picked], dtype=torch.long),
-            torch.tensor([plan[i].kv_len for i in picked], dtype=torch.long)))
+            torch.tensor([p.q_start + r for p, r in members], dtype=torch.long), tables,
+            torch.tensor([p.kv_offset for p, _ in members], dtype=torch.long),
+            torch.tensor([p.kv_len for p, _ in members], dtype=torch.long), masks))
     if isinstance(plan, CpuAttentionPlan):
         plan.decode_rows = rows
     return rows
