@@ -6,7 +6,9 @@
 Runs the engine's forward over each file's first tokens (512-token chunks, logits at every
 position) twice: with a float32 KV cache (attention in float32) and with `auto` (a bf16 cache and
 bf16 matmul attention where the CPU multiplies bf16 natively), and Hugging Face's bf16 model with
-its sdpa and eager attention as the yardstick. Prints, for each pair, how often the greedy
+its sdpa and eager attention as the yardstick. Where `auto` weights are specmesh's AVX-512 kernel
+with its C++ row ops and the CPU has native bf16, also `onednn` (`--weights bf16`: oneDNN's
+linears and torch's ops, transformers' arithmetic). Prints, for each pair, how often the greedy
 (argmax) choice agrees and the mean over positions of the largest log-probability difference.
 """
 
@@ -29,9 +31,10 @@ from services.target.model_runner_inputs import StepInput
 CHUNK = 512
 
 
-def engine_logits(model_dir: Path, kv_dtype: str, texts: list[str], max_tokens: int) -> list[torch.Tensor]:
+def engine_logits(model_dir: Path, kv_dtype: str, texts: list[str], max_tokens: int,
+                  weights: str = "auto") -> list[torch.Tensor]:
     engine = Engine.load(EngineConfig(model_dir=model_dir, dtype="bfloat16", num_blocks=2048,
-                                      max_num_seqs=4, kv_dtype=kv_dtype))
+                                      max_num_seqs=4, kv_dtype=kv_dtype, weights=weights))
 
     def run() -> list[torch.Tensor]:
         out = []
@@ -61,6 +64,10 @@ def main() -> None:
     model_dir = resolve_model_dir(args.model, Path(read_settings().model_cache).expanduser())
     texts = [Path(f).read_text() for f in args.files]
     logits = {kv: engine_logits(model_dir, kv, texts, args.max_tokens) for kv in ("float32", "auto")}
+    from services.target.linear import native_bf16_cpu, resolve_weight_format
+    if native_bf16_cpu() and resolve_weight_format("auto", torch.bfloat16, "cpu") != "bf16":
+        # oneDNN's bf16 linears and torch's ops between them: transformers' own arithmetic
+        logits["onednn"] = engine_logits(model_dir, "auto", texts, args.max_tokens, weights="bf16")
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     ids = [tokenizer(t, return_tensors="pt").input_ids[:, :args.max_tokens] for t in texts]
@@ -81,8 +88,9 @@ def main() -> None:
     print(f"files: {', '.join(args.files)}; engine kv 'float32' = float32 attention, 'auto' = "
           f"{'bf16 matmul attention' if EngineConfig(model_dir=model_dir, dtype='bfloat16').torch_kv_dtype == torch.bfloat16 else 'float32 (no native bf16 here)'}")
     for a, b in (("float32", "auto"), ("float32", "hf sdpa"), ("auto", "hf sdpa"),
-                 ("hf sdpa", "hf eager"), ("auto", "hf eager")):
-        compare(a, b)
+                 ("hf sdpa", "hf eager"), ("auto", "hf eager"), ("onednn", "hf eager"), ("onednn", "auto")):
+        if a in logits and b in logits:
+            compare(a, b)
 
 
 if __name__ == "__main__":
