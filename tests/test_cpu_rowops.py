@@ -103,3 +103,17 @@ def test_gelu_tanh_mul_matches_torch():
     assert bool(((ours.float() - theirs.float()).abs()[~plain] < 1e-4).all())
     huge = torch.tensor([[-100.0, 100.0, 0.0, 1.0, 1.0, 1.0]], dtype=torch.bfloat16)  # gates, then ups
     assert cpu_rowops.gelu_tanh_mul(huge).tolist() == [[-0.0, 100.0, 0.0]]
+
+
+def test_masked_softmax_matches_torch_within_a_rounding_step_and_zeroes_rows_that_see_nothing():
+    scores = _bf16(8, 5, 300, seed=13, scale=4.0)  # [heads, rows, entries]
+    g = torch.Generator().manual_seed(14)
+    hidden = torch.rand(5, 300, generator=g) < 0.3
+    hidden[2] = True  # a row that sees nothing
+    theirs = torch.softmax(scores.masked_fill(hidden, float("-inf")), -1)
+    ours = cpu_rowops.masked_softmax_(scores.clone(), hidden)
+    seen = torch.tensor([r != 2 for r in range(5)])
+    _within_one_step(ours[:, seen], theirs[:, seen], at_most=0.02)
+    assert bool((ours[:, hidden] == 0).all()) and bool((ours[:, 2] == 0).all())
+    plain = _bf16(3, 2, 17, seed=15)  # no mask; a part vector
+    _within_one_step(cpu_rowops.masked_softmax_(plain.clone(), None), torch.softmax(plain, -1), at_most=0.05)

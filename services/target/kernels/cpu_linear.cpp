@@ -232,6 +232,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bf16(const at::Tenso
                                                                  const at::Tensor& cos, const at::Tensor& sin,
                                                                  int64_t H, int64_t KV, double eps);
 at::Tensor gelu_tanh_mul_bf16(const at::Tensor& gate_up);
+void masked_softmax_bf16_(at::Tensor& scores, const at::Tensor& hidden);
 // cpu_decode_attention.cpp
 void decode_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& offsets,
@@ -246,5 +247,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "h + norm(a), then the next norm of it: (h_new, x)");
   m.def("qk_norm_rope_bf16", &qk_norm_rope_bf16, "q/k norm and RoPE of a fused qkv: (q, k, v)");
   m.def("gelu_tanh_mul_bf16", &gelu_tanh_mul_bf16, "gelu_tanh(gate) * up of a fused gate|up, bf16");
+  m.def("masked_softmax_bf16_", &masked_softmax_bf16_, "softmax of bf16 scores with a hidden mask, in place");
   m.def("decode_attention_bf16", &decode_attention_bf16, "decode rows' attention over the paged bf16 pool, in place");
 }

@@ -15,7 +15,9 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cmath>
+#include <cstring>
 #include <cstdint>
 #include <tuple>
 #include <vector>
@@ -222,4 +224,61 @@ at::Tensor gelu_tanh_mul_bf16(const at::Tensor& gate_up) {
     }
   });
   return out;
+}
+
+// Attention probabilities of a prefill piece in one pass:
+//   torch.softmax(scores.masked_fill(hidden, -inf), -1) for bf16 scores [B, R, N] (rows of B
+//   heads over R queries), hidden [R, N] bool (True: the query may not see the entry) or empty.
+// In float32 as torch's: the row's max, exp(x - max) (the polynomial above), their sum, each times
+// 1 / sum, rounded to bf16; a row that sees nothing gets zeros (torch's NaN, which the caller
+// zeroes). Written in place.
+void masked_softmax_bf16_(at::Tensor& scores, const at::Tensor& hidden) {
+  TORCH_CHECK(scores.dim() == 3 && scores.scalar_type() == at::kBFloat16 && scores.is_contiguous(),
+              "masked_softmax_bf16_: contiguous bf16 scores [B, R, N] expected, got ", scores.sizes());
+  const int64_t B = scores.size(0), R = scores.size(1), N = scores.size(2);
+  const bool masked = hidden.numel() > 0;
+  TORCH_CHECK(!masked || (hidden.scalar_type() == at::kBool && hidden.is_contiguous() && hidden.dim() == 2
+                          && hidden.size(0) == R && hidden.size(1) == N),
+              "masked_softmax_bf16_: hidden bool [R, N] or empty expected, got ", hidden.sizes());
+  uint16_t* sp = bf16_ptr(scores);
+  const uint8_t* hp = masked ? reinterpret_cast<const uint8_t*>(hidden.data_ptr<bool>()) : nullptr;
+  at::parallel_for(0, B * R, 16, [&](int64_t begin, int64_t end) {
+    std::vector<float> row(N);
+    for (int64_t i = begin; i < end; ++i) {
+      uint16_t* s = sp + i * N;
+      const uint8_t* h = masked ? hp + (i % R) * N : nullptr;
+      __m512 mxv16 = _mm512_set1_ps(-INFINITY);
+      for (int64_t j = 0; j < N; j += 16) {
+        const __mmask16 m = lanes(N - j);
+        __m512 x = load_bf16(s + j, m);
+        if (h != nullptr) {
+          const __m128i hid = _mm_maskz_loadu_epi8(m, h + j);
+          x = _mm512_mask_mov_ps(x, _mm_test_epi8_mask(hid, hid), _mm512_set1_ps(-INFINITY));
+        }
+        _mm512_mask_storeu_ps(row.data() + j, m, x);
+        mxv16 = _mm512_mask_max_ps(mxv16, m, mxv16, x);
+      }
+      const float mx = _mm512_reduce_max_ps(mxv16);
+      if (mx == -INFINITY) {  // sees nothing
+        std::fill(s, s + N, uint16_t{0});
+        continue;
+      }
+      __m512 sum = _mm512_setzero_ps();
+      const __m512 mxv = _mm512_set1_ps(mx);
+      for (int64_t j = 0; j < N; j += 16) {
+        const __mmask16 m = lanes(N - j);
+        const __m512 x = _mm512_maskz_loadu_ps(m, row.data() + j);
+        // hidden entries (-inf) and lanes past N: exactly 0
+        const __mmask16 live = m & _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+        const __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(x, mxv)));
+        _mm512_mask_storeu_ps(row.data() + j, m, e);
+        sum = _mm512_add_ps(sum, e);
+      }
+      const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+      for (int64_t j = 0; j < N; j += 16) {
+        const __mmask16 m = lanes(N - j);
+        store_bf16(s + j, round_bf16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, row.data() + j), inv)), m);
+      }
+    }
+  });
 }

@@ -47,3 +47,11 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] bf16 (gate | up) -> gelu(gate, approximate="tanh") * up [T, I] bf16."""
     return cpu_linear._module().gelu_tanh_mul_bf16(gate_up)
+
+
+def masked_softmax_(scores: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
+    """scores [B, R, N] bf16 (contiguous), hidden [R, N] bool or None -> the same tensor holding
+    softmax(scores.masked_fill(hidden, -inf), -1) in bf16 (float32 inside); rows that see nothing: 0."""
+    empty = torch.empty(0, dtype=torch.bool)
+    cpu_linear._module().masked_softmax_bf16_(scores, empty if hidden is None else hidden.contiguous())
+    return scores

@@ -320,8 +320,12 @@ def _attention_bf16(
             out[p.q_start] = o.view(num_heads, head_dim)
             continue
         q = q.reshape(nkv, group * p.q_len, head_dim)  # a kv head's query heads, row after row
-        scores = _scores(q, k.transpose(1, 2), scale).view(nkv, group, p.q_len, p.kv_len)
-        probs = _softmax(scores, p.hidden).view(nkv, group * p.q_len, p.kv_len)
+        scores = _scores(q, k.transpose(1, 2), scale)  # [nkv, group * q_len, kv_len]
+        if decode_kernel:  # the mask and the softmax in one C++ pass (exp by polynomial)
+            probs = cpu_rowops.masked_softmax_(scores.view(nkv * group, p.q_len, p.kv_len), p.hidden)
+        else:
+            probs = _softmax(scores.view(nkv, group, p.q_len, p.kv_len), p.hidden)
+        probs = probs.view(nkv, group * p.q_len, p.kv_len)
         o = torch.bmm(probs, v).view(num_heads, p.q_len, head_dim).transpose(0, 1)  # [q_len, H, D]
         if p.seen is not None:  # rows that see nothing are zeros (their softmax is NaN)
             o = torch.where(p.seen[:, None, None], o, 0.0)
