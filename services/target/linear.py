@@ -25,8 +25,9 @@ for both (`bf16` below).
                   step, and a row's outputs never depend on the other rows of the step.
                   Measured 2026-11-29 on an Intel Xeon with AVX-512 but no AVX512-BF16
                   (linear_formats.py): 3-4x oneDNN's emulated bf16 at 6-512 rows, 1.14x on the
-                  lm_head at one row. 2026-11-30 on an AMD EPYC with AVX512-BF16: 1.3-1.4x
-                  oneDNN's bf16 on the lm_head at one row, 1.0-1.1x at 18 to 2,000 rows.
+                  lm_head at one row. 2026-11-30 on an AMD EPYC with AVX512-BF16: 1.4x
+                  oneDNN's bf16 on the lm_head at one row, 1.3-2.2x at 6-18 rows, 1.0-1.1x at
+                  512-2,000 rows.
   weights="fp16"  each weight converted once to fp16 and packed for fbgemm; activations go in
                   as float32 and products accumulate in float32. bf16 values are exact in fp16
                   except the 0.02% of Gemma 3 270M weights below fp16's normal range (< 6.1e-5),
