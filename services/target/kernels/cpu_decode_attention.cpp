@@ -13,6 +13,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "cpu_simd.h"
+
 #include <algorithm>
 #include <cmath>
 #include <cstring>
@@ -21,24 +23,82 @@
 
 namespace {
 
-inline __m512 widen(const uint16_t* p) {  // 16 bf16 -> float32 (exact)
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p))), 16));
+using namespace specmesh_simd;
+
+inline __m512 widen(const uint16_t* p) { return load_bf16(p, 0xFFFF); }  // 16 bf16 -> float32
+
+// The bf16 scores of G query heads (qf [G, D] float32) against one key row: scale * q.k, float32
+// sums, rounded to bf16; written to out[g * stride]. G is a template argument so the G
+// accumulators stay in registers.
+template <int G>
+inline void head_scores(const float* qf, const uint16_t* krow, int64_t D, float scale, float* out, int64_t stride) {
+  __m512 acc[G];
+  for (int g = 0; g < G; ++g) acc[g] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    const __m512 k = widen(krow + d);
+    for (int g = 0; g < G; ++g) acc[g] = _mm512_fmadd_ps(_mm512_loadu_ps(qf + g * D + d), k, acc[g]);
+  }
+  for (int g = 0; g < G; ++g) {
+    const __m512 s = round_bf16(_mm512_set1_ps(_mm512_reduce_add_ps(acc[g]) * scale));
+    out[g * stride] = _mm512_cvtss_f32(s);
+  }
 }
 
-inline float round_bf16(float f) {  // round to nearest even, as c10::BFloat16 (NaN -> NaN)
-  if (std::isnan(f)) return f;
-  uint32_t bits;
-  std::memcpy(&bits, &f, 4);
-  bits = (bits + 0x7FFF + ((bits >> 16) & 1)) & 0xFFFF0000u;
-  std::memcpy(&f, &bits, 4);
-  return f;
+// out[g, d .. d + 16 C) = bf16(sum_j probs[g, j] v_j[d ..]) for G heads (probs [G, len], a null
+// vrows[j] skipped); each value row is widened once for the G heads.
+template <int G, int C>
+inline void weighted_values(const float* probs, int64_t len, const uint16_t* const* vrows, int64_t d,
+                            uint16_t* out, int64_t D) {
+  __m512 acc[G][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
+  for (int64_t j = 0; j < len; ++j) {
+    if (vrows[j] == nullptr) continue;
+    __m512 v[C];
+    for (int c = 0; c < C; ++c) v[c] = widen(vrows[j] + d + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 p = _mm512_set1_ps(probs[g * len + j]);
+      for (int c = 0; c < C; ++c) acc[g][c] = _mm512_fmadd_ps(p, v[c], acc[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) store_bf16(out + g * D + d + 16 * c, round_bf16(acc[g][c]), 0xFFFF);
 }
 
-inline uint16_t to_bf16_bits(float f) {
-  const float r = round_bf16(f);
-  uint32_t bits;
-  std::memcpy(&bits, &r, 4);
-  return std::isnan(f) ? 0x7FC0 : static_cast<uint16_t>(bits >> 16);
+// Heads [h, h + G) of a job: every score, then (after the softmax) every output column.
+template <int G>
+void head_block_scores(const float* qf, const uint16_t* const* krows, int64_t len, int64_t D, float scale,
+                       float* probs) {
+  for (int64_t j = 0; j < len; ++j)
+    if (krows[j] != nullptr) head_scores<G>(qf, krows[j], D, scale, probs + j, len);
+}
+
+template <int G>
+void head_block_values(const float* probs, int64_t len, const uint16_t* const* vrows, uint16_t* out, int64_t D) {
+  int64_t d = 0;
+  for (; d + 64 <= D; d += 64) weighted_values<G, 4>(probs, len, vrows, d, out, D);
+  for (; d < D; d += 16) weighted_values<G, 1>(probs, len, vrows, d, out, D);
+}
+
+// Softmax of one head's scores in place (float32; -inf entries become 0), rounded to bf16.
+inline void softmax_row(float* p, int64_t len) {
+  __m512 mx = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < len; j += 16) mx = _mm512_mask_max_ps(mx, lanes(len - j), mx, _mm512_loadu_ps(p + j));
+  const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+  __m512 sum = _mm512_setzero_ps();
+  for (int64_t j = 0; j < len; j += 16) {
+    const __mmask16 m = lanes(len - j);
+    const __m512 x = _mm512_maskz_loadu_ps(m, p + j);
+    const __mmask16 live = m & _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(x, top)));
+    _mm512_mask_storeu_ps(p + j, m, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+  for (int64_t j = 0; j < len; j += 16) {
+    const __mmask16 m = lanes(len - j);
+    _mm512_mask_storeu_ps(p + j, m, round_bf16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, p + j), inv)));
+  }
 }
 
 }  // namespace
@@ -95,62 +155,43 @@ void decode_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, c
 
   at::parallel_for(0, n * KV, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> probs, qf;
-    std::vector<const uint16_t*> vrows;
+    std::vector<const uint16_t*> krows, vrows;
     for (int64_t job = begin; job < end; ++job) {
       const int64_t i = job / KV, g = job % KV, len = lp[i], h0 = g * group;
       const uint16_t* qrow = q + (rp[i] * H + h0) * D;  // the group's query heads, [group, D]
       qf.resize(group * D);  // ... in float32 (exact)
       for (int64_t d = 0; d < group * D; d += 16) _mm512_storeu_ps(qf.data() + d, widen(qrow + d));
-      probs.assign(group * len, 0.0f);
-      vrows.assign(len, nullptr);  // nullptr: an entry the row may not see
+      probs.assign(group * len, -INFINITY);  // [group, len]; -inf: an entry the row may not see
+      krows.assign(len, nullptr);
+      vrows.assign(len, nullptr);
       const bool* mrow = masked ? mp + i * mask_width : nullptr;
+      bool any = false;
       for (int64_t j = 0; j < len; ++j) {
-        if (mrow != nullptr && !mrow[j]) {
-          for (int64_t hh = 0; hh < group; ++hh) probs[hh * len + j] = -INFINITY;
-          continue;
-        }
+        if (mrow != nullptr && !mrow[j]) continue;
         const int64_t e = op[i] + j, slot = (tp[i * max_blocks + e / BS] * BS + e % BS) * KV + g;
-        const uint16_t* krow = kc + slot * D;
+        krows[j] = kc + slot * D;
         vrows[j] = vc + slot * D;
-        for (int64_t h1 = 0; h1 < group; h1 += 4) {  // up to 4 query heads per pass over k
-          const int64_t heads = std::min<int64_t>(4, group - h1);
-          __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-          for (int64_t d = 0; d < D; d += 16) {
-            const __m512 kv = widen(krow + d);
-            for (int64_t hh = 0; hh < heads; ++hh)
-              acc[hh] = _mm512_fmadd_ps(_mm512_loadu_ps(qf.data() + (h1 + hh) * D + d), kv, acc[hh]);
-          }
-          for (int64_t hh = 0; hh < heads; ++hh)  // the bf16 score
-            probs[(h1 + hh) * len + j] = round_bf16(_mm512_reduce_add_ps(acc[hh]) * sc);
-        }
+        any = true;
       }
-      if (std::all_of(vrows.begin(), vrows.end(), [](const uint16_t* v) { return v == nullptr; })) {
-        std::fill(o + (rp[i] * H + h0) * D, o + (rp[i] * H + h0 + group) * D, uint16_t{0});  // sees nothing
+      uint16_t* orow = o + (rp[i] * H + h0) * D;
+      if (!any) {
+        std::fill(orow, orow + group * D, uint16_t{0});  // sees nothing
         continue;
       }
-      for (int64_t hh = 0; hh < group; ++hh) {  // softmax in float32, probabilities rounded to bf16
-        float* p = probs.data() + hh * len;
-        const float mx = *std::max_element(p, p + len);
-        float sum = 0.0f;
-        for (int64_t j = 0; j < len; ++j) sum += (p[j] = std::exp(p[j] - mx));  // exp(-inf) = 0
-        const float inv = 1.0f / sum;
-        for (int64_t j = 0; j < len; ++j) p[j] = round_bf16(p[j] * inv);
-      }
-      for (int64_t d = 0; d < D; d += 64) {  // out = sum_j p_j v_j, 64 columns at a time
-        const int64_t width = std::min<int64_t>(64, D - d);
-        for (int64_t hh = 0; hh < group; ++hh) {
-          __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-          const float* p = probs.data() + hh * len;
-          for (int64_t j = 0; j < len; ++j) {
-            if (vrows[j] == nullptr) continue;
-            const __m512 pj = _mm512_set1_ps(p[j]);
-            for (int64_t c = 0; c < width / 16; ++c) acc[c] = _mm512_fmadd_ps(pj, widen(vrows[j] + d + 16 * c), acc[c]);
-          }
-          uint16_t* orow = o + (rp[i] * H + h0 + hh) * D + d;
-          alignas(64) float buf[64];
-          for (int64_t c = 0; c < width / 16; ++c) _mm512_store_ps(buf + 16 * c, acc[c]);
-          for (int64_t c = 0; c < width; ++c) orow[c] = to_bf16_bits(buf[c]);
-        }
+      for (int64_t h = 0; h < group;) {  // heads in blocks of up to 4: accumulators in registers
+        const int64_t block = std::min<int64_t>(4, group - h);
+        const float* qh = qf.data() + h * D;
+        float* ph = probs.data() + h * len;
+        if (block == 4) head_block_scores<4>(qh, krows.data(), len, D, sc, ph);
+        else if (block == 3) head_block_scores<3>(qh, krows.data(), len, D, sc, ph);
+        else if (block == 2) head_block_scores<2>(qh, krows.data(), len, D, sc, ph);
+        else head_block_scores<1>(qh, krows.data(), len, D, sc, ph);
+        for (int64_t hh = 0; hh < block; ++hh) softmax_row(ph + hh * len, len);
+        if (block == 4) head_block_values<4>(ph, len, vrows.data(), orow + h * D, D);
+        else if (block == 3) head_block_values<3>(ph, len, vrows.data(), orow + h * D, D);
+        else if (block == 2) head_block_values<2>(ph, len, vrows.data(), orow + h * D, D);
+        else head_block_values<1>(ph, len, vrows.data(), orow + h * D, D);
+        h += block;
       }
     }
   });
