@@ -28,10 +28,10 @@ def _run(batch, window, decode_kernel: bool) -> tuple[torch.Tensor, list]:
 def test_decode_rows_in_cpp_match_the_bf16_torch_path_and_leave_other_rows_alone(heads, head_dim, window):
     """Decode rows (lone and grouped), a draft tree's and a short chunk's masked rows over shuffled
     blocks, with NaN/inf in every slot no row may see: the eager bf16 attention within bf16
-    rounding; rows left to torch (none here but the too-large) bit for bit as before."""
+    rounding; a 40-row chunk keeps torch's matmuls, with the C++ masked softmax between them."""
     g = torch.Generator().manual_seed(head_dim + (window or 0))
     seqs = [SeqSpec(40, 1), SeqSpec(3, 1), SeqSpec(25, 1), SeqSpec(7, 4), SeqSpec(31, 1),
-            SeqSpec(0, 1), SeqSpec(12, 3, chain_tree(3)), SeqSpec(200, 1)]
+            SeqSpec(0, 1), SeqSpec(12, 3, chain_tree(3)), SeqSpec(200, 1), SeqSpec(5, 40)]
     batch = make_batch(seqs, heads[0], heads[1], head_dim, 4, torch.bfloat16, g, use_tree_mask=True)
     _poison_invisible_slots(batch, window)
     ours, plan = _run(batch, window, decode_kernel=True)
@@ -41,9 +41,12 @@ def test_decode_rows_in_cpp_match_the_bf16_torch_path_and_leave_other_rows_alone
     decode = [p.q_start for p in plan if p.q_len == 1 and p.mask is None]
     trees = [r for r in covered if r not in decode]  # the 4-row chunk's and the 3-node tree's rows
     assert len(decode) >= 5 and len(trees) == 7 and not ours.isnan().any()
-    rest = [r for r in range(ours.shape[0]) if r not in covered]
-    assert torch.equal(ours[rest], before[rest])
+    rest = [r for r in range(ours.shape[0]) if r not in covered]  # the 40-row chunk: torch's matmuls
+    assert len(rest) == 40
     eager = _eager_bf16(batch, 0.3, window)
+    # ... around the C++ masked softmax (its exp a polynomial): within bf16 rounding of before
+    torch.testing.assert_close(ours[rest].float(), before[rest].float(), atol=0.03, rtol=0.03)
+    assert (ours[rest] == before[rest]).float().mean().item() > 0.9
     # Scores, probabilities and outputs rounded to bf16 where the eager path rounds them; only
     # float32 sums run in another order: outputs within a few bf16 steps, most of them equal.
     torch.testing.assert_close(ours[covered].float(), eager[covered].float(), atol=0.03, rtol=0.03)
