@@ -49,25 +49,21 @@ def _pairwise_reference(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
     return acc.to(torch.bfloat16)
 
 
+LOOPS_AND_REFERENCES = [  # each loop against its arithmetic written out in torch
+    pytest.param(False, _sequential_reference, id="fma-k-in-order"),
+    pytest.param(True, _pairwise_reference, id="vdpbf16ps-pairs", marks=pytest.mark.skipif(
+        not cpu_linear.bf16_dot_instruction(), reason="the CPU has no AVX512-BF16"))]
+
+
 @needs_kernel
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 97])  # every microtile, past the 96-row pass
+@pytest.mark.parametrize("dot,reference", LOOPS_AND_REFERENCES)
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 25, 97])  # every microtile, past the 96-row pass
 @pytest.mark.parametrize("n,k", [(37, 200), (128, 33), (5, 1)])  # a part panel, whole panels, odd K, one column
-def test_fma_loop_equals_float32_sums_in_k_order_bit_for_bit(rows, n, k):
+def test_each_loop_equals_its_float32_sums_bit_for_bit(rows, n, k, dot, reference):
     x, w = _bf16(rows, k, seed=rows), _bf16(n, k, seed=n + k, scale=0.05)
-    y = _linear(x, w, dot=False)
+    y = _linear(x, w, dot=dot)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
-    assert torch.equal(y, _sequential_reference(x, w))
-
-
-@needs_kernel
-@pytest.mark.skipif(not cpu_linear.bf16_dot_instruction(), reason="the CPU has no AVX512-BF16")
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 97])  # every microtile, past the 96-row pass
-@pytest.mark.parametrize("n,k", [(37, 200), (128, 33), (5, 1)])
-def test_dot_loop_equals_documented_pair_order_bit_for_bit(rows, n, k):
-    x, w = _bf16(rows, k, seed=rows), _bf16(n, k, seed=n + k, scale=0.05)
-    y = _linear(x, w, dot=True)
-    assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
-    assert torch.equal(y, _pairwise_reference(x, w))
+    assert torch.equal(y, reference(x, w))
 
 
 @needs_kernel
