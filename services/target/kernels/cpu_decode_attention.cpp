@@ -83,7 +83,10 @@ void head_block_values(const float* probs, int64_t len, const uint16_t* const* v
 // Softmax of one head's scores in place (float32; -inf entries become 0), rounded to bf16.
 inline void softmax_row(float* p, int64_t len) {
   __m512 mx = _mm512_set1_ps(-INFINITY);
-  for (int64_t j = 0; j < len; j += 16) mx = _mm512_mask_max_ps(mx, lanes(len - j), mx, _mm512_loadu_ps(p + j));
+  for (int64_t j = 0; j < len; j += 16) {  // a masked load: never past the row's end
+    const __mmask16 m = lanes(len - j);
+    mx = _mm512_mask_max_ps(mx, m, mx, _mm512_maskz_loadu_ps(m, p + j));
+  }
   const __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
   __m512 sum = _mm512_setzero_ps();
   for (int64_t j = 0; j < len; j += 16) {
