@@ -68,7 +68,7 @@ def main() -> None:
                 cells.append(f"{fmt} {ms:.3f} ms ({gbs:.0f} GB/s)")
             lines.append(f"{name:14} {out_f}x{in_f} rows={rows:<3} " + " | ".join(cells))
     print(f"threads={torch.get_num_threads()} oneDNN bf16={native_bf16_cpu()} "
-          f"bf16 dot in hardware={cpu_linear.native_bf16_dot()}")
+          f"bf16 dot in hardware={cpu_linear.bf16_dot_instruction()}")
     print("\n".join(lines))
 
 

@@ -157,7 +157,7 @@ def test_avx512_layers_replace_bias_free_linears_and_keep_onednn_for_a_bias():
 def test_auto_picks_the_avx512_kernel_wherever_it_builds(monkeypatch):
     monkeypatch.setattr(cpu_linear, "available", lambda: True)
     for hardware_dot in (False, True):  # VDPBF16PS where the CPU has it, widen + FMA elsewhere
-        monkeypatch.setattr(cpu_linear, "native_bf16_dot", lambda: hardware_dot)
+        monkeypatch.setattr(cpu_linear, "bf16_dot_instruction", lambda: hardware_dot)
         monkeypatch.setattr(linear, "native_bf16_cpu", lambda: hardware_dot)
         assert linear.resolve_weight_format("auto", torch.bfloat16, "cpu") == "bf16-avx512"
         assert linear.resolve_weight_format("auto", torch.float32, "cpu") == "none"

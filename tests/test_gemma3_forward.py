@@ -53,6 +53,11 @@ def _formats():
         [(torch.bfloat16, "bf16-avx512")] if cpu_linear.available() else [])
 
 
+def _kernel_available() -> bool:
+    from services.target.kernels import cpu_linear
+    return cpu_linear.available()
+
+
 @pytest.mark.parametrize("dtype,weights", _formats())
 def test_lean_forward_equals_transformers_on_prefill_decode_and_tree_steps(tiny_gemma_dir, dtype, weights):
     """The lean forward with fused projections against transformers' forward over the model's own,
@@ -93,13 +98,11 @@ def test_loading_logs_which_linear_format_was_packed(tiny_gemma_dir, caplog):
     assert f"linear layers: {chosen} (asked: auto)" in caplog.text
 
 
+@pytest.mark.skipif(not _kernel_available(), reason="the AVX-512 kernel does not run here")
 def test_row_ops_run_with_the_avx512_kernel_only_and_keep_the_logits(tiny_gemma_dir):
     """The C++ row ops (norms, residual adds, q/k norm + RoPE) replace torch's where the linear
     layers are specmesh's kernel; forced on beside oneDNN/fbgemm layers they give the same greedy
     tokens and logits within bf16 rounding of the torch ops' (tests/test_cpu_rowops.py per op)."""
-    from services.target.kernels import cpu_linear
-    if not cpu_linear.available():
-        pytest.skip(f"{cpu_linear.unavailable_reason()}")
     assert _runner(tiny_gemma_dir, torch.bfloat16, "bf16-avx512").lean_forward.row_ops
     assert not _runner(tiny_gemma_dir, torch.float32, "none").lean_forward.row_ops
     torch_ops = _runner(tiny_gemma_dir, torch.bfloat16, "fp16")

@@ -25,6 +25,8 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "cpu_simd.h"
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -46,22 +48,13 @@ inline void store(__m512 (&acc)[NP][MB][2], float* buf, int64_t lpanel) {
     }
 }
 
-// float32 -> bf16, round to nearest even, NaN -> 0x7FC0 (as c10::BFloat16), in the low 16 bits.
-inline __m512i round_to_bf16(__m512 v) {
-  const __m512i bits = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
-  const __m512i rounded = _mm512_srli_epi32(_mm512_add_epi32(bits, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  return _mm512_mask_mov_epi32(rounded, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-}
-
 // buf's rows [0, rows) of panel p (32 float32 each) -> y[m, p * 32 ...] bf16 (row stride N), up to N.
 inline void write_panel(const float* buf, int64_t rows, int64_t p, int64_t N, uint16_t* y) {
   const int64_t n0 = p * kPanel, valid = std::min<int64_t>(kPanel, N - n0);
-  const __mmask32 mask = valid >= 32 ? 0xFFFFFFFFu : static_cast<__mmask32>((1u << valid) - 1);
+  const __mmask16 m0 = specmesh_simd::lanes(valid), m1 = specmesh_simd::lanes(std::max<int64_t>(valid - 16, 0));
   for (int64_t m = 0; m < rows; ++m) {
-    const __m256i lo = _mm512_cvtepi32_epi16(round_to_bf16(_mm512_loadu_ps(buf + m * kPanel)));
-    const __m256i hi = _mm512_cvtepi32_epi16(round_to_bf16(_mm512_loadu_ps(buf + m * kPanel + 16)));
-    _mm512_mask_storeu_epi16(y + m * N + n0, mask, _mm512_inserti64x4(_mm512_castsi256_si512(lo), hi, 1));
+    specmesh_simd::store_bf16(y + m * N + n0, specmesh_simd::round_bf16(_mm512_loadu_ps(buf + m * kPanel)), m0);
+    specmesh_simd::store_bf16(y + m * N + n0 + 16, specmesh_simd::round_bf16(_mm512_loadu_ps(buf + m * kPanel + 16)), m1);
   }
 }
 

@@ -37,12 +37,6 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def native_bf16_dot() -> bool:
-    """Whether the CPU multiplies bf16 in hardware (AVX512-BF16 or AMX), where oneDNN is the fast path."""
-    flags = cpu_flags()
-    return bool(flags & {"avx512_bf16", "amx_bf16"})
-
-
 @functools.cache
 def bf16_dot_instruction() -> bool:
     """Whether the kernel can multiply with VDPBF16PS (AVX512-BF16) here."""

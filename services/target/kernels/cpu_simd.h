@@ -1,4 +1,4 @@
-// AVX-512 helpers shared by the CPU kernels (cpu_rowops.cpp, cpu_decode_attention.cpp):
+// AVX-512 helpers shared by the CPU kernels (cpu_linear.cpp, cpu_rowops.cpp, cpu_decode_attention.cpp):
 // bf16 <-> float32 lanes with torch's rounding, tail masks, and a vectorized exp.
 #pragma once
 
@@ -26,7 +26,9 @@ inline void store_bf16(uint16_t* p, __m512 rounded, __mmask16 m) {  // a round_b
   _mm256_mask_storeu_epi16(p, m, _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(rounded), 16)));
 }
 
-inline __mmask16 lanes(int64_t left) { return left >= 16 ? 0xFFFF : static_cast<__mmask16>((1u << left) - 1); }
+inline __mmask16 lanes(int64_t left) {  // the first min(left, 16) lanes; none for left <= 0
+  return left >= 16 ? 0xFFFF : left <= 0 ? 0 : static_cast<__mmask16>((1u << left) - 1);
+}
 
 // exp(x) for float32 lanes: x = n ln2 + r, |r| <= ln2 / 2, e^r by its Taylor polynomial to r^7
 // (relative error < 2e-7 before the final rounding), times 2^n. Inputs clamped to [-88, 88].
