@@ -230,6 +230,10 @@ void masked_softmax_bf16_(at::Tensor& scores, const at::Tensor& hidden);
 void decode_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& offsets,
                            const at::Tensor& lens, const at::Tensor& masks, double scale, at::Tensor& out);
+// cpu_chunk_attention.cpp
+void chunk_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& pieces, const at::Tensor& tables, const at::Tensor& bounds, double scale,
+                          at::Tensor& out);
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pack_bf16_weight", &pack_bf16_weight,
@@ -242,4 +246,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gelu_tanh_mul_bf16", &gelu_tanh_mul_bf16, "gelu_tanh(gate) * up of a fused gate|up, bf16");
   m.def("masked_softmax_bf16_", &masked_softmax_bf16_, "softmax of bf16 scores with a hidden mask, in place");
   m.def("decode_attention_bf16", &decode_attention_bf16, "decode rows' attention over the paged bf16 pool, in place");
+  m.def("chunk_attention_bf16", &chunk_attention_bf16,
+        "prefill chunks' attention over the paged bf16 pool (VDPBF16PS), each row one visible run, in place");
 }

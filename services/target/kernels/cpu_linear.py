@@ -1,6 +1,7 @@
 """Builds and loads the AVX-512 bf16 linear kernel (cpu_linear.cpp) on first use, with the
-per-row ops between the matmuls and the decode rows' attention (cpu_rowops.cpp and
-cpu_decode_attention.cpp, wrapped in cpu_rowops.py) in the same module.
+per-row ops between the matmuls, the decode rows' and the prefill chunks' attention
+(cpu_rowops.cpp, cpu_decode_attention.cpp and cpu_chunk_attention.cpp, wrapped in
+cpu_rowops.py) in the same module.
 
 On a CPU with AVX512-BF16 the kernel multiplies with VDPBF16PS; on other AVX-512 CPUs it widens
 bf16 to float32 and uses FMA (`bf16_linear(dot=...)`; the default is what the CPU has).
@@ -21,7 +22,8 @@ from pathlib import Path
 import torch
 
 _SOURCES = [str(Path(__file__).with_name(name)) for name in ("cpu_linear.cpp", "cpu_rowops.cpp",
-                                                                      "cpu_decode_attention.cpp")]
+                                                                      "cpu_decode_attention.cpp",
+                                                                      "cpu_chunk_attention.cpp")]
 _FLAGS = ["-O3", "-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-fopenmp"]
 
 

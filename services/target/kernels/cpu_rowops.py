@@ -44,6 +44,19 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                                                empty if masks is None else masks, scale, out)
 
 
+def chunk_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pieces: torch.Tensor,
+                    tables: torch.Tensor, bounds: torch.Tensor, scale: float, out: torch.Tensor) -> None:
+    """Prefill chunks' attention over the paged bf16 pool with VDPBF16PS (cpu_chunk_attention.cpp);
+    AVX512-BF16 CPUs only (cpu_linear.bf16_dot_instruction).
+
+    query/out [T, H, D] bf16; caches [num_blocks, block_size, KV, D] bf16; pieces [P, 4] int64
+    (q_start, q_len, kv_offset, kv_len): rows q_start .. q_start + q_len - 1 over entries
+    kv_offset .. kv_offset + kv_len - 1 of the blocks tables[P, max_blocks] laid end to end;
+    bounds [rows, 2] int64, row by row of the pieces: the run [lo, hi) of that range the row sees.
+    Writes the pieces' rows of out; a row that sees nothing gets zeros."""
+    cpu_linear._module().chunk_attention_bf16(query, k_cache, v_cache, pieces, tables, bounds, scale, out)
+
+
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] bf16 (gate | up) -> gelu(gate, approximate="tanh") * up [T, I] bf16."""
     return cpu_linear._module().gelu_tanh_mul_bf16(gate_up)

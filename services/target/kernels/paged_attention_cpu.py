@@ -26,6 +26,12 @@ Per layer the work is then one attention call per sequence, in one of two precis
     256, this machine). A lone decode row (one query, nothing masked) calls SDPA in bf16, which
     is faster at one query and keeps its scores in float32.
 
+With the C++ row ops (a bf16 model on the AVX-512 kernel, `decode_kernel`), decode rows and
+small trees attend in cpu_decode_attention.cpp, and on CPUs with AVX512-BF16 the prefill
+chunks whose rows each see one run of entries (causal, with or without a sliding window) in
+cpu_chunk_attention.cpp (VDPBF16PS, keys and values read once per piece from the pool): a
+512-row chunk over 2,000 entries took ~11 ms there against ~15-21 ms of torch's matmuls.
+
 Decode rows of a busy step are batched: per-sequence calls cost Python and dispatch time per
 sequence per layer (a mixed 18-request step spent 42% in attention, 16% in the per-sequence
 block gathers; py-spy, 2026-11-29). Decode rows without a mask are grouped by kv length (a
@@ -41,7 +47,7 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from . import cpu_rowops
+from . import cpu_linear, cpu_rowops
 from .paged_attention import validate_paged_attention_args
 
 
@@ -82,6 +88,7 @@ class CpuAttentionPlan(list):
     groups: list[DecodeGroup]
     grouped: frozenset[int]
     decode_rows: "DecodeRows | None"  # set by _decode_rows on first use
+    chunk_pieces: "ChunkPieces | None"  # set by _chunk_pieces on first use
 
 
 def paged_attention_cpu(
@@ -293,6 +300,10 @@ def _attention_bf16(
         if rows is not None:
             cpu_rowops.decode_attention(query, k_cache, v_cache, *rows.tensors, scale, out)
             done = rows.plans
+        chunks = _chunk_pieces(plan, done, head_dim)
+        if chunks is not None:
+            cpu_rowops.chunk_attention(query, k_cache, v_cache, *chunks.tensors, scale, out)
+            done = done | chunks.plans
     for g in ([] if decode_kernel else getattr(plan, "groups", ())):
         n, kv_len = len(g.members), g.blocks_per_seq * k_cache.shape[1]
         k = k_cache.index_select(0, g.blocks).view(n, kv_len, nkv, head_dim)
@@ -373,6 +384,48 @@ def _decode_rows(plan: list[SeqPlan]) -> DecodeRows | None:
     if isinstance(plan, CpuAttentionPlan):
         plan.decode_rows = rows
     return rows
+
+
+@dataclass(frozen=True)
+class ChunkPieces:
+    """The plan's longer masked pieces whose rows each see one run of their kv range (prefill
+    chunks, causal, with or without a sliding window): one VDPBF16PS call (cpu_chunk_attention.cpp)."""
+    plans: frozenset[int]  # indices of the plans they cover
+    tensors: tuple  # pieces [P, 4] (q_start, q_len, kv_offset, kv_len), tables [P, max_blocks], bounds [rows, 2] int64
+
+
+def _chunk_pieces(plan: list[SeqPlan], skip: frozenset[int], head_dim: int) -> ChunkPieces | None:
+    """Those pieces (not in `skip`), built once per step and window (kept on the plan), or None:
+    also where the CPU has no AVX512-BF16 or the head size is not a multiple of 64 (torch's
+    matmuls then). A piece some row of which sees a non-contiguous set (a large draft tree)
+    stays with torch too."""
+    cached = getattr(plan, "chunk_pieces", False)
+    if cached is not False:
+        return cached
+    picked, pieces, bounds = [], [], []
+    if cpu_linear.bf16_dot_instruction() and head_dim % 64 == 0:
+        for i, p in enumerate(plan):
+            if i in skip or p.mask is None:
+                continue
+            seen = p.mask.sum(-1)  # [q_len]
+            lo = torch.where(seen > 0, p.mask.to(torch.uint8).argmax(-1), 0)
+            hi = torch.where(seen > 0, p.kv_len - p.mask.flip(-1).to(torch.uint8).argmax(-1), 0)
+            if not torch.equal(hi - lo, seen):
+                continue
+            picked.append(i)
+            pieces.append((p.q_start, p.q_len, p.kv_offset, p.kv_len))
+            bounds.append(torch.stack([lo, hi], -1))
+    chunks = None
+    if picked:
+        width = max(plan[i].num_blocks for i in picked)
+        tables = torch.zeros(len(picked), width, dtype=torch.long)
+        for n, i in enumerate(picked):
+            tables[n, :plan[i].num_blocks] = torch.tensor(plan[i].block_ids, dtype=torch.long)
+        chunks = ChunkPieces(frozenset(picked), (torch.tensor(pieces, dtype=torch.long), tables,
+                                                 torch.cat(bounds).to(torch.long).contiguous()))
+    if isinstance(plan, CpuAttentionPlan):
+        plan.chunk_pieces = chunks
+    return chunks
 
 
 def _scores(q: torch.Tensor, k_t: torch.Tensor, scale: float) -> torch.Tensor:

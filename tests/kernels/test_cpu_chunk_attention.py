@@ -1,0 +1,112 @@
+"""Prefill chunks' attention in C++ with VDPBF16PS over the paged bf16 pool
+(kernels/cpu_chunk_attention.cpp) against the eager bf16 attention, the bf16 torch path it
+replaces (paged_attention_cpu.py) and float32 attention."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.target.kernels import cpu_linear, cpu_rowops, paged_attention_cpu
+from services.target.kernels.paged_attention_cpu import paged_attention_cpu_planned, plan_cpu_attention
+
+from .helpers import SeqSpec, make_batch, naive_attention, random_tree
+from .test_paged_attention_cpu import _eager_bf16, _poison_invisible_slots
+
+pytestmark = pytest.mark.skipif(not (cpu_linear.available() and cpu_linear.bf16_dot_instruction()),
+                                reason="needs the AVX-512 kernel module and AVX512-BF16 (VDPBF16PS)")
+
+
+def _run(batch, window, decode_kernel: bool):
+    plan = plan_cpu_attention(batch.k_cache.shape[1], batch.block_tables, batch.context_lens,
+                              batch.query_start_loc, batch.query_positions, window, batch.tree_mask)
+    out = paged_attention_cpu_planned(batch.query, batch.k_cache, batch.v_cache, plan, 0.3,
+                                      decode_kernel=decode_kernel)
+    return out, plan
+
+
+@pytest.mark.parametrize("heads,head_dim", [((4, 1), 256), ((4, 2), 64), ((3, 3), 128), ((8, 1), 64)])
+@pytest.mark.parametrize("window", [None, 6, 40])
+def test_chunks_in_cpp_match_eager_bf16_attention(heads, head_dim, window):
+    """Causal chunks of 30 to 300 rows (cut into 64-row pieces in window layers), from an empty
+    context and after one, over shuffled blocks, with inf/NaN in every slot no row may see: the
+    eager bf16 attention within bf16 rounding, nearly all outputs equal; no further from float32
+    than the torch bf16 path."""
+    g = torch.Generator().manual_seed(head_dim + (window or 0))
+    seqs = [SeqSpec(40, 1), SeqSpec(3, 30), SeqSpec(25, 1), SeqSpec(0, 50), SeqSpec(200, 1),
+            SeqSpec(5, 40), SeqSpec(100, 300)]
+    batch = make_batch(seqs, heads[0], heads[1], head_dim, 4, torch.bfloat16, g, use_tree_mask=False)
+    _poison_invisible_slots(batch, window)
+    ours, plan = _run(batch, window, decode_kernel=True)
+    before, _ = _run(batch, window, decode_kernel=False)
+    chunk_rows = [r for i in sorted(plan.chunk_pieces.plans)
+                  for r in range(plan[i].q_start, plan[i].q_start + plan[i].q_len)]
+    assert len(chunk_rows) == 30 + 50 + 40 + 300  # every chunk row, none of the decode rows
+    assert not ours.isnan().any()
+    eager = _eager_bf16(batch, 0.3, window)
+    torch.testing.assert_close(ours[chunk_rows].float(), eager[chunk_rows].float(), atol=0.03, rtol=0.03)
+    assert (ours[chunk_rows] == eager[chunk_rows]).float().mean().item() > 0.99
+    exact = naive_attention(batch, 0.3, window).float()
+    ours_err, before_err = (ours.float() - exact).abs(), (before.float() - exact).abs()
+    assert ours_err.max() <= 1.25 * before_err.max() and ours_err.mean() <= 1.1 * before_err.mean()
+
+
+def test_a_row_sees_only_its_run_and_a_row_that_sees_nothing_is_zero():
+    """Row 0 sees entries 1..2, row 1 entries 0..4, row 2 nothing; entries 5..7 (in the piece's
+    range, seen by no row) and entry 0's key hold inf/NaN: never read into a row that does not see them."""
+    D = 64
+    q = torch.zeros(3, 1, D, dtype=torch.bfloat16)
+    k = torch.zeros(2, 4, 1, D, dtype=torch.bfloat16)
+    v = torch.arange(8, dtype=torch.bfloat16).view(2, 4, 1, 1).expand(2, 4, 1, D).contiguous()
+    k[1, 1:], v[1, 1:] = float("inf"), float("nan")  # entries 5..7 of the run 0 1 2 3 | 4 5 6 7
+    v[0, 0] = 100.0  # entry 0: seen by row 1 only
+    out = torch.full_like(q, 7.0)
+    pieces = torch.tensor([[0, 3, 0, 8]])
+    bounds = torch.tensor([[1, 3], [0, 5], [0, 0]])
+    cpu_rowops.chunk_attention(q, k, v, pieces, torch.tensor([[0, 1]]), bounds, 0.5, out)
+    assert torch.equal(out[0], torch.full((1, D), 1.5, dtype=torch.bfloat16))  # equal scores: mean of 1 and 2
+    assert torch.equal(out[1], torch.full((1, D), 22.0, dtype=torch.bfloat16))  # (100 + 1 + 2 + 3 + 4) / 5
+    assert torch.equal(out[2], torch.zeros(1, D, dtype=torch.bfloat16))
+
+
+def test_a_pieces_output_does_not_depend_on_the_other_pieces_of_the_call():
+    g = torch.Generator().manual_seed(3)
+    batch = make_batch([SeqSpec(10, 40), SeqSpec(0, 70), SeqSpec(33, 20)], 4, 1, 64, 4, torch.bfloat16, g)
+    together, plan = _run(batch, None, decode_kernel=True)
+    for p in plan:
+        one = type(plan)([p])
+        one.groups, one.grouped = [], frozenset()
+        alone = paged_attention_cpu_planned(batch.query, batch.k_cache, batch.v_cache, one, 0.3, decode_kernel=True)
+        assert one.chunk_pieces is not None
+        rows = slice(p.q_start, p.q_start + p.q_len)
+        assert torch.equal(alone[rows], together[rows])
+
+
+def test_a_large_tree_and_a_cpu_without_bf16_dot_keep_torchs_matmuls(monkeypatch):
+    g = torch.Generator().manual_seed(9)
+    tree = SeqSpec(30, 24, random_tree(24, g))  # 24 nodes: past the per-row kernel, not one run per row
+    batch = make_batch([SeqSpec(12, 40), tree], 4, 1, 64, 4, torch.bfloat16, g, use_tree_mask=True)
+    ours, plan = _run(batch, None, decode_kernel=True)
+    tree_plan = next(i for i, p in enumerate(plan) if p.q_len == 24)
+    assert tree_plan not in plan.chunk_pieces.plans and len(plan.chunk_pieces.plans) == 1
+    eager = _eager_bf16(batch, 0.3, None)
+    torch.testing.assert_close(ours.float(), eager.float(), atol=0.03, rtol=0.03)
+    monkeypatch.setattr(paged_attention_cpu.cpu_linear, "bf16_dot_instruction", lambda: False)
+    _, plan = _run(batch, None, decode_kernel=True)
+    assert plan.chunk_pieces is None
+
+
+def test_out_of_range_pieces_blocks_and_runs_are_refused_before_any_read():
+    q = torch.zeros(4, 4, 64, dtype=torch.bfloat16)
+    cache = torch.zeros(3, 4, 1, 64, dtype=torch.bfloat16)
+    out = torch.zeros_like(q)
+    pieces, tables, bounds = torch.tensor([[1, 2, 0, 8]]), torch.tensor([[0, 2]]), torch.tensor([[0, 7], [0, 8]])
+    cpu_rowops.chunk_attention(q, cache, cache, pieces, tables, bounds, 0.5, out)
+    for bad, match in [((torch.tensor([[3, 2, 0, 8]]), tables, bounds), "piece 0 out of range"),
+                       ((torch.tensor([[1, 2, 0, 9]]), tables, bounds), "piece 0 out of range"),
+                       ((pieces, torch.tensor([[0, 3]]), bounds), "block id out of range"),
+                       ((pieces, tables, torch.tensor([[0, 7], [2, 9]])), "row 1 sees outside"),
+                       ((pieces, tables, torch.tensor([[3, 2], [0, 8]])), "row 0 sees outside"),
+                       ((pieces, tables, torch.tensor([[0, 7]])), "one row per query row")]:
+        with pytest.raises(RuntimeError, match=match):
+            cpu_rowops.chunk_attention(q, cache, cache, *bad, 0.5, out)
