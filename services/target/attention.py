@@ -16,6 +16,7 @@ from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
 from services.target.kernels.paged_attention_cpu import (
+    chunk_kernel_runs,
     paged_attention_cpu_planned,
     plan_cpu_attention,
 )
@@ -104,9 +105,11 @@ def paged_attention(meta: AttentionMetadata, layer: int, q: torch.Tensor, k: tor
     if meta.kernels.backend == "cpu":
         plan = meta.plans.get(sliding_window)  # per-sequence block ranges, shared by the layers
         if plan is None:
+            whole = chunk_kernel_runs(q.dtype, pool.k_caches[layer].dtype, q.shape[-1], meta.cpu_decode_kernel)
             plan = meta.plans[sliding_window] = plan_cpu_attention(
                 pool.k_caches[layer].shape[1], meta.block_tables, meta.context_lens,
-                meta.query_start_loc, meta.query_positions, sliding_window, meta.tree_mask)
+                meta.query_start_loc, meta.query_positions, sliding_window, meta.tree_mask,
+                cut_windows=not whole)
         return paged_attention_cpu_planned(q, pool.k_caches[layer], pool.v_caches[layer], plan, scale,
                                            k_scale=k_scale, v_scale=v_scale,
                                            decode_kernel=meta.cpu_decode_kernel)

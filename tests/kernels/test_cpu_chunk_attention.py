@@ -51,6 +51,24 @@ def test_chunks_in_cpp_match_eager_bf16_attention(heads, head_dim, window):
     assert ours_err.max() <= 1.25 * before_err.max() and ours_err.mean() <= 1.1 * before_err.mean()
 
 
+def test_a_window_layers_chunk_is_one_piece_for_the_chunk_kernel():
+    """Uncut (cut_windows=False, as attention.py plans where this kernel runs), a 300-row chunk
+    of a window layer is one piece and matches the eager bf16 attention as the cut pieces do."""
+    g = torch.Generator().manual_seed(11)
+    batch = make_batch([SeqSpec(100, 300), SeqSpec(7, 1)], 4, 1, 64, 4, torch.bfloat16, g)
+    _poison_invisible_slots(batch, 40)
+    args = (batch.k_cache.shape[1], batch.block_tables, batch.context_lens, batch.query_start_loc,
+            batch.query_positions, 40, None)
+    cut, whole = plan_cpu_attention(*args), plan_cpu_attention(*args, cut_windows=False)
+    assert len(cut) == 6 and len(whole) == 2  # 5 pieces of <= 64 rows, or 1; + the decode row
+    eager = _eager_bf16(batch, 0.3, 40)
+    for plan in (cut, whole):
+        out = paged_attention_cpu_planned(batch.query, batch.k_cache, batch.v_cache, plan, 0.3, decode_kernel=True)
+        assert len(plan.chunk_pieces.plans) == len(plan) - 1
+        torch.testing.assert_close(out.float(), eager.float(), atol=0.03, rtol=0.03)
+        assert (out == eager).float().mean().item() > 0.99
+
+
 def test_a_row_sees_only_its_run_and_a_row_that_sees_nothing_is_zero():
     """Row 0 sees entries 1..2, row 1 entries 0..4, row 2 nothing; entries 5..7 (in the piece's
     range, seen by no row) and entry 0's key hold inf/NaN: never read into a row that does not see them."""
