@@ -96,7 +96,8 @@ SPECMESH_DOT_TARGET inline void score_tile(const uint32_t* qp, const uint32_t* t
   for (int t = 0; t < kKeys; ++t) _mm512_storeu_ps(s + t * kLanes, round_bf16(_mm512_mul_ps(acc[t], sc)));
 }
 
-// acc (4 query vectors x 64 columns, float32) += sum over key pairs [i0, i1) of (p_2i, p_2i+1) . values.
+// acc (4 query vectors x 64 columns, float32) += sum over key pairs [i0, i1) of (p_2i, p_2i+1) . values
+// (pp [pairs, 16] and vp [pairs, D] from the unit's first pair).
 SPECMESH_DOT_TARGET inline void value_tile(const uint32_t* pp, const uint32_t* vp, int64_t i0, int64_t i1, int64_t D,
                                            int lane0, int64_t d0, float* acc_io) {
   __m512 acc[4][4];
@@ -212,7 +213,7 @@ SPECMESH_DOT_TARGET void attend_unit(const Geometry& G, const Piece& p, const in
     const int64_t c1 = std::min(pairs, c0 + kPairsPerPass);
     for (int lane0 = 0; lane0 < live; lane0 += 4)
       for (int64_t d0 = 0; d0 < D; d0 += 64)
-        value_tile(w.pp.data() - i0 * kLanes, vp, i0 + c0, i0 + c1, D, lane0, d0, w.o.data());
+        value_tile(w.pp.data(), vp + i0 * D, c0, c1, D, lane0, d0, w.o.data());
   }
   for (int l = 0; l < live; ++l)
     for (int64_t d = 0; d < D; d += 16) store_bf16(orow[l] + d, round_bf16(_mm512_loadu_ps(w.o.data() + l * D + d)), 0xFFFF);
