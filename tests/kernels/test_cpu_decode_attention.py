@@ -9,18 +9,13 @@ import torch
 from services.target.kernels import cpu_linear, cpu_rowops
 from services.target.kernels.paged_attention_cpu import paged_attention_cpu_planned, plan_cpu_attention
 
-from .helpers import SeqSpec, chain_tree, make_batch, naive_attention
+from .helpers import (SeqSpec, assert_no_further_from_float32, assert_within_bf16_rounding, plan_rows,
+                      run_cpu_planned, chain_tree,
+                      make_batch)
 from .test_paged_attention_cpu import _eager_bf16, _poison_invisible_slots
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason=f"{cpu_linear.unavailable_reason()}")
 
-
-def _run(batch, window, decode_kernel: bool) -> tuple[torch.Tensor, list]:
-    plan = plan_cpu_attention(batch.k_cache.shape[1], batch.block_tables, batch.context_lens,
-                              batch.query_start_loc, batch.query_positions, window, batch.tree_mask)
-    out = paged_attention_cpu_planned(batch.query, batch.k_cache, batch.v_cache, plan, 0.3,
-                                      decode_kernel=decode_kernel)
-    return out, plan
 
 
 @pytest.mark.parametrize("heads,head_dim", [((4, 1), 256), ((4, 2), 16), ((3, 3), 32)])
@@ -28,41 +23,35 @@ def _run(batch, window, decode_kernel: bool) -> tuple[torch.Tensor, list]:
 def test_decode_rows_in_cpp_match_the_bf16_torch_path_and_leave_other_rows_alone(heads, head_dim, window):
     """Decode rows (lone and grouped), a draft tree's and a short chunk's masked rows over shuffled
     blocks, with NaN/inf in every slot no row may see: the eager bf16 attention within bf16
-    rounding; a 40-row chunk keeps torch's matmuls, with the C++ masked softmax between them."""
+    rounding. The 40-row chunk is not theirs: it attends in the C++ chunk kernel where the CPU has
+    AVX512-BF16, else in torch's matmuls around the C++ masked softmax (within bf16 rounding of
+    the torch path either way)."""
     g = torch.Generator().manual_seed(head_dim + (window or 0))
     seqs = [SeqSpec(40, 1), SeqSpec(3, 1), SeqSpec(25, 1), SeqSpec(7, 4), SeqSpec(31, 1),
             SeqSpec(0, 1), SeqSpec(12, 3, chain_tree(3)), SeqSpec(200, 1), SeqSpec(5, 40)]
     batch = make_batch(seqs, heads[0], heads[1], head_dim, 4, torch.bfloat16, g, use_tree_mask=True)
     _poison_invisible_slots(batch, window)
-    ours, plan = _run(batch, window, decode_kernel=True)
-    before, _ = _run(batch, window, decode_kernel=False)
-    covered = [r for i in sorted(plan.decode_rows.plans)
-               for r in range(plan[i].q_start, plan[i].q_start + plan[i].q_len)]
+    ours, plan = run_cpu_planned(batch, window, decode_kernel=True)
+    before, _ = run_cpu_planned(batch, window, decode_kernel=False)
+    covered = plan_rows(plan, plan.decode_rows.plans)
     decode = [p.q_start for p in plan if p.q_len == 1 and p.mask is None]
     trees = [r for r in covered if r not in decode]  # the 4-row chunk's and the 3-node tree's rows
     assert len(decode) >= 5 and len(trees) == 7 and not ours.isnan().any()
-    rest = [r for r in range(ours.shape[0]) if r not in covered]  # the 40-row chunk: torch's matmuls
+    rest = [r for r in range(ours.shape[0]) if r not in covered]  # the 40-row chunk
     assert len(rest) == 40
     eager = _eager_bf16(batch, 0.3, window)
     # ... around the C++ masked softmax (its exp a polynomial): within bf16 rounding of before
     torch.testing.assert_close(ours[rest].float(), before[rest].float(), atol=0.03, rtol=0.03)
     assert (ours[rest] == before[rest]).float().mean().item() > 0.9
-    # Scores, probabilities and outputs rounded to bf16 where the eager path rounds them; only
-    # float32 sums run in another order: outputs within a few bf16 steps, most of them equal.
-    torch.testing.assert_close(ours[covered].float(), eager[covered].float(), atol=0.03, rtol=0.03)
-    assert (ours[covered] == eager[covered]).float().mean().item() > 0.9
-    # Against float32 attention, no further off than the torch bf16 path (at head_dim 256 both
-    # are past the small-shape bf16 tolerance: their scores are rounded to bf16).
-    exact = naive_attention(batch, 0.3, window).float()
-    ours_err, before_err = (ours.float() - exact).abs(), (before.float() - exact).abs()
-    assert ours_err.max() <= 1.25 * before_err.max() and ours_err.mean() <= 1.5 * before_err.mean()
+    assert_within_bf16_rounding(ours, eager, covered, 0.9)
+    assert_no_further_from_float32(ours, before, batch, 0.3, window, 1.5)
 
 
 def test_a_decode_rows_output_does_not_depend_on_the_other_rows_of_the_step():
     g = torch.Generator().manual_seed(5)
     seqs = [SeqSpec(50, 1), SeqSpec(9, 1), SeqSpec(70, 1)]
     batch = make_batch(seqs, 4, 1, 64, 4, torch.bfloat16, g)
-    together, _ = _run(batch, None, decode_kernel=True)
+    together, _ = run_cpu_planned(batch, None, decode_kernel=True)
     plan = plan_cpu_attention(4, batch.block_tables, batch.context_lens, batch.query_start_loc,
                               batch.query_positions, None, None)
     for i, p in enumerate(plan):  # each row alone: its own plan of one
