@@ -67,8 +67,9 @@ class AttentionMetadata:
     query_positions: torch.Tensor  # [num_tokens] int32
     tree_mask: torch.Tensor | None = None  # [num_tokens, max_q_len] bool (verify passes)
     plans: dict = field(default_factory=dict)  # sliding window -> AttentionPlan (reference path)
-    # bf16 decode rows through kernels/cpu_decode_attention.cpp (cpu backend; row ops' forward)
-    cpu_decode_kernel: bool = False
+    # bf16 attention in C++ (cpu backend; row ops' forward): decode rows and small trees
+    # (kernels/cpu_decode_attention.cpp), prefill chunks (cpu_chunk_attention.cpp, AVX512-BF16)
+    cpu_cpp_attention: bool = False
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -105,14 +106,14 @@ def paged_attention(meta: AttentionMetadata, layer: int, q: torch.Tensor, k: tor
     if meta.kernels.backend == "cpu":
         plan = meta.plans.get(sliding_window)  # per-sequence block ranges, shared by the layers
         if plan is None:
-            whole = chunk_kernel_runs(q.dtype, pool.k_caches[layer].dtype, q.shape[-1], meta.cpu_decode_kernel)
+            whole = chunk_kernel_runs(q.dtype, pool.k_caches[layer].dtype, q.shape[-1], meta.cpu_cpp_attention)
             plan = meta.plans[sliding_window] = plan_cpu_attention(
                 pool.k_caches[layer].shape[1], meta.block_tables, meta.context_lens,
                 meta.query_start_loc, meta.query_positions, sliding_window, meta.tree_mask,
                 cut_windows=not whole)
         return paged_attention_cpu_planned(q, pool.k_caches[layer], pool.v_caches[layer], plan, scale,
                                            k_scale=k_scale, v_scale=v_scale,
-                                           decode_kernel=meta.cpu_decode_kernel)
+                                           cpp_attention=meta.cpu_cpp_attention)
     if meta.kernels.backend == "reference":
         # Index and mask tensors depend only on the step, not the layer: build them once.
         plan = meta.plans.get(sliding_window)

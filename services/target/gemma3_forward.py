@@ -132,8 +132,8 @@ class Gemma3PagedForward:
     """Callable: (input_ids [T], position_ids [T], logit_rows [R], meta) -> logits [R, vocab].
 
     row_ops: the norms, residual adds, q/k norm + RoPE and GELU * up through specmesh's C++ row
-    ops (kernels/cpu_rowops.cpp) instead of ~20 torch ops a layer; decode rows' attention in C++
-    too (model_runner sets AttentionMetadata.cpu_decode_kernel). They round as torch does but add a
+    ops (kernels/cpu_rowops.cpp) instead of ~20 torch ops a layer; attention in C++ too
+    (model_runner sets AttentionMetadata.cpu_cpp_attention). They round as torch does but add a
     norm's squares in another order, so the logits are no longer transformers' bit for bit. None
     (default): where the linear layers are already specmesh's kernel (`--weights bf16-avx512`),
     which gave up that exactness; the `bf16` (oneDNN) and float32 paths stay exact.

@@ -114,8 +114,8 @@ class ModelRunner:
             query_start_loc=query_start_loc.to(dev),
             query_positions=torch.tensor(positions, dtype=torch.int32, device=dev),
             tree_mask=None if tree_mask is None else tree_mask.to(dev),
-            # with the lean forward's C++ row ops, decode rows attend in C++ too (same precision class)
-            cpu_decode_kernel=self.lean_forward is not None and self.lean_forward.row_ops,
+            # with the lean forward's C++ row ops, attention runs in C++ too (same precision class)
+            cpu_cpp_attention=self.lean_forward is not None and self.lean_forward.row_ops,
         )
 
 

@@ -207,14 +207,14 @@ def visible_mask(batch: PagedBatch, s: int, sliding_window: int | None) -> torch
 
 
 # ---------------------------------------------------------------- bf16 attention checks
-def run_cpu_planned(batch: "PagedBatch", sliding_window: int | None, decode_kernel: bool,
+def run_cpu_planned(batch: "PagedBatch", sliding_window: int | None, cpp_attention: bool,
                     scale: float = 0.3) -> tuple[torch.Tensor, list]:
     """The CPU paged attention of a batch through its step plan: (output, plan)."""
     from services.target.kernels.paged_attention_cpu import paged_attention_cpu_planned, plan_cpu_attention
     plan = plan_cpu_attention(batch.k_cache.shape[1], batch.block_tables, batch.context_lens,
                               batch.query_start_loc, batch.query_positions, sliding_window, batch.tree_mask)
     out = paged_attention_cpu_planned(batch.query, batch.k_cache, batch.v_cache, plan, scale,
-                                      decode_kernel=decode_kernel)
+                                      cpp_attention=cpp_attention)
     return out, plan
 
 

@@ -32,8 +32,8 @@ def test_chunks_in_cpp_match_eager_bf16_attention(heads, head_dim, window):
             SeqSpec(5, 40), SeqSpec(100, 300)]
     batch = make_batch(seqs, heads[0], heads[1], head_dim, 4, torch.bfloat16, g, use_tree_mask=False)
     _poison_invisible_slots(batch, window)
-    ours, plan = run_cpu_planned(batch, window, decode_kernel=True)
-    before, _ = run_cpu_planned(batch, window, decode_kernel=False)
+    ours, plan = run_cpu_planned(batch, window, cpp_attention=True)
+    before, _ = run_cpu_planned(batch, window, cpp_attention=False)
     chunk_rows = plan_rows(plan, plan.chunk_pieces.plans)
     assert len(chunk_rows) == 30 + 50 + 40 + 300  # every chunk row, none of the decode rows
     assert not ours.isnan().any()
@@ -53,7 +53,7 @@ def test_a_window_layers_chunk_is_one_piece_for_the_chunk_kernel():
     assert len(cut) == 6 and len(whole) == 2  # 5 pieces of <= 64 rows, or 1; + the decode row
     eager = _eager_bf16(batch, 0.3, 40)
     for plan in (cut, whole):
-        out = paged_attention_cpu_planned(batch.query, batch.k_cache, batch.v_cache, plan, 0.3, decode_kernel=True)
+        out = paged_attention_cpu_planned(batch.query, batch.k_cache, batch.v_cache, plan, 0.3, cpp_attention=True)
         assert len(plan.chunk_pieces.plans) == len(plan) - 1
         assert_within_bf16_rounding(out, eager, list(range(out.shape[0])), 0.99)
 
@@ -79,11 +79,11 @@ def test_a_row_sees_only_its_run_and_a_row_that_sees_nothing_is_zero():
 def test_a_pieces_output_does_not_depend_on_the_other_pieces_of_the_call():
     g = torch.Generator().manual_seed(3)
     batch = make_batch([SeqSpec(10, 40), SeqSpec(0, 70), SeqSpec(33, 20)], 4, 1, 64, 4, torch.bfloat16, g)
-    together, plan = run_cpu_planned(batch, None, decode_kernel=True)
+    together, plan = run_cpu_planned(batch, None, cpp_attention=True)
     for p in plan:
         one = type(plan)([p])
         one.groups, one.grouped = [], frozenset()
-        alone = paged_attention_cpu_planned(batch.query, batch.k_cache, batch.v_cache, one, 0.3, decode_kernel=True)
+        alone = paged_attention_cpu_planned(batch.query, batch.k_cache, batch.v_cache, one, 0.3, cpp_attention=True)
         assert one.chunk_pieces is not None
         rows = slice(p.q_start, p.q_start + p.q_len)
         assert torch.equal(alone[rows], together[rows])
@@ -93,13 +93,13 @@ def test_a_large_tree_and_a_cpu_without_bf16_dot_keep_torchs_matmuls(monkeypatch
     g = torch.Generator().manual_seed(9)
     tree = SeqSpec(30, 24, random_tree(24, g))  # 24 nodes: past the per-row kernel, not one run per row
     batch = make_batch([SeqSpec(12, 40), tree], 4, 1, 64, 4, torch.bfloat16, g, use_tree_mask=True)
-    ours, plan = run_cpu_planned(batch, None, decode_kernel=True)
+    ours, plan = run_cpu_planned(batch, None, cpp_attention=True)
     tree_plan = next(i for i, p in enumerate(plan) if p.q_len == 24)
     assert tree_plan not in plan.chunk_pieces.plans and len(plan.chunk_pieces.plans) == 1
     eager = _eager_bf16(batch, 0.3, None)
     torch.testing.assert_close(ours.float(), eager.float(), atol=0.03, rtol=0.03)
     monkeypatch.setattr(paged_attention_cpu.cpu_linear, "bf16_dot_instruction", lambda: False)
-    _, plan = run_cpu_planned(batch, None, decode_kernel=True)
+    _, plan = run_cpu_planned(batch, None, cpp_attention=True)
     assert plan.chunk_pieces is None
 
 

@@ -31,8 +31,8 @@ def test_decode_rows_in_cpp_match_the_bf16_torch_path_and_leave_other_rows_alone
             SeqSpec(0, 1), SeqSpec(12, 3, chain_tree(3)), SeqSpec(200, 1), SeqSpec(5, 40)]
     batch = make_batch(seqs, heads[0], heads[1], head_dim, 4, torch.bfloat16, g, use_tree_mask=True)
     _poison_invisible_slots(batch, window)
-    ours, plan = run_cpu_planned(batch, window, decode_kernel=True)
-    before, _ = run_cpu_planned(batch, window, decode_kernel=False)
+    ours, plan = run_cpu_planned(batch, window, cpp_attention=True)
+    before, _ = run_cpu_planned(batch, window, cpp_attention=False)
     covered = plan_rows(plan, plan.decode_rows.plans)
     decode = [p.q_start for p in plan if p.q_len == 1 and p.mask is None]
     trees = [r for r in covered if r not in decode]  # the 4-row chunk's and the 3-node tree's rows
@@ -51,13 +51,13 @@ def test_a_decode_rows_output_does_not_depend_on_the_other_rows_of_the_step():
     g = torch.Generator().manual_seed(5)
     seqs = [SeqSpec(50, 1), SeqSpec(9, 1), SeqSpec(70, 1)]
     batch = make_batch(seqs, 4, 1, 64, 4, torch.bfloat16, g)
-    together, _ = run_cpu_planned(batch, None, decode_kernel=True)
+    together, _ = run_cpu_planned(batch, None, cpp_attention=True)
     plan = plan_cpu_attention(4, batch.block_tables, batch.context_lens, batch.query_start_loc,
                               batch.query_positions, None, None)
     for i, p in enumerate(plan):  # each row alone: its own plan of one
         one = type(plan)([p])
         one.groups, one.grouped = [], frozenset()
-        alone = paged_attention_cpu_planned(batch.query, batch.k_cache, batch.v_cache, one, 0.3, decode_kernel=True)
+        alone = paged_attention_cpu_planned(batch.query, batch.k_cache, batch.v_cache, one, 0.3, cpp_attention=True)
         assert torch.equal(alone[p.q_start], together[p.q_start])
 
 

@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "cpu_paged_checks.h"
 #include "cpu_simd.h"
 
 #include <algorithm>
@@ -32,8 +33,6 @@
 namespace {
 
 using namespace specmesh_simd;
-
-#define SPECMESH_DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
 
 constexpr int kLanes = 16;  // query vectors per work unit
 constexpr int kKeys = 16;   // keys per score tile: 16 accumulators in flight
@@ -231,16 +230,8 @@ void chunk_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, co
                           const at::Tensor& pieces, const at::Tensor& tables, const at::Tensor& bounds, double scale,
                           at::Tensor& out) {
   TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "chunk_attention_bf16: this CPU has no AVX512-BF16");
-  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kBFloat16 && query.is_contiguous(),
-              "chunk_attention_bf16: contiguous bf16 query [T, H, D] expected");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous()
-                  && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kBFloat16 && v_cache.is_contiguous(),
-              "chunk_attention_bf16: contiguous bf16 caches [blocks, block_size, KV, D] of one shape expected");
-  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == at::kBFloat16 && out.is_contiguous(),
-              "chunk_attention_bf16: out must be like query");
+  specmesh_checks::check_paged_bf16("chunk_attention_bf16", query, k_cache, v_cache, out, 64);
   const int64_t T = query.size(0), H = query.size(1), D = query.size(2), BS = k_cache.size(1), KV = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && D % 64 == 0 && H % KV == 0,
-              "chunk_attention_bf16: head_dim a multiple of 64, equal in query and cache, and heads a multiple of kv heads expected");
   TORCH_CHECK(pieces.scalar_type() == at::kLong && pieces.dim() == 2 && pieces.size(1) == 4 && pieces.is_contiguous(),
               "chunk_attention_bf16: pieces int64 [P, 4]");
   const int64_t P = pieces.size(0);

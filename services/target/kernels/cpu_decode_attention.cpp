@@ -13,6 +13,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "cpu_paged_checks.h"
 #include "cpu_simd.h"
 
 #include <algorithm>
@@ -115,16 +116,8 @@ inline void softmax_row(float* p, int64_t len) {
 void decode_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& offsets,
                            const at::Tensor& lens, const at::Tensor& masks, double scale, at::Tensor& out) {
-  TORCH_CHECK(query.dim() == 3 && query.scalar_type() == at::kBFloat16 && query.is_contiguous(),
-              "decode_attention_bf16: contiguous bf16 query [T, H, D] expected");
-  TORCH_CHECK(k_cache.dim() == 4 && k_cache.scalar_type() == at::kBFloat16 && k_cache.is_contiguous()
-                  && v_cache.sizes() == k_cache.sizes() && v_cache.scalar_type() == at::kBFloat16 && v_cache.is_contiguous(),
-              "decode_attention_bf16: contiguous bf16 caches [blocks, block_size, KV, D] of one shape expected");
-  TORCH_CHECK(out.sizes() == query.sizes() && out.scalar_type() == at::kBFloat16 && out.is_contiguous(),
-              "decode_attention_bf16: out must be like query");
+  specmesh_checks::check_paged_bf16("decode_attention_bf16", query, k_cache, v_cache, out, 16);
   const int64_t H = query.size(1), D = query.size(2), BS = k_cache.size(1), KV = k_cache.size(2);
-  TORCH_CHECK(k_cache.size(3) == D && D % 16 == 0 && H % KV == 0,
-              "decode_attention_bf16: head_dim a multiple of 16, equal in query and cache, and heads a multiple of kv heads expected");
   const int64_t n = rows.size(0);
   for (const at::Tensor* t : {&rows, &offsets, &lens})
     TORCH_CHECK(t->scalar_type() == at::kLong && t->dim() == 1 && t->size(0) == n && t->is_contiguous(),

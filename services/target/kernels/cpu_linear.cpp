@@ -85,8 +85,6 @@ inline void fma_tile(const void* xv, int64_t ldx, const uint16_t* packed, int64_
   store<NP, MB>(acc, out, lpanel);
 }
 
-#define SPECMESH_DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
-
 // VDPBF16PS: rows of x ([MB, 2*K2] bf16, row stride ldx) against panels p0 .. p0 + NP.
 template <int NP, int MB>
 SPECMESH_DOT_TARGET inline void dot_tile(const void* xv, int64_t ldx, const uint16_t* packed, int64_t K2,

@@ -11,6 +11,8 @@ import torch
 
 from services.target.kernels import cpu_linear
 
+_NO_MASK = torch.empty(0, dtype=torch.bool)  # "no mask" to the C++ side (once, not per call and layer)
+
 
 def rms_norm(x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
     """x [R, D] bf16, w1 [D] or [W, D] f32 (1 + weight; row r uses w1[r % W]) -> [R, D] bf16."""
@@ -39,9 +41,8 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     its query row, tables[i] its block ids, entries offsets[i] .. offsets[i] + lens[i] - 1 of
     those blocks laid end to end (int64), of which it sees those masks[i] allows ([n, width]
     bool; None: all). Writes out[rows]; a row that sees nothing gets zeros."""
-    empty = torch.empty(0, dtype=torch.bool)
     cpu_linear._module().decode_attention_bf16(query, k_cache, v_cache, rows, tables, offsets, lens,
-                                               empty if masks is None else masks, scale, out)
+                                               _NO_MASK if masks is None else masks, scale, out)
 
 
 def chunk_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pieces: torch.Tensor,
@@ -65,6 +66,5 @@ def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
 def masked_softmax_(scores: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
     """scores [B, R, N] bf16 (contiguous), hidden [R, N] bool or None -> the same tensor holding
     softmax(scores.masked_fill(hidden, -inf), -1) in bf16 (float32 inside); rows that see nothing: 0."""
-    empty = torch.empty(0, dtype=torch.bool)
-    cpu_linear._module().masked_softmax_bf16_(scores, empty if hidden is None else hidden.contiguous())
+    cpu_linear._module().masked_softmax_bf16_(scores, _NO_MASK if hidden is None else hidden.contiguous())
     return scores

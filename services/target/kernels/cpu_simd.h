@@ -1,10 +1,15 @@
-// AVX-512 helpers shared by the CPU kernels (cpu_linear.cpp, cpu_rowops.cpp, cpu_decode_attention.cpp):
+// AVX-512 helpers shared by the CPU kernels (cpu_linear.cpp, cpu_rowops.cpp, cpu_decode_attention.cpp,
+// cpu_chunk_attention.cpp):
 // bf16 <-> float32 lanes with torch's rounding, tail masks, and a vectorized exp.
 #pragma once
 
 #include <immintrin.h>
 
 #include <cstdint>
+
+// Functions that use VDPBF16PS (AVX512-BF16) are compiled for it one by one; the module's flags
+// stop at AVX-512 F/BW/DQ/VL, and callers check the CPU before calling them.
+#define SPECMESH_DOT_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512bf16")))
 
 namespace specmesh_simd {
 

@@ -26,7 +26,7 @@ Per layer the work is then one attention call per sequence, in one of two precis
     256, this machine). A lone decode row (one query, nothing masked) calls SDPA in bf16, which
     is faster at one query and keeps its scores in float32.
 
-With the C++ row ops (a bf16 model on the AVX-512 kernel, `decode_kernel`), decode rows and
+With the C++ row ops (a bf16 model on the AVX-512 kernel, `cpp_attention`), decode rows and
 small trees attend in cpu_decode_attention.cpp, and on CPUs with AVX512-BF16 the prefill
 chunks whose rows each see one run of entries (causal, with or without a sliding window) in
 cpu_chunk_attention.cpp (VDPBF16PS, keys and values read once per piece from the pool): a
@@ -223,16 +223,17 @@ def paged_attention_cpu_planned(
     scale: float,
     k_scale: torch.Tensor | None = None,  # [num_blocks, block_size, num_kv_heads] f32, FP8 only
     v_scale: torch.Tensor | None = None,
-    decode_kernel: bool = False,
+    cpp_attention: bool = False,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim], query.dtype
-    """decode_kernel: a bf16 step's decode rows (one query, nothing masked) and the rows of small
+    """cpp_attention: a bf16 step's decode rows (one query, nothing masked) and the rows of small
     trees and chunks attend in one C++ call over the pool in place (kernels/
-    cpu_decode_attention.cpp; the bf16 path's precision, its float32 sums in another order)
+    cpu_decode_attention.cpp), and on AVX512-BF16 CPUs its prefill chunks in another
+    (cpu_chunk_attention.cpp): the bf16 path's precision, its float32 sums in another order,
     instead of per group / per sequence torch calls."""
     num_tokens, num_heads, head_dim = query.shape
     nkv = k_cache.shape[2]
     if query.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16:
-        return _attention_bf16(query, k_cache, v_cache, plan, scale, decode_kernel)
+        return _attention_bf16(query, k_cache, v_cache, plan, scale, cpp_attention)
     out = torch.zeros_like(query)
     qf = query.float()
     grouped = getattr(plan, "grouped", frozenset())
@@ -289,26 +290,26 @@ def _attention_bf16(
     v_cache: torch.Tensor,
     plan: list[SeqPlan],
     scale: float,
-    decode_kernel: bool = False,
+    cpp_attention: bool = False,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim] bf16
     """Every plan and decode group as bf16 matmuls around a float32 softmax (module docstring);
-    with decode_kernel, decode rows and small trees / chunks in one C++ call first."""
+    with cpp_attention, decode rows and small trees / chunks in one C++ call first."""
     num_heads, head_dim = query.shape[1:]
     nkv = k_cache.shape[2]
     group = num_heads // nkv  # query heads per kv head; query head h reads kv head h // group
     query = query.contiguous()
     out = torch.zeros_like(query)
     done = frozenset()
-    if decode_kernel:
+    if cpp_attention:
         rows = _decode_rows(plan)
         if rows is not None:
             cpu_rowops.decode_attention(query, k_cache, v_cache, *rows.tensors, scale, out)
             done = rows.plans
-        chunks = _chunk_pieces(plan, done, head_dim)
+        chunks = _chunk_pieces(plan, done, chunk_kernel_runs(query.dtype, k_cache.dtype, head_dim, cpp_attention))
         if chunks is not None:
             cpu_rowops.chunk_attention(query, k_cache, v_cache, *chunks.tensors, scale, out)
             done = done | chunks.plans
-    for g in ([] if decode_kernel else getattr(plan, "groups", ())):
+    for g in ([] if cpp_attention else getattr(plan, "groups", ())):
         n, kv_len = len(g.members), g.blocks_per_seq * k_cache.shape[1]
         k = k_cache.index_select(0, g.blocks).view(n, kv_len, nkv, head_dim)
         v = v_cache.index_select(0, g.blocks).view(n * kv_len, nkv * head_dim)
@@ -320,7 +321,7 @@ def _attention_bf16(
         probs = _softmax(scores.view(n, nkv, group, kv_len), g.hidden)
         o = torch.matmul(probs, v.view(n, kv_len, nkv, head_dim).transpose(1, 2))  # [n, nkv, group, D]
         out.index_copy_(0, g.rows, o.reshape(n, num_heads, head_dim))
-    grouped = done if decode_kernel else getattr(plan, "grouped", frozenset())
+    grouped = done if cpp_attention else getattr(plan, "grouped", frozenset())
     for i, p in enumerate(plan):
         if i in grouped:
             continue
@@ -336,7 +337,7 @@ def _attention_bf16(
             continue
         q = q.reshape(nkv, group * p.q_len, head_dim)  # a kv head's query heads, row after row
         scores = _scores(q, k.transpose(1, 2), scale)  # [nkv, group * q_len, kv_len]
-        if decode_kernel:  # the mask and the softmax in one C++ pass (exp by polynomial)
+        if cpp_attention:  # the mask and the softmax in one C++ pass (exp by polynomial)
             probs = cpu_rowops.masked_softmax_(scores.view(nkv * group, p.q_len, p.kv_len), p.hidden)
         else:
             probs = _softmax(scores.view(nkv, group, p.q_len, p.kv_len), p.hidden)
@@ -348,7 +349,7 @@ def _attention_bf16(
     return out
 
 
-SMALL_QUERY_ROWS = 16  # rows of a tree or chunk that attend row by row in C++ (decode_kernel)
+SMALL_QUERY_ROWS = 16  # rows of a tree or chunk that attend row by row in C++ (cpp_attention)
 SMALL_QUERY_SCORES = 8192  # ... if their rows x visible range stays below this: per-row work
 # grows with the range (no matrix blocking), torch's matmuls do not; a 6-row tree over 300
 # entries took ~0.1 ms a layer in C++ against ~0.4 ms of torch ops (2026-11-30)
@@ -398,22 +399,21 @@ class ChunkPieces:
     tensors: tuple  # pieces [P, 4] (q_start, q_len, kv_offset, kv_len), tables [P, max_blocks], bounds [rows, 2] int64
 
 
-def chunk_kernel_runs(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, decode_kernel: bool) -> bool:
+def chunk_kernel_runs(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, cpp_attention: bool) -> bool:
     """Whether prefill chunks attend in cpu_chunk_attention.cpp (else torch's matmuls)."""
-    return (decode_kernel and query_dtype == torch.bfloat16 and cache_dtype == torch.bfloat16
+    return (cpp_attention and query_dtype == torch.bfloat16 and cache_dtype == torch.bfloat16
             and head_dim % 64 == 0 and cpu_linear.bf16_dot_instruction())
 
 
-def _chunk_pieces(plan: list[SeqPlan], skip: frozenset[int], head_dim: int) -> ChunkPieces | None:
+def _chunk_pieces(plan: list[SeqPlan], skip: frozenset[int], kernel_runs: bool) -> ChunkPieces | None:
     """Those pieces (not in `skip`), built once per step and window (kept on the plan), or None:
-    also where the CPU has no AVX512-BF16 or the head size is not a multiple of 64 (torch's
-    matmuls then). A piece some row of which sees a non-contiguous set (a large draft tree)
-    stays with torch too."""
+    also where the kernel does not run here (`chunk_kernel_runs`; torch's matmuls then). A piece
+    some row of which sees a non-contiguous set (a large draft tree) stays with torch too."""
     cached = getattr(plan, "chunk_pieces", False)
     if cached is not False:
         return cached
     picked, pieces, bounds = [], [], []
-    if chunk_kernel_runs(torch.bfloat16, torch.bfloat16, head_dim, True):
+    if kernel_runs:
         for i, p in enumerate(plan):
             if i in skip or p.mask is None:
                 continue
