@@ -23,10 +23,10 @@ from transformers import AutoModelForCausalLM
 
 from services.common.env import read_settings
 from services.common.models.loading import resolve_model_dir
-from services.target.block_manager import PrefixMatch
+from services.target.engine.block_manager import PrefixMatch
 from services.target.config import EngineConfig
-from services.target.engine import Engine
-from services.target.model_runner_inputs import StepInput
+from services.target.engine.engine import Engine
+from services.target.model.model_runner_inputs import StepInput
 
 CHUNK = 512
 
@@ -64,7 +64,7 @@ def main() -> None:
     model_dir = resolve_model_dir(args.model, Path(read_settings().model_cache).expanduser())
     texts = [Path(f).read_text() for f in args.files]
     logits = {kv: engine_logits(model_dir, kv, texts, args.max_tokens) for kv in ("float32", "auto")}
-    from services.target.linear import native_bf16_cpu, resolve_weight_format
+    from services.target.model.linear import native_bf16_cpu, resolve_weight_format
     if native_bf16_cpu() and resolve_weight_format("auto", torch.bfloat16, "cpu") != "bf16":
         # oneDNN's bf16 linears and torch's ops between them: transformers' own arithmetic
         logits["onednn"] = engine_logits(model_dir, "auto", texts, args.max_tokens, weights="bf16")

@@ -24,8 +24,8 @@ import torch
 from services.common.env import read_settings
 from services.common.models.loading import resolve_model_dir
 from services.target.config import EngineConfig
-from services.target.engine import Engine
-from services.target.model_runner_inputs import StepInput
+from services.target.engine.engine import Engine
+from services.target.model.model_runner_inputs import StepInput
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -83,7 +83,7 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--weights", default="auto", choices=["auto", "none", "bf16", "bf16-avx512", "fp16", "int8"],
-                        help="how the linear layers are stored (services/target/linear.py)")
+                        help="how the linear layers are stored (services/target/model/linear.py)")
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                         help="the KV pool, and so attention's precision (services/target/config.py)")
     parser.add_argument("--prefill-tokens", type=int, default=2000)

@@ -25,7 +25,7 @@ from services.common.env import read_settings
 from services.common.models.loading import resolve_model_dir
 from services.common.sampling_params import SamplingConfig
 from services.target.config import EngineConfig
-from services.target.engine import Engine
+from services.target.engine.engine import Engine
 
 PROMPTS = [
     "Write a short story about a lighthouse keeper who finds a message in a bottle.",

@@ -7,7 +7,7 @@ For the nine prompts of benchmarks/anchors/compare.py, free-running greedy decod
 engine (paged KV, chunked prefill, its linear format and ops) and through transformers: how many
 continuations are identical, and where the others part. bf16 results depend on summation order,
 so two correct bf16 implementations part at near-ties; float32 is token-exact
-(tests/test_default_model.py).
+(tests/target/test_default_model.py).
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ from services.common.env import read_settings  # noqa: E402
 from services.common.models.loading import resolve_model_dir  # noqa: E402
 from services.common.sampling_params import SamplingConfig  # noqa: E402
 from services.target.config import EngineConfig  # noqa: E402
-from services.target.engine import Engine  # noqa: E402
+from services.target.engine.engine import Engine  # noqa: E402
 
 
 def engine_greedy(model_dir: Path, weights: str, prompts: list[list[int]], tokens: int) -> list[list[int]]:

@@ -22,7 +22,7 @@ from torch import nn
 from tqdm import tqdm
 
 from services.target.kernels import cpu_linear
-from services.target.linear import (AVX512LinearBF16, Int8Linear, PackedLinearBF16, PackedLinearFP16,
+from services.target.model.linear import (AVX512LinearBF16, Int8Linear, PackedLinearBF16, PackedLinearFP16,
                                     native_bf16_cpu)
 
 SHAPES = {"lm_head": (262144, 640), "mlp.gate_up": (4096, 640), "mlp.down_proj": (640, 2048),

@@ -40,9 +40,9 @@ from services.bench.workload import WorkloadItem  # noqa: E402
 from services.common.server import ServerConfig  # noqa: E402
 from services.router.app import build_router_server  # noqa: E402
 from services.router.config import RouterConfig  # noqa: E402
-from services.target.app import build_target_server  # noqa: E402
+from services.target.server.app import build_target_server  # noqa: E402
 from services.target.config import EngineConfig  # noqa: E402
-from services.target.engine import Engine  # noqa: E402
+from services.target.engine.engine import Engine  # noqa: E402
 from tests.mesh import TOKEN_A, start_draft  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent

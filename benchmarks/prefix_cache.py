@@ -18,7 +18,7 @@ from services.common.env import read_settings
 from services.common.models.loading import resolve_model_dir
 from services.common.sampling_params import SamplingConfig
 from services.target.config import EngineConfig
-from services.target.engine import Engine
+from services.target.engine.engine import Engine
 
 
 def ttft(engine: Engine, prompt_ids: list[int], max_tokens: int = 1) -> tuple[float, float, int]:

@@ -34,7 +34,7 @@ from services.common.sampling_params import SamplingConfig
 from services.draft.proposers.prompt_lookup import PromptLookupProposer
 from services.draft.state import SequenceState
 from services.target.config import EngineConfig
-from services.target.engine import Engine
+from services.target.engine.engine import Engine
 
 def greedy_outputs(engine: Engine, prompts: list[str], tokens: int) -> list[tuple[list[int], list[int]]]:
     """(prompt ids, greedy output ids) per prompt, decoded by the engine without speculation."""

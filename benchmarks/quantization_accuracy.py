@@ -3,7 +3,7 @@
     python benchmarks/quantization_accuracy.py            # default model, nine prompts, 64 tokens
     python benchmarks/quantization_accuracy.py --weights bf16-avx512   # the kernel's summation order
 
-Teacher-forced over each prompt's bf16 greedy continuation (services/target/quantization.py):
+Teacher-forced over each prompt's bf16 greedy continuation (services/bench/quantization.py):
 greedy agreement per position and the mean log-probability gap of the reference's choice.
 """
 
@@ -21,8 +21,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.anchors.compare import make_prompts  # noqa: E402
 from services.common.models.loading import resolve_model_dir  # noqa: E402
-from services.target.linear import prepack_linears  # noqa: E402
-from services.target.quantization import greedy_agreement  # noqa: E402
+from services.target.model.linear import prepack_linears  # noqa: E402
+from services.bench.quantization import greedy_agreement  # noqa: E402
 
 
 def main() -> None:

@@ -34,9 +34,9 @@ from specmesh.proto.v1 import (
 )
 from services.common.server import ServerConfig
 from services.router.retrieval import DOCUMENT, HEADER, QUESTION, build_prompt
-from services.target.app import build_target_server
+from services.target.server.app import build_target_server
 from services.target.config import EngineConfig
-from services.target.engine import Engine
+from services.target.engine.engine import Engine
 
 TOPICS = ["river", "mountain", "harbor", "forest", "desert", "glacier", "island", "canyon",
           "valley", "volcano"]

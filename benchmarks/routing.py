@@ -40,9 +40,9 @@ from specmesh.proto.v1 import common_pb2, router_service_pb2, router_service_pb2
 from services.common.server import GrpcServer, ServerConfig
 from services.router.config import RouterConfig
 from services.router.service import SERVICE_NAME, RouterService, add_to_server
-from services.target.app import build_target_server
+from services.target.server.app import build_target_server
 from services.target.config import EngineConfig
-from services.target.engine import Engine
+from services.target.engine.engine import Engine
 
 WORDS = ("policy refund order shipping warranty account invoice device battery screen update "
          "support contract region delivery return label billing plan upgrade network").split()

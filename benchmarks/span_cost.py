@@ -3,7 +3,7 @@
     python benchmarks/span_cost.py
 
 Per speculating sequence and verify pass, the engine thread now appends one list of six
-numbers (services/target/speculator.py `verify_span`); the request's `draft.propose` /
+numbers (services/target/speculation/speculator.py `verify_span`); the request's `draft.propose` /
 `verify` spans and per-pass events are written by a background thread when the request
 finishes. The alternative, a child span per pass for `draft.propose` and one for `verify`,
 would run on the engine thread. Compare the per-pass costs printed here with the step time

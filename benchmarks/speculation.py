@@ -33,9 +33,9 @@ from specmesh.proto.v1 import router_service_pb2_grpc
 from services.common.server import ServerConfig
 from services.router.app import build_router_server
 from services.router.config import RouterConfig
-from services.target.app import build_target_server
+from services.target.server.app import build_target_server
 from services.target.config import EngineConfig
-from services.target.engine import Engine
+from services.target.engine.engine import Engine
 from tests.mesh import AUTH_A, TOKEN_A, collect, request, start_draft  # noqa: E402
 
 _CODE = '''def parse_config(path):

@@ -2,7 +2,7 @@
 
 Usage: python scripts/gen_protos.py [--out DIR]
 
-The generated files are never edited by hand; tests/test_protos.py fails when
+The generated files are never edited by hand; tests/tools/test_protos.py fails when
 they are stale. They live in the light `specmesh` package (no torch), so that
 `specmesh.client` and other Python backends can ship them:
 `from specmesh.proto.v1 import router_service_pb2`. protoc writes absolute

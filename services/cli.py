@@ -155,12 +155,12 @@ def _cmd_prepare(args, settings: Settings) -> int:
 
 
 def _cmd_up(args, settings: Settings) -> int:
-    from services.common.builders import run_all
+    from services.builders import run_all
     return asyncio.run(run_all(settings))
 
 
 def _cmd_serve(args, settings: Settings) -> int:
-    from services.common.builders import run_one
+    from services.builders import run_one
     return asyncio.run(run_one(args.service, settings))
 
 

@@ -95,7 +95,7 @@ def _router_channel(settings: Settings, address: str) -> grpc.Channel:
 
 def _mesh_tls(settings: Settings):
     """Mesh credentials to check internal services with (as the router); None = plaintext."""
-    from services.common.builders import mesh_tls
+    from services.builders import mesh_tls
     try:
         return mesh_tls(settings, "router")
     except (ValueError, OSError):

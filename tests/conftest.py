@@ -6,7 +6,7 @@ from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanE
 from services.common.telemetry import TelemetryConfig, setup_telemetry
 
 _SPANS = InMemorySpanExporter()
-# Each service reports its own service.name; metrics are read by scraping /metrics (tests/test_metrics.py).
+# Each service reports its own service.name; metrics are read by scraping /metrics (tests/e2e/test_metrics.py).
 setup_telemetry(TelemetryConfig("specmesh-tests-{service}"), span_exporter=_SPANS)
 
 

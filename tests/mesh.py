@@ -18,9 +18,9 @@ from services.common.server import GrpcServer, ServerConfig
 from services.common.tls import MeshTls
 from services.router.app import build_router_server
 from services.router.config import RouterConfig
-from services.target.app import build_target_server
+from services.target.server.app import build_target_server
 from services.target.config import EngineConfig
-from services.target.engine import Engine
+from services.target.engine.engine import Engine
 
 TOKEN_A, TOKEN_B = "token-a", "token-b"
 AUTH_A = (("authorization", f"Bearer {TOKEN_A}"),)

@@ -17,9 +17,9 @@ from specmesh.proto.v1 import (
 from services.common.server import GrpcServer, ServerConfig
 from services.router.config import RouterConfig
 from services.router.service import SERVICE_NAME, RouterService, add_to_server
-from services.target.app import build_target_server
+from services.target.server.app import build_target_server
 from services.target.config import EngineConfig
-from services.target.engine import Engine
+from services.target.engine.engine import Engine
 
 ENGINE = EngineConfig(model_dir=Path("."), dtype="float32", num_blocks=256, block_size=4,
                       max_batched_tokens=128, max_tokens_limit=256, kernels="reference")

@@ -11,7 +11,7 @@ within each round, medians over rounds:
   * cold prefill: TTFT of a ~2,000-token prompt never seen before; cached: the same prompt again
   * speculation at depth 5 and 10: specmesh prompt lookup vs vLLM n-gram, single-stream tok/s
 specmesh runs through the mesh (router -> target, draft service for speculation), each
-service a `specmesh serve` subprocess (services/common/builders.py assembles them); vLLM is
+service a `specmesh serve` subprocess (services/builders.py assembles them); vLLM is
 its OpenAI server with Intel OpenMP preloaded (one server per speculation setting, started in
 turn). vLLM's worker busy-polls about a second after each request, so every measurement is
 preceded by a pause. Writes JSON, markdown and a plot of specmesh's speed relative to vLLM
@@ -326,7 +326,7 @@ ROWS = [("single", "single-stream decode, tok/s", True), ("batch18", "18 concurr
 
 SHORT = {"single": "single-stream decode", "batch18": "18 mixed requests", "cold_ttft": "cold prefill, ~2,000 tokens",
          "cached_ttft": "cached prefix", "spec5": "speculation, depth 5", "spec10": "speculation, depth 10"}
-GOALS = {"single": 1.0, "batch18": 1.0, "cold_ttft": 1.0, "spec5": 1.3, "spec10": 1.3}  # issue 9
+GOALS = {"single": 1.0, "batch18": 1.0, "cold_ttft": 1.0, "spec5": 1.3, "spec10": 1.3}  # the goals the side-by-side run is held to
 
 
 def round_ratios(result: dict, key: str, higher: bool) -> list[float]:
@@ -374,7 +374,7 @@ def plot(result: dict, path: Path) -> Path | None:
                 label="median of the rounds" if y == 0 else None)
         if key in GOALS:
             ax.plot([GOALS[key]] * 2, [y - 0.35, y + 0.35], color="tab:red", lw=1.5, ls="--",
-                    label="goal (issue 9)" if y == 0 else None)
+                    label="goal" if y == 0 else None)
     ax.axvline(1.0, color="grey", lw=0.8)
     ax.set_yticks(range(len(rows)), [label for _, label, _ in rows])
     ax.invert_yaxis()

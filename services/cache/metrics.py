@@ -13,6 +13,7 @@ import weakref
 from opentelemetry.metrics import CallbackOptions, Observation
 
 from services.common import metrics as catalogue
+from services.common.instruments import counter, histogram
 
 SERVICE = "cache"
 INDEX_SIZE = "specmesh.cache.prefix_index.size"
@@ -43,13 +44,13 @@ def register_index(index) -> None:
 
 
 def count_lookup(kind: str, result: str) -> None:
-    catalogue.counter(SERVICE, catalogue.CACHE_LOOKUPS).add(
+    counter(SERVICE, catalogue.CACHE_LOOKUPS).add(
         1, {"specmesh.cache.kind": kind, "specmesh.cache.result": result})
 
 
 def record_prefix_match(seconds: float, matched_blocks: int) -> None:
-    catalogue.histogram(SERVICE, catalogue.PREFIX_QUERY_TIME).record(seconds)
-    catalogue.counter(SERVICE, catalogue.PREFIX_MATCHED_BLOCKS).add(matched_blocks)
+    histogram(SERVICE, catalogue.PREFIX_QUERY_TIME).record(seconds)
+    counter(SERVICE, catalogue.PREFIX_MATCHED_BLOCKS).add(matched_blocks)
 
 
 def _observer(field: str):

@@ -1,6 +1,6 @@
 """Prefix index: which target replica holds which cached KV block (by chained hash).
 
-Built only from the replicas' KV events (services/target/kv_events.py): a snapshot
+Built only from the replicas' KV events (services/target/engine/kv_events.py): a snapshot
 replaces a replica's whole set, then `stored` / `removed` events edit it. The index
 never holds KV tensors, only 64-bit block hashes. One owner: the subscribers
 (services/cache/kv_subscriber.py) write, `match` reads; all on one event loop.

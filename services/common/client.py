@@ -30,7 +30,7 @@ def router_channel(settings) -> grpc.aio.Channel:
     return public_channel(settings.router_address, ca)
 
 
-_NO_CHAT_TEMPLATE = "has no chat template"  # services/target/chat.py ChatTemplateError
+_NO_CHAT_TEMPLATE = "has no chat template"  # services/target/server/chat.py ChatTemplateError
 
 
 async def stream_generate(settings, args) -> int:

@@ -1,7 +1,7 @@
 """The draft tree: draft tokens of one sequence for one verify pass, in flat form.
 
 One definition for both sides: the draft service builds trees with it, and the target
-reads the trees it receives through it (DESIGN section 8, rule 6).
+reads the trees it receives through it.
 """
 
 from __future__ import annotations

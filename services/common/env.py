@@ -29,7 +29,7 @@ _ENV_ALIASES = {"otlp_endpoint": "OTEL_EXPORTER_OTLP_ENDPOINT", "service_name": 
 
 class Settings(BaseModel):
     """Settings for all services; each service builds its validated config from these
-    (services/common/builders.py)."""
+    (services/builders.py)."""
 
     model_config = ConfigDict(extra="forbid", validate_assignment=True, protected_namespaces=())
 

@@ -1,7 +1,7 @@
 """The mesh configuration: model pools, tenants, tenant classes (λ weights) and risk rules.
 
 One YAML file (`--config`, the same for `specmesh up`, `serve` and compose) describes the
-mesh the router routes over (DESIGN section 9). Every part is a dataclass validated on
+mesh the router routes over. Every part is a dataclass validated on
 construction; `load_mesh_config` names the offending field (`pools.small.max_context: ...`).
 Without a file the mesh is one pool `default` with the default model and the configured
 target address(es), and the `--tokens` tenants in class `default` (`default_mesh_config`).

@@ -1,6 +1,6 @@
 """The metric catalogue: every specmesh metric's name, unit, histogram boundaries and
-description, declared once. Services record through `histogram(service, NAME)` and
-`counter(service, NAME)`; the dashboard and its test read the names from here.
+description, declared once. Services record through `instruments.histogram(service, NAME)`
+and `instruments.counter(service, NAME)`; the dashboard and its test read the names from here.
 
 Names follow the OpenTelemetry GenAI semantic conventions where one exists
 (`gen_ai.server.*`); the rest are `specmesh.*`. Attributes used across services:
@@ -12,8 +12,6 @@ In Prometheus a name becomes `gen_ai_server_time_to_first_token_seconds_bucket{s
 """
 
 from __future__ import annotations
-
-import threading
 
 from opentelemetry.sdk.metrics.view import ExplicitBucketHistogramAggregation, View
 
@@ -103,39 +101,12 @@ COUNTERS: dict[str, tuple[str, str]] = {
 VIEWS = [View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(list(bounds)))
          for name, (_, bounds, _) in HISTOGRAMS.items()]
 
-_lock = threading.Lock()
-_instruments: dict[tuple[str, str], object] = {}
-
-
 def method_name(method: int) -> str:
     """'prompt_lookup' for common_pb2.SPECULATION_METHOD_PROMPT_LOOKUP; 'off' for none."""
     from specmesh.proto.v1 import common_pb2
     if method in (common_pb2.SPECULATION_METHOD_UNSPECIFIED, common_pb2.SPECULATION_METHOD_OFF):
         return "off"
     return common_pb2.SpeculationMethod.Name(method).removeprefix("SPECULATION_METHOD_").lower()
-
-
-def histogram(service: str, name: str):
-    """The service's histogram `name` (created once; boundaries come from VIEWS)."""
-    unit, _, description = HISTOGRAMS[name]
-    return _get(service, name, lambda m: m.create_histogram(name, unit=unit, description=description))
-
-
-def counter(service: str, name: str):
-    unit, description = COUNTERS[name]
-    return _get(service, name, lambda m: m.create_counter(name, unit=unit, description=description))
-
-
-def _get(service: str, name: str, create):
-    key = (service, name)
-    instrument = _instruments.get(key)
-    if instrument is None:
-        from services.common.telemetry import meter
-        with _lock:
-            instrument = _instruments.get(key)
-            if instrument is None:
-                instrument = _instruments[key] = create(meter(service))
-    return instrument
 
 
 def prometheus_names(extra: dict[str, tuple[str, str]] | None = None) -> set[str]:

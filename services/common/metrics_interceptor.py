@@ -12,7 +12,8 @@ import time
 import grpc
 from opentelemetry import trace
 
-from services.common.metrics import RPC_DURATION, histogram
+from services.common.instruments import histogram
+from services.common.metrics import RPC_DURATION
 from services.common.telemetry import record_error
 
 _SKIPPED_PREFIXES = ("/grpc.health.", "/grpc.reflection.")

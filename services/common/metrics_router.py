@@ -12,6 +12,7 @@ from __future__ import annotations
 import time
 
 from services.common import metrics as m
+from services.common.instruments import counter, histogram
 
 SERVICE = "router"
 
@@ -30,9 +31,9 @@ class RequestTimer:
             return
         now = time.monotonic()
         if self._last is None:
-            m.histogram(SERVICE, m.TTFT).record(now - self.start, self.attributes)
+            histogram(SERVICE, m.TTFT).record(now - self.start, self.attributes)
         else:
-            m.histogram(SERVICE, m.TPOT).record((now - self._last) / num_tokens, self.attributes)
+            histogram(SERVICE, m.TPOT).record((now - self._last) / num_tokens, self.attributes)
         self._last = now
         self._tokens += num_tokens
 
@@ -41,12 +42,12 @@ class RequestTimer:
         if self._finished:
             return
         self._finished = True
-        m.counter(SERVICE, m.REQUESTS).add(1, {**self.attributes, "specmesh.status": status})
+        counter(SERVICE, m.REQUESTS).add(1, {**self.attributes, "specmesh.status": status})
         if status != "OK":
             return
-        m.histogram(SERVICE, m.E2E).record(time.monotonic() - self.start, self.attributes)
+        histogram(SERVICE, m.E2E).record(time.monotonic() - self.start, self.attributes)
         if usage is not None:
-            tokens = m.counter(SERVICE, m.TOKENS)
+            tokens = counter(SERVICE, m.TOKENS)
             tokens.add(usage.prompt_tokens, {**self.attributes, "gen_ai.token.type": "input"})
             tokens.add(usage.cached_prompt_tokens, {**self.attributes, "gen_ai.token.type": "cached_input"})
             tokens.add(usage.completion_tokens, {**self.attributes, "gen_ai.token.type": "output"})

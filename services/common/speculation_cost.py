@@ -1,6 +1,6 @@
 """The cost side of speculation, shared by the router's plan and the target's per-step choice.
 
-Words (DESIGN section 5): α = acceptance rate, E[A](d) = accepted + bonus tokens per verify
+Words (docs/speculation.md): α = acceptance rate, E[A](d) = accepted + bonus tokens per verify
 pass of a chain of d draft tokens. The router predicts α per request and puts it in the plan
 (`SpeculationPlan.acceptance_prior`); the target decides per engine step how deep the plan's
 sequences draft, from what it measures:

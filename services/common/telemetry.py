@@ -34,6 +34,7 @@ from opentelemetry.sdk.trace.export import (
 )
 from opentelemetry.util._decorator import _agnosticcontextmanager
 
+from services.common.metrics import VIEWS
 from services.common.trace_interceptor import server_tracing_interceptor
 
 SERVICES = ("router", "target", "draft", "cache")
@@ -212,7 +213,6 @@ def _provider_pair(service: str) -> tuple[TracerProvider, MeterProvider]:
     from opentelemetry.exporter.prometheus import PrometheusMetricReader
     from prometheus_client import CollectorRegistry
 
-    from services.common.metrics import VIEWS
     with _lock:
         if service in _state.providers:
             return _state.providers[service]

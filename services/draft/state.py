@@ -1,6 +1,6 @@
 """Per-sequence draft state: the committed token history of every sequence.
 
-`DraftStateStore` is the one owner of this state (DESIGN section 8 rule 1). The service
+`DraftStateStore` is the one owner of this state. The service
 validates a whole request first and only then calls `append` / `release`, so a bad
 request changes nothing. Proposers read histories through `SequenceState` and keep
 their own derived state (indexes) keyed by sequence id.

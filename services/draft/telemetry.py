@@ -14,6 +14,7 @@ from collections import OrderedDict
 from opentelemetry.trace.propagation.tracecontext import TraceContextTextMapPropagator
 
 from services.common import metrics as m
+from services.common.instruments import counter, histogram
 from services.common.telemetry import tracer
 
 SERVICE = "draft"
@@ -24,9 +25,9 @@ _PROPAGATOR = TraceContextTextMapPropagator()
 class DraftTelemetry:
     def __init__(self) -> None:
         self._spans: OrderedDict[str, list] = OrderedDict()  # seq id -> [span, proposals, tokens, seconds]
-        self._time = m.histogram(SERVICE, m.DRAFT_PROPOSE_TIME)
-        self._sequences = m.counter(SERVICE, m.DRAFT_SEQUENCES)
-        self._proposed = m.counter(SERVICE, m.DRAFT_PROPOSED)
+        self._time = histogram(SERVICE, m.DRAFT_PROPOSE_TIME)
+        self._sequences = counter(SERVICE, m.DRAFT_SEQUENCES)
+        self._proposed = counter(SERVICE, m.DRAFT_PROPOSED)
 
     def proposed(self, sequences, methods: list[str], trees, seconds: float) -> None:
         """One answered request: `sequences` its DraftSequence messages, `trees` the answers."""

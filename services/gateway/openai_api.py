@@ -1,6 +1,6 @@
 """OpenAI HTTP API <-> specmesh protos: request parsing, response and error shapes.
 
-Translation only (DESIGN section 2): no policy, no state. Parsing raises `BadRequest`,
+Translation only: no policy, no state. Parsing raises `BadRequest`,
 which the app turns into a 400 OpenAI-style error before anything is sent to the router.
 """
 

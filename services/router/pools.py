@@ -1,6 +1,6 @@
 """Model pools at run time: each pool's replicas, tokenizer and measured speed.
 
-A pool is one model (DESIGN section 9); the router tokenizes a prompt with the pool's
+A pool is one model; the router tokenizes a prompt with the pool's
 own tokenizer (loaded once, off the event loop, from the pool's model directory) to
 count tokens and compute the chained block hashes its replicas compute. Without a
 readable tokenizer the pool still serves: token counts are estimated (4 bytes per token)
@@ -111,7 +111,7 @@ def _prompt_ids(tokenizer, prompt: str, messages) -> list[int] | None:
     if not messages:
         return tokenizer(prompt).input_ids
     try:
-        from services.target.chat import chat_prompt_ids  # the target's own rendering
+        from services.target.server.chat import chat_prompt_ids  # the target's own rendering
         return chat_prompt_ids(tokenizer, messages)
     except Exception:
         return None

@@ -17,7 +17,7 @@ import grpc
 from opentelemetry import trace
 
 from services.cache.identity import caller_metadata
-from services.common import metrics
+from services.common import instruments, metrics
 from specmesh.proto.v1 import cache_service_pb2, cache_service_pb2_grpc, router_service_pb2
 
 DEFAULT_K = 4
@@ -48,7 +48,7 @@ class Augmented:
             if response.chunk.HasField("usage"):
                 self.report.cached_prompt_tokens = response.chunk.usage.cached_prompt_tokens
                 response.retrieval.CopyFrom(self.report)
-                metrics.counter("router", metrics.SAVED_PREFILL_TOKENS).add(
+                instruments.counter("router", metrics.SAVED_PREFILL_TOKENS).add(
                     self.report.cached_prompt_tokens, {"specmesh.cache.kind": "retrieval"})
             yield response
 

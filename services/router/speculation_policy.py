@@ -1,4 +1,4 @@
-"""Speculation plans at the router (DESIGN sections 1 and 5), per request.
+"""Speculation plans at the router, per request.
 
 1. `SpeculationPolicy` (router, per request). Predicts the acceptance rate α of a request
    from its task, sampling temperature and requested length (`acceptance_prior`), blends

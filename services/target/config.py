@@ -9,7 +9,7 @@ import torch
 
 from services.common.limits import RequestLimits
 from services.common.tls import MeshTls
-from services.target.linear import WEIGHT_FORMATS
+from services.target.model.linear import WEIGHT_FORMATS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn}
@@ -34,7 +34,7 @@ class EngineConfig:
     kernels: str = "auto"
     name: str = ""  # model id in prefix-cache keys and metrics; "" = the model directory's name
     draft_address: str = ""  # draft service for speculative decoding; "" = never speculate
-    weights: str = "auto"  # linear-layer format: auto, none, bf16, bf16-avx512, fp16, int8 (services/target/linear.py)
+    weights: str = "auto"  # linear-layer format: auto, none, bf16, bf16-avx512, fp16, int8 (services/target/model/linear.py)
     draft_timeout_s: float = 0.5  # per-step deadline of a draft call; past it the step decodes normally
     # The target's mesh identity for its calls to the draft service (services/common/tls.py
     # MeshTls); None = plaintext (dev mode, tests).
@@ -74,6 +74,6 @@ class EngineConfig:
         if self.kv_dtype != "auto":
             return _KV_DTYPES[self.kv_dtype]
         if torch.device(self.device).type == "cpu" and self.dtype in ("bfloat16", "float16"):
-            from services.target.linear import native_bf16_cpu
+            from services.target.model.linear import native_bf16_cpu
             return torch.bfloat16 if self.dtype == "bfloat16" and native_bf16_cpu() else torch.float32
         return self.torch_dtype

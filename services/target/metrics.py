@@ -23,7 +23,7 @@ from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, Observation
 from opentelemetry.trace import NonRecordingSpan
 
-from services.common import metrics as m
+from services.common import instruments, metrics as m
 from services.common.telemetry import meter, record_error, tracer
 
 _lock = threading.Lock()
@@ -73,7 +73,7 @@ class TargetMetrics:
 
     def __init__(self, pool: str) -> None:
         self.pool = pool
-        h, c = (lambda n: m.histogram(SERVICE, n)), (lambda n: m.counter(SERVICE, n))
+        h, c = (lambda n: instruments.histogram(SERVICE, n)), (lambda n: instruments.counter(SERVICE, n))
         self._ttft, self._tpot, self._e2e = h(m.TTFT), h(m.TPOT), h(m.E2E)
         self._queue, self._prefill = h(m.QUEUE_TIME), h(m.PREFILL_TIME)
         self._verify, self._draft, self._accept_len = h(m.VERIFY_TIME), h(m.DRAFT_TIME), h(m.ACCEPTANCE_LENGTH)

@@ -9,7 +9,7 @@ import pytest
 
 from services.common.sampling_params import SamplingConfig
 from services.target.config import EngineConfig
-from services.target.engine import Engine
+from services.target.engine.engine import Engine
 
 pytestmark = pytest.mark.triton
 

@@ -8,7 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.target.attention import AttentionMetadata, KVPool
+from services.target.model.attention import AttentionMetadata, KVPool
 from services.target.kernels import get_kernels
 
 from .conftest import DEVICE
@@ -21,7 +21,7 @@ PROMPT = "Once upon a time, in a land far away, there lived a"
 @pytest.fixture(scope="module")
 def tiny_gemma(tmp_path_factory):
     from services.common.models.tiny import build_tiny_model
-    from services.target.model_runner import load_model
+    from services.target.model.model_runner import load_model
 
     model_dir = build_tiny_model(tmp_path_factory.mktemp("kernels-tiny-gemma"), arch="gemma3", seed=1)
     model, tokenizer, spec = load_model(model_dir, torch.float32, device=DEVICE)

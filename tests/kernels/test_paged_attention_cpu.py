@@ -216,7 +216,7 @@ def test_auto_kv_dtype_is_bf16_for_bf16_models_where_the_cpu_multiplies_bf16(tmp
     """A bf16 model's keys and values are bf16 already: with native bf16 the cache keeps them as
     they are (half the bytes of float32) and attention takes the bf16 path; elsewhere float32."""
     from services.target.config import EngineConfig
-    from services.target.linear import native_bf16_cpu
+    from services.target.model.linear import native_bf16_cpu
     config = EngineConfig(model_dir=tmp_path, dtype="bfloat16")
     assert config.torch_kv_dtype == (torch.bfloat16 if native_bf16_cpu() else torch.float32)
     assert EngineConfig(model_dir=tmp_path, dtype="float16").torch_kv_dtype == torch.float32

@@ -1,7 +1,7 @@
 """The proposer interface and the draft tree it returns.
 
 A *proposer* turns the committed tokens of a sequence into *draft tokens* for one
-verify pass (DESIGN section 5). Every method (prompt lookup, suffix tree, draft model,
+verify pass (docs/speculation.md). Every method (prompt lookup, suffix tree, draft model,
 dynamic tree) implements `Proposer`; the draft service only talks to this interface.
 
 Who owns what:

@@ -2,7 +2,7 @@
 
 Built into the AVX-512 kernel's module (cpu_linear.py builds both); available where it is.
 Each returns what the lean forward's torch ops return, except that a norm's sum of squares is
-added in another order (one bf16 rounding step at most; tests/test_cpu_rowops.py).
+added in another order (one bf16 rounding step at most; tests/target/test_cpu_rowops.py).
 """
 
 from __future__ import annotations

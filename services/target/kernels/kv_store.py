@@ -1,6 +1,6 @@
 """KV store: write new keys and values into their paged-KV slots (PyTorch reference).
 
-Terms (DESIGN.md section 4):
+Terms:
   slot     = block_id * block_size + offset; a slot < 0 means "skip this token"
              (padding tokens, or tokens whose KV must not be stored).
   FP8 KV   = float8_e4m3fn values with one float32 scale per stored token per kv head:

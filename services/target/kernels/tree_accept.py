@@ -1,6 +1,6 @@
 """Tree acceptance: walk each sequence's draft tree against the target (PyTorch reference).
 
-Tree convention (DESIGN.md section 5 words): node 0 is the root, the last committed
+Tree convention (the words of docs/speculation.md): node 0 is the root, the last committed
 token, whose target distribution is computed in the same verify pass; nodes
 1 .. num_nodes-1 are draft tokens; parents[s, n] < n is node n's parent
 (parents[s, 0] = -1); target row n is the target's distribution for the token that

@@ -1,0 +1,256 @@
+"""Builds each service's validated config and server from Settings (used by the CLI)."""
+
+from __future__ import annotations
+
+import logging
+import secrets
+import tempfile
+from dataclasses import replace
+from pathlib import Path
+
+from services.common.env import DEFAULT_PORTS, DEV_SALT_SECRET, DEV_TOKEN, Settings
+from services.common.server import GrpcServer, ServerConfig, check_port_free, run_until_signal
+from services.common.telemetry import TelemetryConfig, serve_metrics, setup_telemetry
+from services.common.tls import MeshTls, PublicTls, ServerTls, load_mesh_tls, make_dev_certs
+
+log = logging.getLogger(__name__)
+INTERNAL_SERVICES = ("target", "draft", "cache")  # serve only mutual TLS (unless dev plaintext)
+
+
+def server_config(settings: Settings, service: str, mesh: MeshTls | None = None) -> ServerConfig:
+    """Internal services serve mutual TLS with `mesh`; the router its public TLS, if configured."""
+    tls: ServerTls | None = None
+    if service in INTERNAL_SERVICES and mesh is not None:
+        tls = mesh.server_tls()
+    elif service == "router" and (settings.public_tls_cert or settings.public_tls_key):
+        if not (settings.public_tls_cert and settings.public_tls_key):
+            raise ValueError("public_tls_cert and public_tls_key go together")
+        tls = PublicTls.from_files(settings.public_tls_cert, settings.public_tls_key).server_tls()
+    return ServerConfig(host=settings.host, port=settings.port or DEFAULT_PORTS[service],
+                        grace_seconds=settings.grace_seconds, tls=tls)
+
+
+def mesh_tls(settings: Settings, identity: str) -> MeshTls | None:
+    """`identity`'s mesh credentials from settings; None (plaintext) only in dev mode."""
+    return load_mesh_tls(settings, identity)
+
+
+def check_salt_secret(settings: Settings, allow_dev_token: bool = False) -> None:
+    """The router refuses the public default salt secret and the public dev token outside dev mode
+    (`specmesh up`, a loopback run, accepts the dev token: `allow_dev_token`)."""
+    if settings.salt_secret == DEV_SALT_SECRET and not settings.dev:
+        raise ValueError("salt_secret is the public default: set SPECMESH_SALT_SECRET to a random "
+                         "value (e.g. `openssl rand -hex 32`), or pass --dev on a development machine")
+    from services.router.config import parse_tokens
+    if (not settings.config and DEV_TOKEN in parse_tokens(settings.tokens) and not settings.dev
+            and not allow_dev_token):
+        raise ValueError(f"tokens accept the public dev token {DEV_TOKEN!r}: set SPECMESH_TOKENS to "
+                         "your own TOKEN=TENANT,... pairs, or pass --dev on a development machine")
+
+
+def resolve_model(settings: Settings) -> Path:
+    from services.common.models.loading import resolve_model_dir
+    return resolve_model_dir(settings.model, Path(settings.model_cache).expanduser())
+
+
+def engine_config(settings: Settings, model_dir: Path):
+    from services.target.config import EngineConfig
+    return EngineConfig(model_dir=model_dir, dtype=settings.dtype, kv_dtype=settings.kv_dtype,
+                        device=settings.device, block_size=settings.block_size,
+                        num_blocks=settings.num_blocks, max_num_seqs=settings.max_num_seqs,
+                        max_batched_tokens=settings.max_batched_tokens,
+                        max_queued_requests=settings.max_queued_requests,
+                        max_tokens_limit=settings.max_tokens_limit, kernels=settings.kernels,
+                        weights=settings.weights,
+                        draft_address="" if settings.speculation_method == "off" else settings.draft_address,
+                        draft_timeout_s=settings.draft_timeout_ms / 1000, limits=request_limits(settings))
+
+
+def request_limits(settings: Settings):
+    from services.common.limits import RequestLimits
+    return RequestLimits(max_prompt_bytes=settings.max_prompt_bytes,
+                         max_stop_sequences=settings.max_stop_sequences,
+                         max_stop_bytes=settings.max_stop_bytes)
+
+
+def build_server(service: str, settings: Settings, config: ServerConfig | None = None,
+                 allow_dev_token: bool = False) -> GrpcServer:
+    """Builds one service's server (not started). The target loads its model here.
+
+    Mesh credentials come from settings (`mesh_tls`); `config`'s port and host win when given."""
+    mesh = mesh_tls(settings, service)
+    default = server_config(settings, service, mesh)
+    config = default if config is None else replace(config, tls=default.tls)
+    if service == "router":
+        from services.router.app import build_router_server
+        from services.router.config import RouterConfig, parse_tokens
+        check_salt_secret(settings, allow_dev_token)
+        return build_router_server(config, RouterConfig(
+            mesh_tls=mesh,
+            target_address=settings.target_address, tokens=parse_tokens(settings.tokens),
+            salt_secret=settings.salt_secret, max_tokens_limit=settings.max_tokens_limit,
+            limits=request_limits(settings),
+            speculation_method=settings.speculation_method, speculation_depth=settings.speculation_depth,
+            speculation_nodes=settings.speculation_nodes,
+            speculation_policy=settings.speculation_policy, cache_address=settings.cache_address,
+            **routing_settings(settings)))
+    if service == "target":
+        from services.target.server.app import build_target_server, load_engine
+        model_dir = resolve_model(settings)
+        engine = load_engine(replace(engine_config(settings, model_dir), mesh_tls=mesh))
+        return build_target_server(config, engine, settings.model)
+    if service == "draft":
+        from services.draft.app import build_draft_server
+        from services.draft.config import DraftConfig
+        draft_dir = None
+        if settings.draft_model:
+            from services.common.models.loading import resolve_model_dir
+            draft_dir = resolve_model_dir(settings.draft_model, Path(settings.model_cache).expanduser())
+        return build_draft_server(DraftConfig(server=config, draft_model_dir=draft_dir,
+                                              draft_model_dtype=settings.dtype))
+    if service == "cache":
+        from services.cache.app import build_cache_server
+        from services.cache.config import CacheConfig
+        return build_cache_server(CacheConfig(server=config, backend=settings.cache_backend,
+                                              redis_url=settings.redis_url or None,
+                                              replicas=cache_replicas(settings), mesh_tls=mesh,
+                                              max_memory_bytes=settings.cache_max_memory_mb << 20,
+                                              retrieval_mode=settings.retrieval_mode,
+                                              embedding_model=settings.embedding_model))
+    raise ValueError(f"unknown service {service!r}; expected router, target, draft or cache")
+
+
+def routing_settings(settings: Settings) -> dict:
+    """The router's pools (mesh config file, else one pool `default` over target_address) and
+    replica policy, as RouterConfig fields."""
+    from services.common.mesh_config import default_mesh_config, load_mesh_config
+    from services.router.config import parse_tokens
+    if settings.config:
+        mesh = load_mesh_config(settings.config)
+    else:
+        addresses = [a.strip() for a in settings.target_address.split(",") if a.strip()]
+        mesh = default_mesh_config(addresses, parse_tokens(settings.tokens), model=settings.model)
+    return dict(mesh=mesh, replica_policy=settings.replica_policy,
+                poll_interval_s=settings.replica_poll_seconds, model_cache=settings.model_cache)
+
+
+def cache_replicas(settings: Settings) -> tuple[str, ...]:
+    """Targets the cache's prefix index follows: `cache_replicas`, else every pool replica of
+    the mesh config file, else `target_address` (comma-separated)."""
+    listed = settings.cache_replicas
+    if not listed and settings.config:
+        from services.common.mesh_config import load_mesh_config
+        mesh = load_mesh_config(settings.config)
+        return tuple(dict.fromkeys(r for pool in mesh.pools for r in pool.replicas))
+    listed = listed or settings.target_address
+    return tuple(dict.fromkeys(a.strip() for a in listed.split(",") if a.strip()))
+
+
+def start_metrics(service: str, host: str, port: int) -> int | None:
+    """Serves the service's Prometheus /metrics on host:port (0 = none); a taken port is
+    logged, not fatal (the service itself still runs). Returns the bound port."""
+    if not port:
+        return None
+    try:
+        bound = serve_metrics(service, host, port)
+    except OSError as exc:
+        log.error("%s: cannot serve /metrics on %s:%d: %s", service, host, port, exc)
+        return None
+    print(f"{service:>6} metrics on http://{host}:{bound}/metrics", flush=True)
+    return bound
+
+
+def gateway_config(settings: Settings, port: int | None = None):
+    from services.gateway.app import GatewayConfig
+    ca = Path(settings.router_ca).expanduser().read_bytes() if settings.router_ca else None
+    if port is None:  # `serve gateway --port N` as for every other service; else --gateway-port
+        port = settings.port or settings.gateway_port
+    return GatewayConfig(host=settings.host, port=port,
+                         router_address=settings.router_address, router_ca_pem=ca)
+
+
+async def run_gateway(settings: Settings) -> int:
+    """`specmesh serve gateway`: the OpenAI-compatible HTTP front of a running router."""
+    from services.gateway.app import Gateway
+    gateway = Gateway(gateway_config(settings))
+    await gateway.start()
+    print(f"gateway serving on http://{gateway.address}/v1 (router {settings.router_address})", flush=True)
+    await run_until_signal([gateway])
+    return 0
+
+
+async def run_one(service: str, settings: Settings) -> int:
+    if service == "gateway":
+        return await run_gateway(settings)
+    setup_telemetry(TelemetryConfig(settings.service_name or f"specmesh-{service}",
+                                    settings.otlp_endpoint or None))
+    server = build_server(service, settings)
+    await server.start()
+    print(f"{service} serving on {server.address}", flush=True)
+    start_metrics(service, settings.host, settings.metrics_port)
+    await run_until_signal([server])
+    return 0
+
+
+async def run_all(settings: Settings) -> int:
+    """`specmesh up`: all four services in this process on loopback.
+
+    Ports are the defaults, or base, base+1, base+2, base+3 (router, target,
+    draft, cache) when `settings.port` is set. Services talk mutual TLS with certificates
+    made for this run (removed at exit) unless mesh certificates are given, or --dev asks
+    for plaintext; the public default salt secret is replaced by a random one.
+    """
+    with tempfile.TemporaryDirectory(prefix="specmesh-certs-") as certs:
+        if not (settings.tls_dir or settings.tls_ca or settings.tls_cert or settings.tls_key
+                or settings.dev):
+            settings.tls_dir = str(make_dev_certs(certs, hosts=[settings.host]))
+            print(f"mesh certificates for this run in {certs} (removed at exit)", flush=True)
+        if settings.salt_secret == DEV_SALT_SECRET:
+            settings.salt_secret = secrets.token_hex(32)
+        return await _run_all(settings)
+
+
+async def _run_all(settings: Settings) -> int:
+    name = f"{settings.service_name}-{{service}}" if settings.service_name else "specmesh-{service}"
+    setup_telemetry(TelemetryConfig(name, settings.otlp_endpoint or None))
+    ports = dict(DEFAULT_PORTS)
+    if settings.port:
+        ports = {name: settings.port + i for i, name in enumerate(("router", "target", "draft", "cache"))}
+    for name in ("target", "draft", "cache"):
+        setattr(settings, f"{name}_address", f"{settings.host}:{ports[name]}")
+    for port in [*(ports[s] for s in ("router", "target", "draft", "cache")), settings.gateway_port]:
+        check_port_free(settings.host, port)  # before the model loads: a taken port fails at once
+    # `--replicas N`: more targets of the default pool after the cache port.
+    extra = [ports["cache"] + i for i in range(1, settings.replicas)]
+    settings.target_address = ",".join(f"{settings.host}:{p}" for p in [ports["target"], *extra])
+    servers = {}
+    front = []
+    try:
+        for i, port in enumerate(extra, start=2):  # extra replicas first: they load the model too
+            servers[f"target-{i}"] = build_server("target", settings, ServerConfig(settings.host, port,
+                                                                                   settings.grace_seconds))
+            await servers[f"target-{i}"].start()
+            print(f"target-{i} serving on {servers[f'target-{i}'].address}", flush=True)
+        # The target first (it loads the model), the router last (it is the front door).
+        for service in ("target", "draft", "cache", "router"):
+            config = ServerConfig(settings.host, ports[service], settings.grace_seconds)
+            servers[service] = build_server(service, settings, config, allow_dev_token=True)
+            await servers[service].start()
+            print(f"{service:>6} serving on {servers[service].address}", flush=True)
+            if settings.metrics_base_port:  # router, target, draft, cache: base .. base+3
+                start_metrics(service, settings.host,
+                              settings.metrics_base_port + ("router", "target", "draft", "cache").index(service))
+        if settings.gateway_port:
+            from services.gateway.app import Gateway
+            settings.router_address = servers["router"].address
+            front = [Gateway(gateway_config(settings, port=settings.gateway_port))]  # not up's base port
+            await front[0].start()
+            print(f"gateway serving on http://{front[0].address}/v1 (OpenAI-compatible)", flush=True)
+    except BaseException:  # a half-started mesh stops what it started (no stray servers, no noise)
+        for server in [*front, *reversed(servers.values())]:
+            await server.stop(0)
+        raise
+    print(f"ready: specmesh generate \"Hello\" --address {servers['router'].address}", flush=True)
+    await run_until_signal(front + [servers[s] for s in ("router", "target", *(f"target-{i}" for i in range(
+        2, settings.replicas + 1)), "draft", "cache")])
+    return 0

@@ -1,0 +1,119 @@
+"""State of one request inside the engine (owned by the engine thread)."""
+
+from __future__ import annotations
+
+import enum
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from services.common.sampling_params import SamplingConfig
+from services.target.speculation.confidence import Confidence
+from services.target.output.detokenizer import IncrementalDetokenizer
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # end-of-sequence token
+    LENGTH = "length"  # max_tokens reached
+    STOP_SEQUENCE = "stop_sequence"
+    ABORTED = "aborted"  # cancelled by the caller
+
+
+@dataclass
+class StepOutput:
+    """What a request's stream receives after a step: newly committed tokens and text."""
+
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason | None = None
+    prompt_tokens: int = 0
+    cached_prompt_tokens: int = 0
+    completion_tokens: int = 0
+    error: Exception | None = None
+    speculation: "SpeculationStats | None" = None
+    confidence: "Confidence | None" = None  # set when the request asked for it
+
+
+@dataclass(frozen=True)
+class SpeculationPlan:
+    """Per-request plan from the router: method (common_pb2.SpeculationMethod) and limits."""
+
+    method: int
+    max_depth: int
+    max_nodes: int
+    load_aware: bool = False  # the target may shorten the depth per step (speculation_cost.LoadAwareDepth)
+    acceptance: float = 0.0  # the router's predicted acceptance rate α; 0 = none
+
+
+@dataclass
+class SpeculationStats:
+    """Per-request speculation counters (the words of docs/speculation.md)."""
+
+    proposed: int = 0  # draft tokens sent to verification
+    accepted: int = 0  # draft tokens on accepted paths
+    verify_passes: int = 0
+    fallback_steps: int = 0  # steps that decoded normally because the draft failed
+    # Per verify pass, for the request's trace (services/target/metrics.py), monotonic seconds:
+    # [draft_start, draft_end, verify_start, verify_end, proposed, accepted].
+    passes: list = field(default_factory=list)
+    draft_window: tuple[float, float] = (0.0, 0.0)  # this step's draft call (start, end)
+
+    @property
+    def rejected(self) -> int:
+        return self.proposed - self.accepted
+
+    @property
+    def acceptance_length(self) -> float:
+        """Accepted + bonus tokens per verify pass (0 when no pass ran)."""
+        return (self.accepted + self.verify_passes) / self.verify_passes if self.verify_passes else 0.0
+
+
+@dataclass
+class Sequence:
+    seq_id: str
+    # Prompt then committed output: one list, appended per token and never rebuilt (the
+    # engine reads it every step, so a prompt + output concatenation would cost O(length)).
+    token_ids: list[int]
+    sampling: SamplingConfig
+    generator: torch.Generator
+    detokenizer: IncrementalDetokenizer
+    emit: Callable[[StepOutput], None]  # thread-safe hand-off to the request's stream
+    extra_key: str = ""  # model id + tenant salt: scopes this sequence's prefix-cache blocks
+    arrival: float = field(default_factory=time.monotonic)
+    num_computed: int = 0  # tokens whose KV is in the pool
+    num_cached_prompt: int = 0  # prompt tokens served from the prefix cache
+    status: SeqStatus = SeqStatus.WAITING
+    num_preemptions: int = 0
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    admitted: bool = False  # left the waiting queue at least once
+    admitted_time: float | None = None  # monotonic time of the first admission (queue wait ends)
+    plan: SpeculationPlan | None = None  # None = no speculation
+    spec: SpeculationStats = field(default_factory=SpeculationStats)
+    draft_synced: int = 0  # committed tokens the draft service has seen
+    tenant_salt: str = ""  # sent to the draft service only (scopes suffix trees); never traced
+    bucket: str = ""
+    span_context: object = None  # the request's span context, linked from engine-step spans
+    counted_admission: bool = False  # its prompt tokens were taken off the queued-token count
+    priority: int = 0  # tenant priority: higher is admitted first and preempted last
+    confidence: Confidence | None = None  # log-prob sums of committed tokens, when asked for
+    num_prompt_tokens: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens

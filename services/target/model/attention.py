@@ -1,0 +1,141 @@
+"""Paged attention plugged into transformers' attention interface.
+
+The model's own modules run (projections, norms, RoPE from explicit positions);
+when they call attention, `paged_attention_forward` stores the new keys and
+values into the engine's KV pool and attends over each sequence's blocks.
+The per-step `AttentionMetadata` travels through the model's forward kwargs.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from transformers import AttentionInterface
+from transformers.masking_utils import AttentionMaskInterface
+
+from services.target.kernels.paged_attention_cpu import (
+    chunk_kernel_runs,
+    paged_attention_cpu_planned,
+    plan_cpu_attention,
+)
+from services.target.kernels.paged_attention import (
+    paged_attention_planned,
+    plan_paged_attention,
+)
+
+ATTN_IMPLEMENTATION = "specmesh_paged"
+
+
+@dataclass
+class KVPool:
+    """The KV tensors of all layers, allocated once. Owned by the model runner."""
+
+    k_caches: list[torch.Tensor]  # per layer: [num_blocks, block_size, num_kv_heads, head_dim]
+    v_caches: list[torch.Tensor]  # per layer: [num_blocks, block_size, num_kv_heads, head_dim]
+    k_scales: list[torch.Tensor] | None  # per layer: [num_blocks, block_size, num_kv_heads] (fp8 only)
+    v_scales: list[torch.Tensor] | None
+
+    @classmethod
+    def allocate(cls, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> "KVPool":
+        shape = (num_blocks, block_size, num_kv_heads, head_dim)
+        fp8 = dtype == torch.float8_e4m3fn
+        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        scales = (lambda: [torch.ones(shape[:3], dtype=torch.float32, device=device)
+                           for _ in range(num_layers)]) if fp8 else (lambda: None)
+        return cls(k, v, scales(), scales())
+
+    @property
+    def num_bytes(self) -> int:
+        tensors = [*self.k_caches, *self.v_caches, *(self.k_scales or []), *(self.v_scales or [])]
+        return sum(t.numel() * t.element_size() for t in tensors)
+
+
+@dataclass
+class AttentionMetadata:
+    """What one forward pass needs to read and write the paged KV pool."""
+
+    kv_pool: KVPool
+    kernels: Any  # services.target.kernels.select namespace
+    slot_mapping: torch.Tensor  # [num_tokens] int64
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    context_lens: torch.Tensor  # [num_seqs] int32, KV entries before this step's tokens
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int32
+    query_positions: torch.Tensor  # [num_tokens] int32
+    tree_mask: torch.Tensor | None = None  # [num_tokens, max_q_len] bool (verify passes)
+    plans: dict = field(default_factory=dict)  # sliding window -> AttentionPlan (reference path)
+    # bf16 attention in C++ (cpu backend; row ops' forward): decode rows and small trees
+    # (kernels/cpu_decode_attention.cpp), prefill chunks (cpu_chunk_attention.cpp, AVX512-BF16)
+    cpu_cpp_attention: bool = False
+
+
+def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
+                            value: torch.Tensor, attention_mask: torch.Tensor | None,
+                            scaling: float | None = None, sliding_window: int | None = None,
+                            specmesh_meta: AttentionMetadata | None = None, **kwargs: Any):
+    """query: [1, num_heads, num_tokens, head_dim]; key/value: [1, num_kv_heads, num_tokens, head_dim].
+
+    Returns ([1, num_tokens, num_heads, head_dim], None) as transformers expects.
+    """
+    if specmesh_meta is None:
+        raise RuntimeError("paged attention called without AttentionMetadata; "
+                           "run the model through services.target.model.model_runner")
+    q = query[0].transpose(0, 1).contiguous()  # [num_tokens, num_heads, head_dim]
+    k = key[0].transpose(0, 1).contiguous()  # [num_tokens, num_kv_heads, head_dim]
+    v = value[0].transpose(0, 1).contiguous()
+    scale = scaling if scaling is not None else q.shape[-1] ** -0.5
+    out = paged_attention(specmesh_meta, module.layer_idx, q, k, v, scale, sliding_window)
+    return out.unsqueeze(0), None  # [1, num_tokens, num_heads, head_dim]
+
+
+def paged_attention(meta: AttentionMetadata, layer: int, q: torch.Tensor, k: torch.Tensor,
+                    v: torch.Tensor, scale: float, sliding_window: int | None) -> torch.Tensor:
+    """Stores this step's keys and values of `layer` in the pool and attends over it.
+
+    q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim], contiguous.
+    Returns [num_tokens, num_heads, head_dim].
+    """
+    pool = meta.kv_pool
+    k_scale = pool.k_scales[layer] if pool.k_scales else None
+    v_scale = pool.v_scales[layer] if pool.v_scales else None
+    meta.kernels.store_kv(k, v, pool.k_caches[layer], pool.v_caches[layer],
+                          meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    if meta.kernels.backend == "cpu":
+        plan = meta.plans.get(sliding_window)  # per-sequence block ranges, shared by the layers
+        if plan is None:
+            whole = chunk_kernel_runs(q.dtype, pool.k_caches[layer].dtype, q.shape[-1], meta.cpu_cpp_attention)
+            plan = meta.plans[sliding_window] = plan_cpu_attention(
+                pool.k_caches[layer].shape[1], meta.block_tables, meta.context_lens,
+                meta.query_start_loc, meta.query_positions, sliding_window, meta.tree_mask,
+                cut_windows=not whole)
+        return paged_attention_cpu_planned(q, pool.k_caches[layer], pool.v_caches[layer], plan, scale,
+                                           k_scale=k_scale, v_scale=v_scale,
+                                           cpp_attention=meta.cpu_cpp_attention)
+    if meta.kernels.backend == "reference":
+        # Index and mask tensors depend only on the step, not the layer: build them once.
+        plan = meta.plans.get(sliding_window)
+        if plan is None:
+            plan = meta.plans[sliding_window] = plan_paged_attention(
+                pool.k_caches[layer].shape[1], meta.block_tables, meta.context_lens,
+                meta.query_start_loc, meta.query_positions, sliding_window, meta.tree_mask)
+        return paged_attention_planned(q, pool.k_caches[layer], pool.v_caches[layer], plan, scale,
+                                       k_scale=k_scale, v_scale=v_scale)
+    return meta.kernels.paged_attention(
+        q, pool.k_caches[layer], pool.v_caches[layer], meta.block_tables, meta.context_lens,
+        meta.query_start_loc, meta.query_positions, scale, sliding_window=sliding_window,
+        tree_mask=meta.tree_mask, k_scale=k_scale, v_scale=v_scale)
+
+
+def _no_mask(*args: Any, **kwargs: Any) -> None:
+    # Masking is done inside paged attention from the metadata.
+    return None
+
+
+def register_paged_attention() -> str:
+    """Registers the attention function and a no-op mask builder; returns the implementation name."""
+    AttentionInterface.register(ATTN_IMPLEMENTATION, paged_attention_forward)
+    AttentionMaskInterface.register(ATTN_IMPLEMENTATION, _no_mask)
+    return ATTN_IMPLEMENTATION

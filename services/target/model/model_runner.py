@@ -1,0 +1,188 @@
+"""Runs the Hugging Face model over a flat batch of tokens against the paged KV pool
+(Gemma 3 through its lean forward, services/target/model/gemma3_forward.py)."""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from services.target.model.attention import (
+    AttentionMetadata,
+    KVPool,
+    register_paged_attention,
+)
+from services.target.engine.block_manager import BlockManager
+from services.target.model.gemma3_forward import FUSED, Gemma3PagedForward, fuse_projections, supports
+from services.target.kernels.select import get_kernels
+from services.target.model.linear import prepack_linears, resolve_weight_format
+from services.target.model.model_runner_inputs import StepInput
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class ModelSpec:
+    """What the engine needs to know about the loaded model."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int
+    max_context: int
+    eos_token_ids: frozenset[int]
+
+
+class ModelRunner:
+    """Owns the model and the KV pool; one forward per engine step."""
+
+    def __init__(self, model, spec: ModelSpec, block_manager: BlockManager,
+                 kv_dtype: torch.dtype, kernels: str = "auto") -> None:
+        self.model = model
+        self.spec = spec
+        self.blocks = block_manager
+        self.device = next(model.parameters()).device
+        self.kernels = get_kernels(kernels)
+        self.kv_pool = KVPool.allocate(spec.num_layers, block_manager.num_blocks,
+                                       block_manager.block_size, spec.num_kv_heads, spec.head_dim,
+                                       kv_dtype, self.device)
+        # Gemma 3 runs a lean forward with transformers' exact ops; other models their own forward.
+        lean = supports(model) and hasattr(model, FUSED)
+        self.lean_forward = Gemma3PagedForward(model) if lean else None
+
+    @torch.inference_mode()
+    def forward(self, inputs: list[StepInput]) -> torch.Tensor:
+        """Computes and stores KV for every input token; returns logits [num_rows, vocab]
+        (float32): each input's `num_logits` last rows, inputs in order."""
+        ids, positions, slots, logit_rows, q_lens, ctx_lens, tables = [], [], [], [], [], [], []
+        for inp in inputs:
+            n = len(inp.token_ids)
+            ids.extend(inp.token_ids)
+            positions.extend(inp.positions)
+            slots.extend(self.blocks.slots(inp.seq_id, inp.context_len, inp.context_len + n))
+            logit_rows.extend(range(len(ids) - inp.num_logits, len(ids)))
+            q_lens.append(n)
+            ctx_lens.append(inp.context_len)
+            tables.append(self.blocks.block_table(inp.seq_id))
+        meta = self._metadata(slots, positions, q_lens, ctx_lens, tables, _tree_mask(inputs))
+        dev = self.device
+        if self.lean_forward is not None:
+            return self.lean_forward(torch.tensor(ids, dtype=torch.long, device=dev),
+                                     torch.tensor(positions, dtype=torch.long, device=dev),
+                                     torch.tensor(logit_rows, dtype=torch.long, device=dev),
+                                     meta).float()  # [num_rows, vocab]
+        out = self.model(
+            input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
+            position_ids=torch.tensor([positions], dtype=torch.long, device=dev),
+            use_cache=False,
+            logits_to_keep=torch.tensor(logit_rows, dtype=torch.long, device=dev),
+            specmesh_meta=meta,
+        )
+        return out.logits[0].float()  # [num_rows, vocab]
+
+    def move_kv(self, seq_id: str, src: list[int], dst: list[int]) -> None:
+        """Copies the KV of sequence indices `src` to indices `dst` in every layer (accepted tree paths)."""
+        if not src:
+            return
+        dev = self.device
+        src_slots = torch.tensor(self.blocks.slots_at(seq_id, src), dtype=torch.long, device=dev)
+        dst_slots = torch.tensor(self.blocks.slots_at(seq_id, dst), dtype=torch.long, device=dev)
+        pool = self.kv_pool
+        caches = [*pool.k_caches, *pool.v_caches, *(pool.k_scales or []), *(pool.v_scales or [])]
+        for cache in caches:
+            flat = cache.view(-1, *cache.shape[2:])  # [num_slots, ...]
+            flat[dst_slots] = flat[src_slots]
+
+    def _metadata(self, slots: list[int], positions: list[int], q_lens: list[int],
+                  ctx_lens: list[int], tables: list[list[int]],
+                  tree_mask: torch.Tensor | None) -> AttentionMetadata:
+        dev = self.device
+        width = max(len(t) for t in tables)
+        block_tables = torch.full((len(tables), width), -1, dtype=torch.int32)
+        for i, table in enumerate(tables):
+            block_tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
+        query_start_loc = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
+        query_start_loc[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+        return AttentionMetadata(
+            kv_pool=self.kv_pool,
+            kernels=self.kernels,
+            slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
+            block_tables=block_tables.to(dev),
+            context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
+            query_start_loc=query_start_loc.to(dev),
+            query_positions=torch.tensor(positions, dtype=torch.int32, device=dev),
+            tree_mask=None if tree_mask is None else tree_mask.to(dev),
+            # with the lean forward's C++ row ops, attention runs in C++ too (same precision class)
+            cpu_cpp_attention=self.lean_forward is not None and self.lean_forward.row_ops,
+        )
+
+
+def _tree_mask(inputs: list[StepInput]) -> torch.Tensor | None:
+    """[num_tokens, max_q_len] bool: ancestors-and-self for tree rows, causal for the rest."""
+    if not any(inp.parents is not None for inp in inputs):
+        return None
+    width = max(len(inp.token_ids) for inp in inputs)
+    rows = []
+    for inp in inputs:
+        n = len(inp.token_ids)
+        if inp.parents is None:
+            mask = torch.ones(n, n, dtype=torch.bool).tril()
+        else:
+            mask = torch.zeros(n, n, dtype=torch.bool)
+            for i, parent in enumerate(inp.parents):
+                if parent >= 0:
+                    mask[i] = mask[parent]
+                mask[i, i] = True
+        rows.append(torch.nn.functional.pad(mask, (0, width - n)))
+    return torch.cat(rows)
+
+
+def load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu", weights: str = "none",
+               fuse: bool = True):
+    """Loads any local Hugging Face causal LM with paged attention; returns (model, tokenizer, spec).
+
+    `weights` picks how linear layers are stored and multiplied (services/target/model/linear.py).
+    `fuse`: Gemma 3's projections fused for its lean forward (False: transformers' modules as
+    they are, and transformers' forward).
+    """
+    from services.common.models.loading import load_causal_lm
+
+    attn = register_paged_attention()
+    model, tokenizer = load_causal_lm(model_dir, dtype=dtype, device=device, attn_implementation=attn)
+    model.eval()
+    spec = model_spec(model, tokenizer)
+    if fuse and supports(model):
+        fuse_projections(model)  # before packing: the fused weights get packed
+    weight_format = resolve_weight_format(weights, dtype, device)
+    packed = prepack_linears(model, weight_format)
+    log.info("linear layers: %s (asked: %s), %d packed", weight_format, weights, packed)
+    return model, tokenizer, spec
+
+
+def model_spec(model, tokenizer) -> ModelSpec:
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "attn_logit_softcapping", None):
+        # Checked once here so no request ever reaches a layer that would need it.
+        raise ValueError(f"{config.model_type} uses attention logit soft-capping "
+                         f"({config.attn_logit_softcapping}), which specmesh's paged attention does not "
+                         "implement; serve a model without it (e.g. Gemma 3 instead of Gemma 2)")
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    eos: set[int] = set()
+    # Same precedence as transformers' generate: generation config first.
+    for source in (getattr(model, "generation_config", None), config, tokenizer):
+        value = getattr(source, "eos_token_id", None)
+        if value is not None:
+            eos.update([value] if isinstance(value, int) else value)
+            break
+    from services.common.models.chat_templates import end_of_turn_ids
+    eos |= end_of_turn_ids(tokenizer)  # chat answers end there (Gemma's <end_of_turn>)
+    return ModelSpec(
+        num_layers=config.num_hidden_layers,
+        num_kv_heads=getattr(config, "num_key_value_heads", None) or config.num_attention_heads,
+        head_dim=head_dim,
+        vocab_size=config.vocab_size,
+        max_context=config.max_position_embeddings,
+        eos_token_ids=frozenset(eos),
+    )

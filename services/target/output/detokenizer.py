@@ -1,0 +1,74 @@
+"""Incremental detokenization with stop sequences, one per request."""
+
+from __future__ import annotations
+
+from services.target.output.stop_matcher import StopMatcher
+
+# Tokens decoded again before the newest ones, so that merges across token boundaries
+# (leading spaces, multi-byte characters) come out right without decoding everything.
+_CONTEXT_TOKENS = 6
+
+
+class IncrementalDetokenizer:
+    """Turns committed token ids into text pieces as they arrive.
+
+    Text is held back while it may still be (a) an incomplete UTF-8 character or
+    (b) the start of a stop sequence, so no stop text ever reaches the client.
+    Each call decodes only a few tokens (a sliding window), not the whole output.
+    """
+
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...]) -> None:
+        self._tokenizer = tokenizer
+        # The streamed text equals decode(output ids), as transformers' streamers produce it.
+        self._ids: list[int] = []
+        self._prefix_offset = 0  # window start
+        self._read_offset = 0  # tokens before this are already in _text
+        self._text = ""  # decoded text of all output tokens so far
+        self._emitted = 0  # characters of _text already returned
+        self._stop = StopMatcher(stop) if stop else None  # time per token independent of len(stop)
+        self._holdback = self._stop.longest - 1 if stop else 0
+        self.stopped = False
+
+    def add(self, token_ids: list[int]) -> str:
+        """Adds committed tokens; returns the new text that is safe to emit."""
+        if self.stopped:
+            return ""
+        self._ids.extend(token_ids)
+        new = self._decode_new()
+        self._text += new
+        index = self._stop.feed(new) if self._stop is not None and new else None
+        if index is not None:
+            self.stopped = True
+            return self._take(index)
+        return self._take(max(self._emitted, len(self._text) - self._holdback))
+
+    def flush(self) -> str:
+        """Returns the held-back text at the end of generation (an incomplete character too)."""
+        if self.stopped:
+            return ""
+        if self._read_offset < len(self._ids):
+            self._text += self._decode_new(final=True)
+        return self._take(len(self._text))
+
+    def _decode_new(self, final: bool = False) -> str:
+        """Text of the tokens after the read offset, decoded with a few tokens of context.
+
+        Returns "" while the tail is an incomplete character, unless `final`.
+        """
+        before = self._decode(self._ids[self._prefix_offset:self._read_offset])
+        after = self._decode(self._ids[self._prefix_offset:])
+        incomplete = after.endswith("\ufffd") or len(after) <= len(before) or not after.startswith(before)
+        if incomplete and not final:
+            return ""  # an incomplete multi-byte character: wait for the next token
+        delta = after[len(before):]
+        self._prefix_offset = max(self._read_offset - _CONTEXT_TOKENS, 0)
+        self._read_offset = len(self._ids)
+        return delta
+
+    def _decode(self, ids: list[int]) -> str:
+        return self._tokenizer.decode(ids, skip_special_tokens=True)
+
+    def _take(self, end: int) -> str:
+        piece = self._text[self._emitted:end]
+        self._emitted = max(self._emitted, end)
+        return piece

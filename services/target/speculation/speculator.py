@@ -1,0 +1,180 @@
+"""Speculation inside the engine step: ask the draft service for trees, accept after verify.
+
+The engine owns the loop; this module decides which sequences speculate this step,
+turns the draft's trees into verify inputs, and walks the target's outputs over each
+tree (greedy match, or lossless rejection sampling when temperature > 0).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import time
+from collections.abc import Callable
+
+import torch
+
+from services.common.draft_tree import DraftTree
+from services.common.speculation_cost import LoadAwareDepth, expected_tokens, sequence_alpha
+from services.target.speculation.draft_client import DraftClient, DraftRequest
+from services.target.model.sampler import target_probs
+from services.target.engine.scheduler import ScheduledSeq
+from services.target.engine.sequence import Sequence
+
+log = logging.getLogger(__name__)
+
+
+@contextlib.contextmanager
+def verify_span(trees: dict, batch, speculator: "Speculator | None" = None):
+    """Times the step's forward pass: feeds the speculator's step-cost model (every step),
+    and for a step that checks draft trees notes the pass on each speculating sequence
+    (`accept` completes it). The request's `verify` span (with one event per pass) is written
+    from these notes when it finishes (services/target/metrics.py), so there is no per-step
+    span outside the requests' traces."""
+    start = time.monotonic()
+    yield
+    end = time.monotonic()
+    if speculator is not None:
+        nodes = sum(len(t.token_ids) for t in trees.values())
+        tokens = sum(i.num_tokens for i in batch) + nodes
+        rows = sum(1 for i in batch if i.samples) + nodes  # logit rows: sampled positions, tree nodes
+        speculator.load.cost.observe(tokens, end - start, rows, len(trees))
+    for item in batch:
+        tree = trees.get(item.seq.seq_id)
+        if tree is not None:
+            spec = item.seq.spec
+            spec.passes.append([*spec.draft_window, start, end, len(tree.token_ids), 0])
+
+
+class Speculator:
+    def __init__(self, client: DraftClient, kernels, max_context: int, metrics) -> None:
+        self.client = client
+        self.kernels = kernels
+        self.max_context = max_context
+        self._metrics = metrics  # services/target/metrics.TargetMetrics
+        self.load = LoadAwareDepth()  # measured step and draft times -> depth per step
+        self.arrival_rate: Callable[[], float] = lambda: 0.0  # the scheduler's, set by the engine
+
+    def propose(self, batch: list[ScheduledSeq]) -> dict[str, DraftTree]:
+        """One batched draft call for every decoding sequence with a plan; {} on fallback."""
+        seqs, requests = [], []
+        slots = {item.seq.seq_id: item.num_draft_slots for item in batch}  # budgeted by the scheduler
+        for seq, depth in self._depths(batch):
+            full = self.client.needs_resync(seq.seq_id)
+            new = seq.token_ids if full else seq.token_ids[seq.draft_synced:]
+            seqs.append(seq)
+            requests.append(DraftRequest(seq.seq_id, new, seq.plan.method, depth,
+                                         min(max(seq.plan.max_nodes, depth), slots[seq.seq_id]),
+                                         seq.tenant_salt,
+                                         traceparent(seq.span_context) if full else ""))
+        if not requests:
+            return {}
+        start = time.monotonic()
+        result = self.client.propose(requests)
+        window = (start, time.monotonic())
+        fallback = result is None
+        if not fallback:
+            self.load.observe_draft(window[1] - window[0])
+        proposals = {} if fallback else {k: v for k, v in result.items() if v is not None and v.token_ids}
+        for seq in seqs:
+            seq.spec.draft_window = window
+            if fallback or result.get(seq.seq_id) is None:
+                seq.spec.fallback_steps += 1
+                self._metrics.fallback(seq)
+            if not fallback:
+                seq.draft_synced = seq.num_tokens
+        return proposals
+
+    def accept(self, seq: Sequence, rows: torch.Tensor, proposal: DraftTree) -> tuple[list[int], int]:
+        """rows: [1 + num_nodes, vocab] target logits for root + draft nodes.
+
+        Returns (accepted draft node indices along the path, bonus token).
+        """
+        n = len(proposal.token_ids)
+        draft_tokens = torch.tensor([[seq.token_ids[-1], *proposal.token_ids]], dtype=torch.int64)
+        parents = torch.tensor([[-1, *(p + 1 for p in proposal.parents)]], dtype=torch.int64)
+        num_nodes = torch.tensor([n + 1], dtype=torch.int64)
+        if seq.sampling.greedy:
+            argmax = rows.argmax(dim=-1).unsqueeze(0)  # [1, n + 1]
+            nodes, num_accepted, bonus = self.kernels.accept_tree_greedy(
+                draft_tokens, parents, num_nodes, argmax)
+        else:
+            probs = target_probs(rows, seq.sampling).unsqueeze(0).contiguous()  # [1, n + 1, vocab]
+            # Proposers here are deterministic: zero draft rows mean q = one-hot(proposed token).
+            draft_probs = torch.zeros_like(probs)
+            uniforms = torch.rand(1, n + 2, generator=seq.generator)  # [1, n + 2]
+            nodes, num_accepted, bonus = self.kernels.accept_tree_sampling(
+                draft_tokens, parents, num_nodes, probs, draft_probs, uniforms)
+        a = int(num_accepted[0])
+        path = [int(x) - 1 for x in nodes[0, 1:1 + a]]  # draft indices
+        seq.spec.proposed += n
+        seq.spec.accepted += a
+        seq.spec.verify_passes += 1
+        if seq.spec.passes:  # noted by verify_span: [draft_start, draft_end, verify_start, verify_end, n, a]
+            note = seq.spec.passes[-1]
+            note[5] = a
+            self._metrics.verify_pass(seq, n, a, note[1] - note[0], note[3] - note[2])
+        return path, int(bonus[0])
+
+    def release(self, seq: Sequence) -> None:
+        if seq.plan is not None:
+            self.client.release([seq.seq_id])  # no-op for sequences never sent
+
+    def _depths(self, batch: list[ScheduledSeq]) -> list[tuple[Sequence, int]]:
+        """(sequence, depth >= 1) for the sequences that speculate this step. Load-aware plans
+        take the depth that maximises the batch's committed tokens per second, at most what
+        keeps the first-token delay of a request prefilled in the step, or arriving while it
+        runs (the scheduler's arrival rate), within the TTFT slack
+        (services/common/speculation_cost.LoadAwareDepth); 0 = decode normally."""
+        fixed, aware = [], []
+        plain_tokens = plain_outputs = plain_logits = prefill_tokens = 0
+        for item in batch:
+            seq = item.seq
+            depth = min(self._depth(seq), item.num_draft_slots)
+            if item.num_tokens != 1 or not item.samples:
+                prefill_tokens += item.num_tokens  # a prompt chunk: its request waits for its first token
+            if seq.plan is None or not item.samples or item.num_tokens != 1 or depth < 1:
+                plain_tokens += item.num_tokens
+                plain_outputs += 1 if item.samples else 0
+                plain_logits += 1 if item.samples else 0
+            elif seq.plan.load_aware:
+                aware.append((seq, depth))
+            else:
+                fixed.append((seq, depth))
+        if not aware:
+            return fixed
+        alphas = [self.alpha(s) for s, _ in aware]
+        for seq, depth in fixed:  # fixed plans are part of the step's load as asked
+            plain_tokens += 1 + depth
+            plain_logits += 1 + depth
+            plain_outputs += expected_tokens(self.alpha(seq), depth)
+        cap = self.load.choose(plain_tokens, int(plain_outputs), alphas, [d for _, d in aware],
+                               prefill_tokens, plain_logits, self.arrival_rate(), len(fixed))
+        capped = [(seq, min(depth, cap)) for (seq, depth), alpha in zip(aware, alphas)
+                  if cap and alpha >= self.load.min_alpha]
+        return fixed + capped
+
+    @staticmethod
+    def alpha(seq: Sequence) -> float:
+        """The sequence's acceptance estimate: its counts, from the router's predicted α."""
+        return sequence_alpha(seq.spec.proposed, seq.spec.accepted, seq.plan.acceptance)
+
+    def max_draft_nodes(self, seq: Sequence) -> int:
+        """The most draft nodes `seq` may propose next step (the scheduler reserves that many
+        slots in the step's token budget, or fewer when the budget runs out)."""
+        depth = self._depth(seq)
+        return max(seq.plan.max_nodes, depth) if depth >= 1 else 0
+
+    def _depth(self, seq: Sequence) -> int:
+        """Deepest useful draft: leaves room for the bonus token within max_tokens and the context."""
+        if seq.plan is None:
+            return 0
+        remaining = seq.sampling.max_tokens - seq.num_output_tokens
+        return min(seq.plan.max_depth, remaining - 1, self.max_context - seq.num_tokens - 1)
+
+
+def traceparent(span_context) -> str:
+    """W3C traceparent of the request's span, so the draft service's spans join its trace."""
+    if span_context is None or not span_context.is_valid:
+        return ""
+    return f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-{int(span_context.trace_flags):02x}"

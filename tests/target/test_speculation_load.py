@@ -1,0 +1,195 @@
+"""Load-aware speculation: the target's per-step depth starts from the router's predicted
+acceptance and protects the first token of a request prefilled in the step or arriving while
+it runs (TTFT); shared cost pieces live in services/common/speculation_cost.py."""
+
+from __future__ import annotations
+
+import time
+
+import pytest
+from transformers import AutoTokenizer
+
+from services.common.sampling_params import SamplingConfig
+from services.common.speculation_cost import LoadAwareDepth, StepCostModel, sequence_alpha
+from services.router.speculation_policy import PolicyConfig, SpeculationPolicy, acceptance_prior
+from services.target.output.detokenizer import IncrementalDetokenizer
+from services.target.engine.block_manager import BlockManager
+from services.target.engine.scheduler import ArrivalRate, ScheduledSeq, Scheduler
+from services.target.engine.sequence import Sequence, SpeculationPlan
+from services.target.server.service import _plan
+from services.target.speculation.speculator import Speculator
+from specmesh.proto.v1 import common_pb2
+from tests.mesh import collect, request, start_draft, start_mesh
+from tests.target.test_speculation import PROMPTS
+
+
+def _chooser(a: float, b: float, draft_s: float, c: float | None = None, e: float = 0.0) -> LoadAwareDepth:
+    """Measured steps t = a + b·tokens + c·logit rows + e·draft trees (c = b unless given),
+    draft call draft_s."""
+    c = b if c is None else c
+    chooser = LoadAwareDepth(StepCostModel(decay=1.0, min_steps=2))
+    for tokens, rows, trees in ((1, 1, 0), (10, 10, 0), (100, 1, 0), (100, 100, 0), (24, 24, 4)):
+        chooser.cost.observe(tokens, a + b * tokens + c * rows + e * trees, rows, trees)
+    chooser.observe_draft(draft_s)
+    return chooser
+
+
+def test_step_cost_model_prices_logit_rows_apart_from_tokens():
+    # A prompt chunk computes many tokens and one logit row; a verify pass one row per node.
+    chooser = _chooser(a=0.02, b=0.0005, c=0.002, draft_s=0.0)
+    a, b, c, e = chooser.cost.coefficients()
+    assert (a, b, c, e) == (pytest.approx(0.02), pytest.approx(0.0005), pytest.approx(0.002), pytest.approx(0.0))
+    assert chooser.cost.predict(40, 40) == pytest.approx(0.02 + 40 * 0.0025)  # 8 sequences at depth 4
+    assert chooser.cost.predict(40, 1) == pytest.approx(0.02 + 40 * 0.0005 + 0.002)  # a 40-token prompt
+
+
+def test_a_draft_tree_costs_a_step_time_of_its_own():
+    # Measured here: a verify pass costs far more than its logit rows (masked attention outside
+    # the batched decode path, accept and compaction per tree). 30 ms + 0.2 ms per token and per
+    # logit row + 4 ms per tree; eight idle sequences at α = 0.8, draft call 1 ms.
+    chooser = _chooser(a=0.030, b=0.0002, draft_s=0.001, e=0.004)
+    assert chooser.cost.coefficients()[3] == pytest.approx(0.004)
+    assert chooser.cost.predict(24, 24, 4) == pytest.approx(0.030 + 24 * 0.0004 + 4 * 0.004)
+    # Plain: 8 tokens in 33.2 ms (241/s). At α = 0.5, depth d takes 66.2 + 3.2·d ms for
+    # 16·(1 - 0.5^(d+1)) tokens: at most 174/s (d = 8), so no speculation; priced without the
+    # trees, depth 2 (14 tokens in 40.6 ms, 345/s) would look best.
+    assert chooser.choose(0, 0, [0.5] * 8, [8] * 8) == 0
+    assert _chooser(a=0.030, b=0.0002, draft_s=0.001).choose(0, 0, [0.5] * 8, [8] * 8) == 2
+    # Copy-heavy sequences still pay for their trees, deeper ones (the fixed cost amortised).
+    assert chooser.choose(0, 0, [0.8] * 8, [8] * 8) == 8
+
+
+def test_a_prefill_step_speculates_only_within_the_ttft_slack():
+    # Memory-bound: 30 ms + 0.05 ms per token and per logit row, draft call 1 ms; two
+    # sequences at α = 0.8.
+    idle = _chooser(a=0.030, b=0.00005, draft_s=0.001)
+    assert idle.choose(0, 0, [0.8, 0.8], [8, 8]) == 8
+    # Beside a 100-token prefill (1 logit row): the plain step takes 30 + 5.1 + 0.15 ms, 5% more
+    # is 37.01 ms; depth d costs 36.25 + 0.2·d ms, so at most 3.
+    assert idle.choose(100, 1, [0.8, 0.8], [8, 8], prefill_tokens=100) == 3
+    # A draft call longer than the slack: no speculation beside a prefill, as much as ever without.
+    slow_draft = _chooser(a=0.030, b=0.00005, draft_s=0.01)
+    assert slow_draft.choose(100, 1, [0.8, 0.8], [8, 8], prefill_tokens=100) == 0
+    assert slow_draft.choose(100, 1, [0.8, 0.8], [8, 8]) == 8
+    # Before the cost model has data: the plan as asked, but not beside a prefill.
+    assert LoadAwareDepth().choose(0, 0, [0.5], [5]) == 5
+    assert LoadAwareDepth().choose(10, 1, [0.5], [5], prefill_tokens=10) == 0
+
+
+def test_a_step_that_requests_may_arrive_in_speculates_within_the_expected_ttft_slack():
+    # Memory-bound: 30 ms + 0.2 ms per token and per logit row, draft call 1 ms; eight
+    # sequences at α = 0.8. The plain step takes 33.2 ms; 5% of it is 1.66 ms.
+    chooser = _chooser(a=0.030, b=0.0002, draft_s=0.001)
+    alphas, limits = [0.8] * 8, [8] * 8
+    assert chooser.choose(0, 0, alphas, limits) == 6  # nobody arriving: tokens per second decide
+    # 4 requests a second: depth 2 (40.6 ms) is waited for by an arrival with chance
+    # 1 - exp(-4 · 0.0406) = 0.15, an expected 0.15 · 7.4 = 1.1 ms; depth 3 (43.8 ms) 1.7 ms.
+    assert chooser.choose(0, 0, alphas, limits, arrival_rate=4.0) == 2
+    # The faster they arrive, the shorter the draft; a certain arrival is a prefill step.
+    assert [chooser.choose(0, 0, alphas, limits, arrival_rate=r) for r in (3.0, 10.0, 20.0)] == [3, 1, 0]
+    assert chooser.choose(0, 0, alphas, limits, prefill_tokens=1) == 0
+
+
+def test_arrival_rate_counts_recent_arrivals_and_falls_when_they_stop():
+    rate = ArrivalRate(window=4)
+    rate.observe(0.0)
+    assert rate.rate(0.0) == 0.0  # one arrival says nothing about a rate
+    for t in (0.5, 1.0, 1.5, 2.0):
+        rate.observe(t)
+    assert rate.rate(2.0) == pytest.approx(2.0)  # the last 4: 3 gaps in 1.5 s
+    assert rate.rate(6.5) == pytest.approx(0.5)  # nothing since: 3 arrivals in 6 s
+
+
+def test_sequence_alpha_starts_from_the_router_prior():
+    assert sequence_alpha(0, 0, 0.75) == pytest.approx(0.75)
+    assert sequence_alpha(0, 0) == sequence_alpha(0, 0, 0.0) == pytest.approx(0.3)  # no prediction
+    assert sequence_alpha(6, 0, 0.75) == pytest.approx(1.5 / 8)  # its own counts take over
+
+
+def _seq(tokenizer, name: str, plan: SpeculationPlan | None, prompt_len: int = 6) -> Sequence:
+    ids = list(range(5, 5 + prompt_len))
+    return Sequence(name, ids, SamplingConfig(max_tokens=32), None,
+                    IncrementalDetokenizer(tokenizer, ids, ()), None, plan=plan)
+
+
+def _aware(acceptance: float) -> SpeculationPlan:
+    return SpeculationPlan(common_pb2.SPECULATION_METHOD_PROMPT_LOOKUP, max_depth=5, max_nodes=5,
+                           load_aware=True, acceptance=acceptance)
+
+
+def _decoding(seq: Sequence) -> ScheduledSeq:
+    seq.token_ids.append(7)  # its prompt is computed and one token sampled
+    return ScheduledSeq(seq, seq.num_tokens - 1, 1, num_draft_slots=5)
+
+
+def test_target_depth_follows_the_router_prior_and_yields_to_a_prefill(tiny_llama_dir):
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    speculator = Speculator(None, None, max_context=1024, metrics=None)
+    # Compute-bound: 30 ms + 10 ms per token and per logit row, draft call 2 ms. At α = 0.3
+    # (no prediction) nothing beats plain decoding (1/50 tokens per ms) by 5%; at α = 0.75,
+    # depth 2 maximises tokens per second (1.75/72, 2.31/92, 2.73/112 for depths 1-3).
+    speculator.load = _chooser(a=0.030, b=0.010, draft_s=0.002)
+    copy = _seq(tokenizer, "copy", _aware(0.75))
+    unknown = _seq(tokenizer, "unknown", _aware(0.0))
+    assert [(s.seq_id, d) for s, d in speculator._depths([_decoding(copy)])] == [("copy", 2)]
+    assert speculator._depths([_decoding(unknown)]) == []
+    # The same copy-heavy sequence beside a waiting request's 6-token prefill: the step would
+    # get more than 5% longer, so it decodes plainly.
+    copy2, new = _seq(tokenizer, "copy2", _aware(0.75)), _seq(tokenizer, "new", None)
+    assert speculator._depths([_decoding(copy2), ScheduledSeq(new, 0, new.num_tokens)]) == []
+
+
+def test_target_depth_shortens_while_the_scheduler_sees_requests_arrive(tiny_llama_dir):
+    """Tool-like requests (short prompts, no speculation of their own) arriving at a busy
+    target wait for the step in flight before their prefill starts: the speculator reads the
+    scheduler's arrival rate (as the engine wires it) and keeps that wait within the slack."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    speculator = Speculator(None, None, max_context=1024, metrics=None)
+    speculator.load = _chooser(a=0.030, b=0.0002, draft_s=0.001)  # as in the test above
+    scheduler = Scheduler(BlockManager(num_blocks=64, block_size=4), max_num_seqs=32,
+                          max_batched_tokens=256, draft_limit=speculator.max_draft_nodes)
+    speculator.arrival_rate = scheduler.arrival_rate
+    batch = [_decoding(_seq(tokenizer, f"copy{i}", _aware(0.8))) for i in range(8)]
+    assert {d for _, d in speculator._depths(batch)} == {5}  # no arrivals: the plan's depth
+    now = time.monotonic()
+    for i in range(9):  # a request every 0.1 s up to now: 10 a second (6.3-13.5 give depth 1)
+        tool = _seq(tokenizer, f"tool{i}", None)
+        tool.arrival = now - 0.1 * (8 - i)
+        scheduler.add(tool)
+    assert {d for _, d in speculator._depths(batch)} == {1}
+
+
+def test_router_plan_carries_the_predicted_acceptance_to_the_target():
+    policy = SpeculationPolicy(PolicyConfig(mode="adaptive"), default_depth=5)
+    depth, alpha = policy.plan("rewrite-short-greedy", max_tokens=64, temperature=0.0)
+    assert alpha == acceptance_prior("rewrite-short-greedy", 0.0) == 0.75 and depth >= 1
+    assert policy.plan("rewrite-short-greedy", max_tokens=8, temperature=0.0) == (0, None)
+    assert SpeculationPolicy(PolicyConfig(), default_depth=5).plan("rewrite-short-greedy") == (5, None)
+    message = common_pb2.SpeculationPlan(method=common_pb2.SPECULATION_METHOD_PROMPT_LOOKUP, max_depth=3,
+                                         load_aware=True, acceptance_prior=0.75)
+    assert _plan(message).acceptance == pytest.approx(0.75)
+    message.acceptance_prior = 0.0
+    assert _plan(message).acceptance == 0.0  # no prediction: the target's flat prior
+
+
+async def test_adaptive_mesh_sends_the_prior_in_the_plan(tiny_llama_dir):
+    """Router -> target over gRPC: the plan the engine receives holds the router's prediction."""
+    draft = await start_draft(tiny_llama_dir)
+    mesh = await start_mesh(tiny_llama_dir, draft_address=draft.address, speculation={
+        "speculation_method": "draft_model", "speculation_depth": 2, "speculation_policy": "adaptive"})
+    plans = []
+    submit = mesh.engine.submit
+
+    def recording_submit(*args, **kwargs):  # the real submit, its plan noted
+        plans.append(kwargs.get("plan"))
+        return submit(*args, **kwargs)
+    mesh.engine.submit = recording_submit
+    try:
+        await collect(mesh.router_stub, request(PROMPTS[3], 16))
+        assert len(plans) == 1 and plans[0].load_aware
+        # The engine's speculator weighs the arrivals its scheduler counts.
+        assert mesh.engine.speculator.arrival_rate == mesh.engine.scheduler.arrival_rate
+        assert plans[0].acceptance == pytest.approx(acceptance_prior("chat-short-greedy", 0.0))
+    finally:
+        await mesh.stop()
+        await draft.stop(grace=0.5)

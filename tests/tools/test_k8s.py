@@ -1,0 +1,93 @@
+"""deploy/k8s validates offline against the Kubernetes OpenAPI schemas (kubernetes-validate
+ships them), the mesh config in its ConfigMap loads, and every container command parses
+through the specmesh CLI with that config."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import yaml
+
+from services.common.mesh_config import mesh_config_from_dict
+
+K8S = Path(__file__).resolve().parents[2] / "deploy" / "k8s"
+kubernetes_validate = pytest.importorskip("kubernetes_validate")
+
+
+def _documents() -> list[dict]:
+    kustomization = yaml.safe_load((K8S / "kustomization.yaml").read_text())
+    files = kustomization["resources"]
+    assert sorted(files) == sorted(p.name for p in K8S.glob("*.yaml") if p.name != "kustomization.yaml")
+    return [doc for name in files for doc in yaml.safe_load_all((K8S / name).read_text()) if doc]
+
+
+def _containers(docs):
+    for doc in docs:
+        if doc["kind"] in ("Deployment", "StatefulSet"):
+            for container in doc["spec"]["template"]["spec"]["containers"]:
+                yield doc, container
+
+
+def test_manifests_validate_against_the_kubernetes_schemas():
+    docs = _documents()
+    version = kubernetes_validate.latest_version()
+    for doc in docs:
+        kubernetes_validate.validate(doc, version, strict=True)  # raises on any schema error
+    kinds = sorted((d["kind"], d["metadata"]["name"]) for d in docs)
+    assert ("StatefulSet", "specmesh-target") in kinds
+    assert {("Deployment", f"specmesh-{s}") for s in ("router", "cache", "draft")} <= set(kinds)
+
+
+def test_targets_have_gpus_a_headless_service_and_every_container_health_probes():
+    docs = _documents()
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    target = next(d for d in docs if d["kind"] == "StatefulSet")
+    assert services[target["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
+    container = target["spec"]["template"]["spec"]["containers"][0]
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == 1
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for _, c in _containers(docs):
+        port = c["ports"][0]["containerPort"]
+        for probe in (c["readinessProbe"], c["livenessProbe"]):
+            if c["name"] == "router":  # the public port: kubelet's native gRPC probe
+                assert probe["grpc"]["port"] == port
+            else:  # mutual TLS: the healthcheck module with the service's own certificate
+                assert probe["exec"]["command"] == ["python", "-m", "services.common.healthcheck",
+                                                    f"127.0.0.1:{port}", "--tls-as", c["name"]]
+                assert {"name": "SPECMESH_CONFIG", "value": "/etc/specmesh/mesh.yaml"} in c["env"]
+
+
+def test_pool_replicas_are_the_statefulset_pods_dns_names():
+    docs = _documents()
+    mesh = _mesh(docs)
+    target = next(d for d in docs if d["kind"] == "StatefulSet")
+    name, service, ns = target["metadata"]["name"], target["spec"]["serviceName"], target["metadata"]["namespace"]
+    expected = tuple(f"{name}-{i}.{service}.{ns}.svc.cluster.local:50052" for i in range(target["spec"]["replicas"]))
+    assert mesh.pool("default").replicas == expected
+    settings = yaml.safe_load(_config_text(docs))["settings"]
+    assert tuple(settings["cache_replicas"].split(",")) == expected
+
+
+def test_container_commands_parse_through_the_cli(tmp_path):
+    from services.cli import _parser
+    from services.common.env import read_settings
+    docs = _documents()
+    config = tmp_path / "mesh.yaml"
+    config.write_text(_config_text(docs))
+    for doc, container in _containers(docs):
+        command = container["command"]
+        assert command[0] == "specmesh" and command[1:3] == ["serve", container["name"]]
+        argv = [a.replace("/etc/specmesh/mesh.yaml", str(config)) for a in command[1:]]
+        args = _parser().parse_args(argv)  # argparse exits on an unknown flag or a bad choice
+        assert args.service == container["name"]
+        settings = read_settings(environ={}, config=str(config))
+        assert settings.host == "0.0.0.0"
+
+
+def _config_text(docs) -> str:
+    return next(d for d in docs if d["kind"] == "ConfigMap")["data"]["mesh.yaml"]
+
+
+def _mesh(docs):
+    return mesh_config_from_dict(yaml.safe_load(_config_text(docs)))
