@@ -34,7 +34,14 @@ SPECULATION_METHOD_DRAFT_MODEL: SpeculationMethod
 SPECULATION_METHOD_DYNAMIC_TREE: SpeculationMethod
 
 class SamplingParams(_message.Message):
-    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "has_seed", "stop")
+    __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "has_seed", "stop", "skip_special_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "logprobs", "top_logprobs", "raw_logprobs", "n", "constraint")
+    class LogitBiasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: float
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[float] = ...) -> None: ...
     MAX_TOKENS_FIELD_NUMBER: _ClassVar[int]
     TEMPERATURE_FIELD_NUMBER: _ClassVar[int]
     TOP_K_FIELD_NUMBER: _ClassVar[int]
@@ -42,6 +49,17 @@ class SamplingParams(_message.Message):
     SEED_FIELD_NUMBER: _ClassVar[int]
     HAS_SEED_FIELD_NUMBER: _ClassVar[int]
     STOP_FIELD_NUMBER: _ClassVar[int]
+    SKIP_SPECIAL_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    PRESENCE_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    FREQUENCY_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    REPETITION_PENALTY_FIELD_NUMBER: _ClassVar[int]
+    LOGIT_BIAS_FIELD_NUMBER: _ClassVar[int]
+    MIN_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    TOP_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    RAW_LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    N_FIELD_NUMBER: _ClassVar[int]
+    CONSTRAINT_FIELD_NUMBER: _ClassVar[int]
     max_tokens: int
     temperature: float
     top_k: int
@@ -49,7 +67,60 @@ class SamplingParams(_message.Message):
     seed: int
     has_seed: bool
     stop: _containers.RepeatedScalarFieldContainer[str]
-    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ...) -> None: ...
+    skip_special_tokens: bool
+    presence_penalty: float
+    frequency_penalty: float
+    repetition_penalty: float
+    logit_bias: _containers.ScalarMap[int, float]
+    min_tokens: int
+    logprobs: bool
+    top_logprobs: int
+    raw_logprobs: bool
+    n: int
+    constraint: Constraint
+    def __init__(self, max_tokens: _Optional[int] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., stop: _Optional[_Iterable[str]] = ..., skip_special_tokens: _Optional[bool] = ..., presence_penalty: _Optional[float] = ..., frequency_penalty: _Optional[float] = ..., repetition_penalty: _Optional[float] = ..., logit_bias: _Optional[_Mapping[int, float]] = ..., min_tokens: _Optional[int] = ..., logprobs: _Optional[bool] = ..., top_logprobs: _Optional[int] = ..., raw_logprobs: _Optional[bool] = ..., n: _Optional[int] = ..., constraint: _Optional[_Union[Constraint, _Mapping]] = ...) -> None: ...
+
+class Constraint(_message.Message):
+    __slots__ = ("json_schema", "json_object", "regex", "choice", "grammar")
+    JSON_SCHEMA_FIELD_NUMBER: _ClassVar[int]
+    JSON_OBJECT_FIELD_NUMBER: _ClassVar[int]
+    REGEX_FIELD_NUMBER: _ClassVar[int]
+    CHOICE_FIELD_NUMBER: _ClassVar[int]
+    GRAMMAR_FIELD_NUMBER: _ClassVar[int]
+    json_schema: str
+    json_object: bool
+    regex: str
+    choice: ChoiceList
+    grammar: str
+    def __init__(self, json_schema: _Optional[str] = ..., json_object: _Optional[bool] = ..., regex: _Optional[str] = ..., choice: _Optional[_Union[ChoiceList, _Mapping]] = ..., grammar: _Optional[str] = ...) -> None: ...
+
+class ChoiceList(_message.Message):
+    __slots__ = ("choices",)
+    CHOICES_FIELD_NUMBER: _ClassVar[int]
+    choices: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, choices: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class TokenLogprob(_message.Message):
+    __slots__ = ("token_id", "token", "logprob", "top")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    TOP_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    token: str
+    logprob: float
+    top: _containers.RepeatedCompositeFieldContainer[TopLogprob]
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ..., top: _Optional[_Iterable[_Union[TopLogprob, _Mapping]]] = ...) -> None: ...
+
+class TopLogprob(_message.Message):
+    __slots__ = ("token_id", "token", "logprob")
+    TOKEN_ID_FIELD_NUMBER: _ClassVar[int]
+    TOKEN_FIELD_NUMBER: _ClassVar[int]
+    LOGPROB_FIELD_NUMBER: _ClassVar[int]
+    token_id: int
+    token: str
+    logprob: float
+    def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
     __slots__ = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "proposed_tokens", "accepted_tokens", "rejected_tokens", "acceptance_length", "mean_logprob", "min_logprob", "mean_margin", "verify_passes", "fallback_steps")
@@ -102,13 +173,17 @@ class ChatMessage(_message.Message):
     def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
-    __slots__ = ("text", "token_ids", "finish_reason", "usage")
+    __slots__ = ("text", "token_ids", "finish_reason", "usage", "logprobs", "index")
     TEXT_FIELD_NUMBER: _ClassVar[int]
     TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     FINISH_REASON_FIELD_NUMBER: _ClassVar[int]
     USAGE_FIELD_NUMBER: _ClassVar[int]
+    LOGPROBS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_FIELD_NUMBER: _ClassVar[int]
     text: str
     token_ids: _containers.RepeatedScalarFieldContainer[int]
     finish_reason: FinishReason
     usage: Usage
-    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ...) -> None: ...
+    logprobs: _containers.RepeatedCompositeFieldContainer[TokenLogprob]
+    index: int
+    def __init__(self, text: _Optional[str] = ..., token_ids: _Optional[_Iterable[int]] = ..., finish_reason: _Optional[_Union[FinishReason, str]] = ..., usage: _Optional[_Union[Usage, _Mapping]] = ..., logprobs: _Optional[_Iterable[_Union[TokenLogprob, _Mapping]]] = ..., index: _Optional[int] = ...) -> None: ...
