@@ -21,7 +21,8 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.env import Settings
-from specmesh.proto.v1 import router_service_pb2, router_service_pb2_grpc
+from specmesh.client import Client, RetryPolicy
+from specmesh.proto.v1 import router_service_pb2
 
 TIMEOUT_S = 3.0
 LISTENING_TLS = "listening (mutual TLS: pass --tls-dir to check its health)"
@@ -52,15 +53,15 @@ def status_lines(settings: Settings) -> tuple[list[str], bool]:
     width = max(len(a) for _, a, _ in rows)
     lines = [f"{'service':<8} {'address':<{width}}  state"]
     lines += [f"{name:<8} {address:<{width}}  {state}" for name, address, state in rows]
-    try:
-        models = router_service_pb2_grpc.RouterServiceStub(public).ListModels(
-            router_service_pb2.ListModelsRequest(), timeout=TIMEOUT_S,
-            metadata=(("authorization", f"Bearer {settings.token}"),) if settings.token else ())
-    except grpc.RpcError as exc:
-        lines.append(f"pools: the router did not answer ListModels: {exc.code().name}: {exc.details()}")
-        return lines, False
-    finally:
-        public.close()
+    public.close()
+    ca = Path(settings.router_ca).expanduser().read_bytes() if settings.router_ca else None
+    # One attempt: status reports what the router says now, it does not wait for a better answer.
+    with Client(router, settings.token, ca_pem=ca, timeout=TIMEOUT_S, retry=RetryPolicy(max_attempts=1)) as client:
+        try:
+            models = client.list_models()
+        except grpc.RpcError as exc:
+            lines.append(f"pools: the router did not answer ListModels: {exc.code().name}: {exc.details()}")
+            return lines, False
     for pool in models.pools:
         lines.append(f"pool {pool.name} (model {pool.model})")
         for r in pool.replicas:

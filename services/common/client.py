@@ -1,4 +1,5 @@
-"""A small streaming client for the router (used by `specmesh generate`)."""
+"""The CLI's side of the router: `specmesh generate` on the shipped client (specmesh.client),
+and the channel `specmesh bench` measures through (no retries: a retry would hide a failure)."""
 
 from __future__ import annotations
 
@@ -8,12 +9,8 @@ from pathlib import Path
 
 import grpc
 
-from specmesh.proto.v1 import (
-    common_pb2,
-    router_service_pb2,
-    router_service_pb2_grpc,
-)
 from services.common.tls import public_channel
+from specmesh.client import AsyncClient
 
 _HINTS = {
     grpc.StatusCode.UNAVAILABLE: "no router answered at {address}: start one with `specmesh up`, "
@@ -34,42 +31,38 @@ _NO_CHAT_TEMPLATE = "has no chat template"  # services/target/server/chat.py Cha
 
 
 async def stream_generate(settings, args) -> int:
-    sampling = common_pb2.SamplingParams(
-        max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
-        top_p=args.top_p, stop=args.stop)
-    if args.seed is not None:
-        sampling.seed, sampling.has_seed = args.seed, True
-    if getattr(args, "raw", False):
-        request = router_service_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling)
-    else:  # one user turn; the target applies the model's chat template
-        messages = [common_pb2.ChatMessage(role="system", content=args.system)] if args.system else []
-        messages.append(common_pb2.ChatMessage(role="user", content=args.prompt))
-        request = router_service_pb2.GenerateRequest(messages=messages, sampling=sampling)
-    metadata = (("authorization", f"Bearer {settings.token}"),)
+    """`specmesh generate`: streams one answer through the shipped client (its retries and
+    deadline), then prints the time to first token and the decode rate."""
+    sampling = dict(max_tokens=args.max_tokens, temperature=args.temperature, top_k=args.top_k,
+                    top_p=args.top_p, stop=args.stop, seed=args.seed)
+    messages = None
+    if not getattr(args, "raw", False):  # one user turn; the target applies the model's chat template
+        messages = [{"role": "system", "content": args.system}] if args.system else []
+        messages.append({"role": "user", "content": args.prompt})
+    ca = Path(settings.router_ca).expanduser().read_bytes() if settings.router_ca else None
     start = time.perf_counter()
     first = None
     tokens = 0
     usage = None
-    async with router_channel(settings) as channel:
-        stub = router_service_pb2_grpc.RouterServiceStub(channel)
-        for attempt in (1, 2):
+    async with AsyncClient(settings.router_address, settings.token, ca_pem=ca) as client:
+        while True:
+            stream = client.chat(messages, **sampling) if messages is not None else \
+                client.generate(args.prompt, **sampling)
             try:
-                async for response in stub.Generate(request, metadata=metadata):
-                    chunk = response.chunk
+                async for chunk in stream:
                     if chunk.token_ids and first is None:
                         first = time.perf_counter()
                     tokens += len(chunk.token_ids)
                     sys.stdout.write(chunk.text)
                     sys.stdout.flush()
-                    if chunk.HasField("usage"):
-                        usage = chunk.usage
+                    usage = chunk.usage or usage
                 break
             except grpc.aio.AioRpcError as exc:
-                if attempt == 1 and request.messages and _NO_CHAT_TEMPLATE in (exc.details() or ""):
-                    # A base model (the packaged Gemma 3 270M is one) has no chat template.
+                if messages is not None and _NO_CHAT_TEMPLATE in (exc.details() or ""):
+                    # A base model without a chat template: ask again with the plain prompt.
                     print("specmesh: the model has no chat template (a base model): sending the "
                           "question as a plain prompt (--raw)", file=sys.stderr)
-                    request = router_service_pb2.GenerateRequest(prompt=args.prompt, sampling=sampling)
+                    messages = None
                     continue
                 print(f"\nspecmesh: {exc.code().name}: {exc.details()}", file=sys.stderr)
                 hint = _HINTS.get(exc.code())
