@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 
 from services.common.limits import RequestLimits
 from services.common.mesh_config import MeshConfig, default_mesh_config
+from services.common.request_checks import MAX_DRAFT_DEPTH, MAX_DRAFT_NODES
 from services.common.tls import MeshTls
 from services.router.replicas import POLICIES
 
@@ -65,10 +66,10 @@ class RouterConfig:
         if self.speculation_method not in SPECULATION_METHODS:
             raise ValueError(f"speculation_method must be one of {sorted(SPECULATION_METHODS)}, "
                              f"got {self.speculation_method!r}")
-        if not 1 <= self.speculation_depth <= 16:
-            raise ValueError(f"speculation_depth must be in [1, 16], got {self.speculation_depth}")
-        if not 0 <= self.speculation_nodes <= 64:
-            raise ValueError(f"speculation_nodes must be in [0, 64], got {self.speculation_nodes}")
+        if not 1 <= self.speculation_depth <= MAX_DRAFT_DEPTH:  # the limits the target clamps to
+            raise ValueError(f"speculation_depth must be in [1, {MAX_DRAFT_DEPTH}], got {self.speculation_depth}")
+        if not 0 <= self.speculation_nodes <= MAX_DRAFT_NODES:
+            raise ValueError(f"speculation_nodes must be in [0, {MAX_DRAFT_NODES}], got {self.speculation_nodes}")
         if self.speculation_policy not in ("fixed", "adaptive"):
             raise ValueError(f"speculation_policy must be 'fixed' or 'adaptive', got {self.speculation_policy!r}")
         if self.default_timeout_s <= 0:
