@@ -229,7 +229,7 @@ def arm_fault_on_sigusr1(target) -> None:
     """`fault_injection`: SIGUSR1 arms the engine loop's fault point of `target()` (a test hook)."""
     def arm() -> None:
         log.warning("SIGUSR1: arming the engine loop fault (fault_injection is on)")
-        target().target_service.engine.loop_fault.arm()
+        target().target_service.engine.inject_loop_fault()
     asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, arm)
 
 

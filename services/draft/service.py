@@ -43,6 +43,7 @@ from services.draft.proposers import (
     SuffixProposer,
 )
 from services.draft.state import DraftStateStore
+from services.draft.open_sequences import observe_open_sequences
 from services.draft.telemetry import DraftTelemetry
 
 log = logging.getLogger(__name__)
@@ -100,6 +101,7 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
         self._draining = False
         self._lock = asyncio.Lock()
         self.telemetry = DraftTelemetry()
+        observe_open_sequences(self.store)
 
     async def Propose(self, request, context: grpc.aio.ServicerContext):
         return await self._answer(request, context)

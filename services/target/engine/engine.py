@@ -119,6 +119,12 @@ class Engine:
         future = self._loop_future
         return future is not None and not future.done() and self.failure is None and not self._stopped
 
+    def inject_loop_fault(self) -> None:
+        """Test hook: the loop fails at its next iteration, outside a step (busy or idle)."""
+        with self._lock:
+            self.loop_fault.arm()
+            self._lock.notify_all()
+
     def on_failure(self, callback: Callable[[EngineFailed], None]) -> None:
         """Calls `callback(error)` on the engine thread if the loop dies (at once if it has)."""
         with self._lock:
@@ -251,7 +257,7 @@ class Engine:
         while True:
             with self._lock:
                 while not (self._stopped or self._incoming or self._aborts or self._tasks
-                           or self.scheduler.has_work):
+                           or self.scheduler.has_work or self.loop_fault.armed):
                     self._lock.wait()
                 if self._stopped:
                     return

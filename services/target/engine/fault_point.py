@@ -21,6 +21,10 @@ class FaultPoint:
         """The next `check` raises InjectedFault (once); safe from any thread or signal handler."""
         self._armed.set()
 
+    @property
+    def armed(self) -> bool:
+        return self._armed.is_set()
+
     def check(self) -> None:
         if self._armed.is_set():
             self._armed.clear()
