@@ -49,7 +49,7 @@ async def test_open_sequences_return_to_zero_after_a_draft_hang_with_the_target_
                                 draft_timeout_s=0.5,
                                 speculation={"speculation_method": "prompt_lookup", "speculation_depth": 4})
         prompt = "1 2 3 4 5 6 7 8 1 2 3 4 5 6 7 8 1 2 3 4"
-        warm = await collect(mesh.router_stub, request(prompt, 8))
+        warm = await collect(mesh.router_stub, request(prompt, 16))
         assert warm[2].usage.proposed_tokens > 0  # the draft answers
         streams = [asyncio.create_task(collect(mesh.router_stub, request(f"{prompt} {i}", 120)))
                    for i in range(4)]
