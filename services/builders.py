@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import asyncio
 import logging
 import secrets
+import signal
 import tempfile
 from dataclasses import replace
 from pathlib import Path
@@ -181,6 +183,8 @@ async def run_gateway(settings: Settings) -> int:
 
 
 async def run_one(service: str, settings: Settings) -> int:
+    """Serves until SIGTERM / SIGINT (0); a target whose engine failed exits EXIT_ENGINE_FAILED
+    at once, for its supervisor (compose, k8s) to restart it."""
     if service == "gateway":
         return await run_gateway(settings)
     setup_telemetry(TelemetryConfig(settings.service_name or f"specmesh-{service}",
@@ -189,8 +193,45 @@ async def run_one(service: str, settings: Settings) -> int:
     await server.start()
     print(f"{service} serving on {server.address}", flush=True)
     start_metrics(service, settings.host, settings.metrics_port)
-    await run_until_signal([server])
+    if service != "target":
+        await run_until_signal([server])
+        return 0
+    if settings.fault_injection:
+        arm_fault_on_sigusr1(lambda: server)
+    failed = await wait_for_signal_or_failure([server])
+    if failed:
+        log.critical("target engine failed; exiting with status %d for a restart", EXIT_ENGINE_FAILED)
+        await server.stop(grace=1.0)  # its requests have their errors already
+        return EXIT_ENGINE_FAILED
+    log.info("shutting down: draining in-flight requests")
+    await server.stop()
     return 0
+
+
+EXIT_ENGINE_FAILED = 70  # EX_SOFTWARE: the target's engine loop failed (a restart clears it)
+
+
+async def wait_for_signal_or_failure(targets) -> list:
+    """Waits for SIGTERM / SIGINT (returns []) or for target servers whose engine failed
+    (returns them; `server.engine_failed`, services/target/server/app.py)."""
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stop.set)
+    waits = {asyncio.ensure_future(stop.wait()): None}
+    waits.update({asyncio.ensure_future(t.engine_failed.wait()): t for t in targets})
+    done, pending = await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+    for task in pending:
+        task.cancel()
+    return [] if stop.is_set() else [waits[task] for task in done if waits[task] is not None]
+
+
+def arm_fault_on_sigusr1(target) -> None:
+    """`fault_injection`: SIGUSR1 arms the engine loop's fault point of `target()` (a test hook)."""
+    def arm() -> None:
+        log.warning("SIGUSR1: arming the engine loop fault (fault_injection is on)")
+        target().target_service.engine.inject_loop_fault()
+    asyncio.get_running_loop().add_signal_handler(signal.SIGUSR1, arm)
 
 
 async def run_all(settings: Settings) -> int:
@@ -252,6 +293,18 @@ async def _run_all(settings: Settings) -> int:
             await server.stop(0)
         raise
     print(f"ready: specmesh generate \"Hello\" --address {servers['router'].address}", flush=True)
-    await run_until_signal(front + [servers[s] for s in ("router", "target", *(f"target-{i}" for i in range(
-        2, settings.replicas + 1)), "draft", "cache")])
+    if settings.fault_injection:
+        arm_fault_on_sigusr1(lambda: servers["target"])
+    targets = ("target", *(f"target-{i}" for i in range(2, settings.replicas + 1)))
+    while failed := await wait_for_signal_or_failure([servers[name] for name in targets]):
+        for server in failed:  # a target whose engine failed: a fresh one on its port
+            name = next(n for n in targets if servers[n] is server)
+            log.critical("%s: engine failed; restarting it", name)
+            await server.stop(grace=1.0)
+            servers[name] = build_server("target", settings, server.config, allow_dev_token=True)
+            await servers[name].start()
+            print(f"{name:>6} restarted on {servers[name].address}", flush=True)
+    log.info("shutting down: draining in-flight requests")
+    for server in front + [servers[s] for s in ("router", *targets, "draft", "cache")]:
+        await server.stop()
     return 0

@@ -132,6 +132,8 @@ class Settings(BaseModel):
                              "or a local Hugging Face directory")
     draft_timeout_ms: int = Field(500, gt=0, le=60000,
                                   description="per-step deadline of the target's draft call (ms)")
+    fault_injection: bool = Field(False, description="testing only: SIGUSR1 makes the target's engine "
+                                  "loop fail once outside a step (exercises its supervision and restart)")
     dev: bool = Field(False, description="development mode: plaintext between services when no mesh "
                       "certificates are given, and the public default salt_secret is accepted")
     tls_dir: str = Field("", description="mesh certificates from `specmesh certs` (ca.pem, SERVICE.pem, "

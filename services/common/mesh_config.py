@@ -40,6 +40,8 @@ from dataclasses import dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
+from services.common.request_checks import MAX_PRIORITY, MIN_PRIORITY, priority_violations
+
 DEFAULT_POOL = "default"
 DEFAULT_CLASS = "default"
 DNS_PREFIX = "dns:///"  # a replica entry "dns:///name:port" expands to every address `name` resolves to
@@ -136,8 +138,8 @@ class TenantConfig:
             raise MeshConfigError("name: must not be empty")
         if not self.token:
             raise MeshConfigError("token: must not be empty")
-        if not -100 <= self.priority <= 100:
-            raise MeshConfigError(f"priority: must be in [-100, 100], got {self.priority}")
+        if priority_violations(self.priority):  # the range the targets check (services/common/request_checks.py)
+            raise MeshConfigError(f"priority: must be in [{MIN_PRIORITY}, {MAX_PRIORITY}], got {self.priority}")
         for name in ("max_concurrent", "tokens_per_second", "burst_tokens"):
             _non_negative(name, getattr(self, name))
 

@@ -102,10 +102,13 @@ VIEWS = [View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregati
          for name, (_, bounds, _) in HISTOGRAMS.items()]
 
 def method_name(method: int) -> str:
-    """'prompt_lookup' for common_pb2.SPECULATION_METHOD_PROMPT_LOOKUP; 'off' for none."""
+    """'prompt_lookup' for common_pb2.SPECULATION_METHOD_PROMPT_LOOKUP; 'off' for none;
+    'unknown' for a number the enum does not declare (never raises: it runs in metric calls)."""
     from specmesh.proto.v1 import common_pb2
     if method in (common_pb2.SPECULATION_METHOD_UNSPECIFIED, common_pb2.SPECULATION_METHOD_OFF):
         return "off"
+    if method not in common_pb2.SpeculationMethod.values():
+        return "unknown"
     return common_pb2.SpeculationMethod.Name(method).removeprefix("SPECULATION_METHOD_").lower()
 
 

@@ -2,7 +2,9 @@
 
 Every Propose request (unary or one message of ProposeStream) is handled in three
 phases with no await in between, so requests never interleave:
-1. validate the whole request (nothing changes when any sequence is bad),
+1. validate the whole request: for unary Propose nothing changes when any sequence is bad;
+   on ProposeStream a bad sequence is left out (no tree for it: its own error, logged) and
+   the others go on, so one bad sequence never costs the batch its drafts,
 2. commit: append new committed tokens to the store and let the proposer observe them,
 3. propose: one draft tree per sequence; each method's proposer is called once per
    request with all its sequences.
@@ -41,6 +43,7 @@ from services.draft.proposers import (
     SuffixProposer,
 )
 from services.draft.state import DraftStateStore
+from services.draft.open_sequences import observe_open_sequences
 from services.draft.telemetry import DraftTelemetry
 
 log = logging.getLogger(__name__)
@@ -98,13 +101,14 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
         self._draining = False
         self._lock = asyncio.Lock()
         self.telemetry = DraftTelemetry()
+        observe_open_sequences(self.store)
 
     async def Propose(self, request, context: grpc.aio.ServicerContext):
         return await self._answer(request, context)
 
     async def ProposeStream(self, request_iterator, context: grpc.aio.ServicerContext):
         async for request in request_iterator:  # ProposeStreamRequest: ProposeRequest's fields
-            answer = await self._answer(request, context)
+            answer = await self._answer(request, context, per_sequence=True)
             yield draft_service_pb2.ProposeStreamResponse(trees=answer.trees, step=answer.step)
 
     async def Release(self, request, context: grpc.aio.ServicerContext):
@@ -117,17 +121,22 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
         Proposals run without awaiting, so none is ever half done."""
         self._draining = True
 
-    def propose(self, request: draft_service_pb2.ProposeRequest) -> draft_service_pb2.ProposeResponse:
-        """Validates, commits and proposes; raises RequestError (changing nothing) on bad input."""
+    def propose(self, request: draft_service_pb2.ProposeRequest,
+                per_sequence: bool = False) -> draft_service_pb2.ProposeResponse:
+        """Validates, commits and proposes; raises RequestError (changing nothing) on bad input.
+
+        `per_sequence` (ProposeStream): a bad sequence gets no tree (absent from the answer, so
+        the target knows the draft holds nothing new of it) and the others get theirs."""
         start = time.monotonic()
         self.expire()
-        plans = self._validate(request)
+        plans = self._validate(request, per_sequence)
         for plan in plans:
             if plan.new_token_ids:
                 self.store.append(plan.sequence_id, plan.new_token_ids, plan.tenant_salt, plan.method)
                 self.proposers[plan.method].observe(plan.sequence_id, plan.new_token_ids)
         trees = self._propose(plans)
-        self.telemetry.proposed(request.sequences, [_method_label(p.method) for p in plans], trees,
+        self.telemetry.proposed(_planned_messages(request, plans),
+                                [_method_label(p.method) for p in plans], trees,
                                 time.monotonic() - start)
         return draft_service_pb2.ProposeResponse(trees=[tree.to_proto() for tree in trees],
                                                  step=request.step)
@@ -151,15 +160,15 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
 
     # ---- helpers ------------------------------------------------------------------------
 
-    async def _answer(self, request, context: grpc.aio.ServicerContext):
+    async def _answer(self, request, context: grpc.aio.ServicerContext, per_sequence: bool = False):
         if self._draining:
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "draft server is shutting down; decode without a draft")
         try:
             async with self._lock:
                 if not self._runs_model(request):
-                    return self.propose(request)
-                work = asyncio.ensure_future(asyncio.to_thread(self.propose, request))
+                    return self.propose(request, per_sequence)
+                work = asyncio.ensure_future(asyncio.to_thread(self.propose, request, per_sequence))
                 try:
                     return await asyncio.shield(work)
                 except asyncio.CancelledError:
@@ -174,7 +183,10 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
     def _runs_model(self, request: draft_service_pb2.ProposeRequest) -> bool:
         return any(seq.method in _MODEL_METHODS and seq.method in self.proposers for seq in request.sequences)
 
-    def _validate(self, request: draft_service_pb2.ProposeRequest) -> list[_Plan]:
+    def _validate(self, request: draft_service_pb2.ProposeRequest, per_sequence: bool = False) -> list[_Plan]:
+        """The request's plans. Unary Propose (`per_sequence` False): any bad sequence refuses the
+        whole request (RequestError, nothing changed). ProposeStream: a bad sequence is left out
+        (its own error, logged; no tree for it this step) and the others are planned."""
         if not request.sequences:
             raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, "no sequences in the request")
         problems: list[str] = []
@@ -184,26 +196,35 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
         seen: set[str] = set()
         for i, seq in enumerate(request.sequences):
             where = f"sequences[{i}] (id {seq.sequence_id!r})"
-            if seq.sequence_id in seen:
+            duplicate = seq.sequence_id in seen
+            if duplicate:
                 problems.append(f"{where}: duplicate sequence_id in one request")
             seen.add(seq.sequence_id)
             plan, seq_problems, seq_denied, seq_missing = self._validate_sequence(seq, where)
             problems += seq_problems
             denied += seq_denied
             missing += seq_missing
-            if plan is not None:
+            if plan is not None and not duplicate:
                 plans.append(plan)
-        if problems:
-            raise RequestError(grpc.StatusCode.INVALID_ARGUMENT, _summary(problems))
-        if denied:
-            raise RequestError(grpc.StatusCode.PERMISSION_DENIED, _summary(denied))
-        if missing:
-            raise RequestError(grpc.StatusCode.FAILED_PRECONDITION, _summary(missing))
-        new = sum(1 for plan in plans if plan.sequence_id not in self.store)
-        if len(self.store) + new > self.config.max_sequences:
-            raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
-                               f"{new} new sequences would exceed the limit of {self.config.max_sequences} "
-                               "open sequences; release finished sequences or retry later")
+        refusals = [(grpc.StatusCode.INVALID_ARGUMENT, problems), (grpc.StatusCode.PERMISSION_DENIED, denied),
+                    (grpc.StatusCode.FAILED_PRECONDITION, missing)]
+        for code, messages in refusals:
+            if messages and not per_sequence:
+                raise RequestError(code, _summary(messages))
+            if messages:
+                log.warning("draft stream step %d: %s: %s (no drafts for them this step)",
+                            request.step, code.name, _summary(messages))
+        room = self.config.max_sequences - len(self.store)
+        new = [plan for plan in plans if plan.sequence_id not in self.store]
+        if len(new) > room:
+            if not per_sequence:
+                raise RequestError(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                   f"{len(new)} new sequences would exceed the limit of {self.config.max_sequences} "
+                                   "open sequences; release finished sequences or retry later")
+            refused = {plan.sequence_id for plan in new[max(room, 0):]}
+            log.warning("draft stream step %d: %d new sequences refused: the limit of %d open sequences "
+                        "is reached", request.step, len(refused), self.config.max_sequences)
+            plans = [plan for plan in plans if plan.sequence_id not in refused]
         return plans
 
     def _validate_sequence(self, seq: draft_service_pb2.DraftSequence,
@@ -265,6 +286,14 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
             for i, tree in zip(indices, proposed, strict=True):
                 trees[i] = tree
         return trees
+
+
+def _planned_messages(request, plans: list[_Plan]) -> list:
+    """The DraftSequence message of each plan, in the plans' order (the request's)."""
+    first = {}
+    for seq in request.sequences:
+        first.setdefault(seq.sequence_id, seq)
+    return [first[plan.sequence_id] for plan in plans]
 
 
 def _method_name(method: int) -> str:

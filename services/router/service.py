@@ -27,6 +27,7 @@ from services.common.errors import (
     guard_malformed,
     relay_trailers,
 )
+from services.common.request_checks import routing_violations
 from services.common.sampling_params import SamplingConfig
 from services.common.telemetry import record_error
 from services.common.tls import internal_channel
@@ -88,11 +89,13 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
             span.set_attribute("specmesh.bucket", bucket)
             span.set_attribute("specmesh.speculation", self.config.speculation_method)
             span.set_attribute("gen_ai.request.max_tokens", sampling.max_tokens)
+            plan = self._plan(bucket, sampling)
+            await self._check_routing(plan, bucket, context)
             target_request = target_service_pb2.TargetServiceGenerateRequest(
                 request_id=uuid.uuid4().hex, prompt=request.prompt, messages=request.messages,
                 sampling=request.sampling,
                 tenant_salt=self.auth.salt(tenant), bucket=bucket,
-                speculation=self._plan(bucket, sampling))
+                speculation=plan)
             route_request = RouteRequest(target_request, tenant, sampling.max_tokens, request.model)
             release = await self._admit(route_request, context)
             try:
@@ -134,6 +137,14 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
             return validate(request, self.config.limits, self.config.max_tokens_limit)
         except Refusal as refusal:
             await abort_refusal(context, refusal)
+
+    async def _check_routing(self, plan, bucket: str, context) -> None:
+        """The target's own checks of the fields the router decides (services/common/request_checks.py):
+        a plan or bucket it would refuse is a router bug, INTERNAL here rather than at every target."""
+        problems = routing_violations(plan, bucket, 0)
+        if problems:
+            await abort(context, grpc.StatusCode.INTERNAL, "router built a request the target refuses: "
+                        + "; ".join(v.description for v in problems), "ROUTER_BUG")
 
     def _plan(self, bucket: str, sampling: SamplingConfig) -> common_pb2.SpeculationPlan:
         """The speculation plan for a request: the configured method, depth from the policy

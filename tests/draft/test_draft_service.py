@@ -127,14 +127,18 @@ async def test_propose_stream_answers_each_request_in_order(draft):
     assert await call.code() == grpc.StatusCode.OK
 
 
-async def test_propose_stream_bad_message_ends_stream_and_server_keeps_serving(draft):
+async def test_propose_stream_bad_sequence_gets_no_tree_and_the_stream_goes_on(draft):
     call = draft.ProposeStream()
     await call.write(request(seq("s", [1, 2, 1])))
     assert chain_of((await call.read()).trees[0]) == [2, 1]
-    await call.write(request(seq("s", [1], depth=0)))
-    await expect_status(call.read(), INVALID, "max_depth 0")
+    await call.write(request(seq("s", [1], depth=0)))  # refused alone: no tree, nothing kept
+    assert list((await call.read()).trees) == []
+    await call.write(request(seq("s", [])))
+    assert chain_of((await call.read()).trees[0]) == [2, 1]  # the bad message changed nothing
+    await call.write(request())  # a message without sequences still ends the stream
+    await expect_status(call.read(), INVALID, "no sequences")
     assert await call.code() == INVALID
-    assert await propose(draft, seq("s", [])) == [[2, 1]]  # the bad message changed nothing
+    assert await propose(draft, seq("s", [])) == [[2, 1]]
 
 
 async def test_release_drops_state(draft):

@@ -24,7 +24,9 @@ from services.target.config import EngineConfig
 from services.target.speculation.confidence import Confidence
 from services.target.output.detokenizer import IncrementalDetokenizer
 from services.target.speculation.draft_client import DraftClient
-from services.target.engine.engine_types import DuplicateRequest, EngineStats, InvalidRequest, Overloaded
+from services.target.engine.engine_types import (DuplicateRequest, EngineFailed, EngineStats, InvalidRequest,
+                                                 Overloaded)
+from services.target.engine.fault_point import FaultPoint
 from services.target.engine.kv_events import KVEventLog
 from services.target.model.model_runner import ModelRunner, load_model
 from services.target.model.model_runner_inputs import StepInput
@@ -62,6 +64,10 @@ class Engine:
         self._loop_future = None
         self._tasks: list[tuple] = []  # (fn, args, future) to run on the engine thread between steps
         self._metrics = metrics.register_engine(self)
+        self.failure: EngineFailed | None = None  # set when the loop died (`_fail`)
+        self._failure_callbacks: list[Callable[[EngineFailed], None]] = []
+        self.loop_fault = FaultPoint("engine.loop")  # test hook (services/target/engine/fault_point.py)
+        self.num_steps = 0  # engine steps run: a heartbeat GetStats reports
         self.speculator: Speculator | None = None
         if config.draft_address:
             client = DraftClient(config.draft_address, config.draft_timeout_s, spec.vocab_size,
@@ -107,6 +113,27 @@ class Engine:
             self.speculator.client.connect()
         self._loop_future = self._torch_thread.submit(self._loop)
 
+    @property
+    def alive(self) -> bool:
+        """The decode loop is running (started, not stopped, not failed)."""
+        future = self._loop_future
+        return future is not None and not future.done() and self.failure is None and not self._stopped
+
+    def inject_loop_fault(self) -> None:
+        """Test hook: the loop fails at its next iteration, outside a step (busy or idle)."""
+        with self._lock:
+            self.loop_fault.arm()
+            self._lock.notify_all()
+
+    def on_failure(self, callback: Callable[[EngineFailed], None]) -> None:
+        """Calls `callback(error)` on the engine thread if the loop dies (at once if it has)."""
+        with self._lock:
+            failure = self.failure
+            if failure is None:
+                self._failure_callbacks.append(callback)
+        if failure is not None:
+            callback(failure)
+
     def shutdown(self, timeout: float = 10.0) -> None:
         with self._lock:
             self._stopped = True
@@ -115,7 +142,8 @@ class Engine:
             try:
                 self._loop_future.result(timeout)
             except Exception:
-                log.exception("engine loop ended with an error")
+                if self.failure is None:  # a failure was logged when it happened
+                    log.exception("engine loop ended with an error")
         # Joined, not only told to stop: a process that exits while this thread still runs
         # torch aborts at exit ("terminate called without an active exception", status 134).
         self._torch_thread.shutdown(timeout)
@@ -143,6 +171,8 @@ class Engine:
                        tenant_salt=tenant_salt, bucket=bucket, span_context=span_context,
                        priority=priority, confidence=Confidence() if report_confidence else None)
         with self._lock:
+            if self.failure is not None:
+                raise EngineFailed(str(self.failure))
             if self._stopped:
                 raise Overloaded("engine is shutting down")
             if request_id in self._ids:
@@ -207,26 +237,44 @@ class Engine:
 
     # ---- engine thread ----------------------------------------------------
     def _loop(self) -> None:
+        """The decode loop, supervised: a fault outside a step's own try fails the engine as a
+        whole (`_fail`): every live request ends with INTERNAL, new ones are refused and the
+        `on_failure` callbacks tell the server (NOT_SERVING, then exit for a restart)."""
+        try:
+            self._run_loop()
+        except BaseException as exc:
+            log.critical("engine loop failed outside a step; the engine stops: %r", exc, exc_info=exc)
+            self._fail(exc)
+            raise
+        with self._lock:
+            for seq in list(self._live.values()):
+                self._finish(seq, error=Overloaded("engine shut down"))
+            for _, _, future in self._tasks:
+                future.set_exception(RuntimeError("engine shut down"))
+            self._tasks.clear()
+
+    def _run_loop(self) -> None:
         while True:
             with self._lock:
                 while not (self._stopped or self._incoming or self._aborts or self._tasks
-                           or self.scheduler.has_work):
+                           or self.scheduler.has_work or self.loop_fault.armed):
                     self._lock.wait()
                 if self._stopped:
-                    break
+                    return
                 tasks, self._tasks = self._tasks, []
             for fn, args, future in tasks:
                 run_task(fn, args, future)
             with self._lock:
                 self._take_incoming()
                 batch = self.scheduler.schedule()
-                for item in batch:
-                    if item.seq.admitted and not item.seq.counted_admission:
-                        item.seq.counted_admission = True
-                        self._queued_tokens -= item.seq.num_prompt_tokens
-                        self._metrics.admitted(item.seq, time.monotonic())
+                self.loop_fault.check()  # a test's fault here: mid-bookkeeping, state untrusted
+                batch = self._count_admissions(batch)
             if batch:
-                self._metrics.step(batch)
+                self.num_steps += 1
+                try:
+                    self._metrics.step(batch)
+                except Exception:  # metrics only: nothing else depends on them
+                    log.exception("engine step metrics failed")
                 try:
                     self._run_step(batch)
                 except Exception as exc:  # a failing step fails its requests, never the engine
@@ -234,12 +282,53 @@ class Engine:
                     with self._lock:
                         for item in batch:
                             self._finish(item.seq, error=exc)
+
+    def _count_admissions(self, batch: list[ScheduledSeq]) -> list[ScheduledSeq]:
+        """Admission bookkeeping (lock held); a request whose admission metrics fail ends with
+        that error and leaves the batch, the others run."""
+        failed = set()
+        for item in batch:
+            if item.seq.admitted and not item.seq.counted_admission:
+                item.seq.counted_admission = True
+                self._queued_tokens -= item.seq.num_prompt_tokens
+                try:
+                    self._metrics.admitted(item.seq, time.monotonic())
+                except Exception as exc:
+                    log.exception("admission of %s failed", item.seq.seq_id)
+                    failed.add(item.seq.seq_id)
+                    self._finish(item.seq, error=exc)
+        return [item for item in batch if item.seq.seq_id not in failed] if failed else batch
+
+    def _fail(self, exc: BaseException) -> None:
+        """The loop died outside a step: end every live request with an error at once, refuse
+        new ones, and tell the `on_failure` callbacks. Touches no scheduler or block state."""
+        error = EngineFailed(f"engine failed outside a step ({type(exc).__name__}: {exc}); "
+                             "the replica stops and restarts")
         with self._lock:
-            for seq in list(self._live.values()):
-                self._finish(seq, error=Overloaded("engine shut down"))
-            for _, _, future in self._tasks:
-                future.set_exception(RuntimeError("engine shut down"))
-            self._tasks.clear()
+            self.failure = error
+            self._stopped = True
+            seqs = {s.seq_id: s for s in [*self._live.values(), *self._incoming]}
+            self._live.clear()
+            self._incoming.clear()
+            tasks, self._tasks = self._tasks, []
+            callbacks = list(self._failure_callbacks)
+        for seq in seqs.values():
+            try:
+                seq.emit(StepOutput([], "", error=error))
+            except Exception:
+                log.exception("could not fail request %s", seq.seq_id)
+        for _, _, future in tasks:
+            future.set_exception(error)
+        if self.speculator is not None:
+            try:
+                self.speculator.client.release(list(seqs))
+            except Exception:
+                log.exception("draft release after the engine failure failed")
+        for callback in callbacks:
+            try:
+                callback(error)
+            except Exception:
+                log.exception("engine failure callback failed")
 
     def _take_incoming(self) -> None:
         for seq in self._incoming:

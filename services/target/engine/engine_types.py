@@ -34,3 +34,9 @@ class EngineStats:
     prefix_hit_tokens: int
     kv_bytes: int
     fragmentation: float  # allocated-but-unused slots / allocated slots
+
+
+class EngineFailed(RuntimeError):
+    """The engine's loop failed outside a step and stopped: its state can no longer be trusted.
+    Live requests end with INTERNAL; new ones are refused (maps to UNAVAILABLE: another replica,
+    or this one once its supervisor restarted it)."""

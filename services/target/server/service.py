@@ -16,11 +16,12 @@ from specmesh.proto.v1 import (
 )
 from services.common.errors import Violation, abort, guard_malformed
 from services.common.metrics_interceptor import status_of
+from services.common.request_checks import BucketLabels, checked_plan, routing_violations
 from services.common.sampling_params import sampling_from_proto, sampling_violations
 from services.common.telemetry import record_error
 from services.target.server.chat import ChatTemplateError, chat_prompt_ids
 from services.target.engine.engine import Engine, InvalidRequest, Overloaded
-from services.target.engine.engine_types import DuplicateRequest
+from services.target.engine.engine_types import DuplicateRequest, EngineFailed
 from services.target.engine.sequence import FinishReason, SpeculationPlan, StepOutput
 
 log = logging.getLogger(__name__)
@@ -41,6 +42,7 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
         self.model_name = model_name
         self._in_flight = 0
         self._draining = False
+        self._buckets = BucketLabels()
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         if self._draining:
@@ -53,6 +55,11 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), "INVALID_REQUEST", [
                 Violation(f"sampling.{field}", message) for field, message in sampling_violations(
                     params.max_tokens, params.temperature, params.top_k, params.top_p, tuple(params.stop))])
+        problems = routing_violations(request.speculation, request.bucket, request.priority)
+        if problems:  # the router's fields, checked as the router checks them (services/common/request_checks.py)
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "; ".join(v.description for v in problems),
+                        "INVALID_REQUEST", problems)
+        bucket = self._buckets.label(request.bucket)  # a metric label: bounded cardinality
         if request.prompt and request.messages:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set prompt or messages, not both")
         if not request.prompt and not request.messages:
@@ -80,12 +87,12 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
         in_span = trace.set_span_in_context(span)
         span.set_attribute("gen_ai.request.model", self.model_name)
         span.set_attribute("gen_ai.request.max_tokens", sampling.max_tokens)
-        span.set_attribute("specmesh.bucket", request.bucket)
+        span.set_attribute("specmesh.bucket", bucket)
         phase, error = None, None
         try:
             try:
                 self.engine.submit(request_id, prompt_ids, sampling, emit, request.tenant_salt,
-                                   plan=_plan(request.speculation), bucket=request.bucket,
+                                   plan=_plan(request.speculation), bucket=bucket,
                                    span_context=span.get_span_context(), priority=request.priority,
                                    report_confidence=request.report_confidence)
                 submitted = True
@@ -94,6 +101,9 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
                             [Violation("request_id", str(exc))])
             except InvalidRequest as exc:
                 await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), "INVALID_REQUEST")
+            except EngineFailed as exc:  # the replica is going down: another one (or this, restarted)
+                await abort(context, grpc.StatusCode.UNAVAILABLE, str(exc), "ENGINE_FAILED",
+                            retry_after_s=RETRY_PUSHBACK_MS / 1000)
             except Overloaded as exc:
                 # RetryInfo plus gRPC's standard pushback trailer, which retry policies honour.
                 await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later",
@@ -141,7 +151,9 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
             waiting_requests=s.waiting, model=self.model_name, queued_tokens=s.queued_tokens,
             preemptions=s.num_preemptions, evictions=s.evictions,
             prefix_query_tokens=s.prefix_query_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
-            kv_bytes=s.kv_bytes, fragmentation=s.fragmentation, cache_model_id=self.engine.name)
+            kv_bytes=s.kv_bytes, fragmentation=s.fragmentation, cache_model_id=self.engine.name,
+            engine_alive=self.engine.alive, engine_error=str(self.engine.failure or ""),
+            engine_steps=self.engine.num_steps)
 
     async def SubscribeKVEvents(self, request, context):
         log_ = self.engine.kv_events
@@ -180,14 +192,12 @@ def _event_proto(sequence: int, event) -> target_service_pb2.KVEvent:
 
 
 def _plan(message: common_pb2.SpeculationPlan) -> SpeculationPlan | None:
-    """The router's plan, or None for off / unspecified / empty limits."""
-    if message.method in (common_pb2.SPECULATION_METHOD_UNSPECIFIED, common_pb2.SPECULATION_METHOD_OFF):
+    """The router's plan within the draft's limits (checked by `routing_violations` first), or
+    None for off / unspecified / depth 0."""
+    plan = checked_plan(message)
+    if plan.max_depth == 0:
         return None
-    if message.max_depth <= 0:
-        return None
-    return SpeculationPlan(message.method, message.max_depth, max(message.max_nodes, message.max_depth),
-                           message.load_aware,
-                           message.acceptance_prior if 0.0 < message.acceptance_prior < 1.0 else 0.0)
+    return SpeculationPlan(plan.method, plan.max_depth, plan.max_nodes, plan.load_aware, plan.acceptance_prior)
 
 
 def _final_chunk(out: StepOutput) -> common_pb2.GenerateChunk:

@@ -2,8 +2,8 @@
 engine thread with a per-step deadline.
 
 Every failure is a fallback, never an error: when the draft service is down, slow past
-the deadline, or answers with invalid trees, the affected sequences decode normally for
-that step. A sequence whose draft state may be out of step with ours (a failed or late
+the deadline, answers with invalid trees or refuses one sequence (no tree for it), the
+affected sequences decode normally for that step. A sequence whose draft state may be out of step with ours (a failed or late
 step, a reconnect) is released on the draft side and re-sent with its full history.
 """
 
@@ -23,6 +23,7 @@ from services.common.tls import MeshTls, internal_sync_channel
 
 log = logging.getLogger(__name__)
 MAX_UNRELEASED = 65536  # release ids kept for retry; beyond, the draft's idle TTL frees them
+RELEASE_RETRY_MIN_S, RELEASE_RETRY_MAX_S = 0.25, 2.0  # backoff of a failed Release's own retry timer
 
 
 @dataclass(frozen=True)
@@ -52,11 +53,15 @@ class DraftClient:
         self._synced: set[str] = set()  # sequences whose whole history the draft holds on this stream
         self._sent: set[str] = set()  # sequences sent at least once (may hold draft state somewhere)
         self._connect_lock = threading.Lock()
-        # Releases not yet acknowledged (a timed-out or failed Release is retried with the next
-        # one, or at the next step); guarded by _release_lock, as gRPC callbacks touch them.
+        # Releases not yet acknowledged: a timed-out or failed Release is retried on its own
+        # timer with backoff (idle or not), and with the next Release or step; guarded by
+        # _release_lock, as gRPC callbacks and the timer touch them.
         self._release_lock = threading.Lock()
         self._unreleased: dict[str, None] = {}  # ordered: oldest first
         self._releasing = False
+        self._retry_timer: threading.Timer | None = None
+        self._retry_delay = RELEASE_RETRY_MIN_S
+        self._closed = False
         self._connecting = False
         self.connected = False
 
@@ -107,7 +112,11 @@ class DraftClient:
                 return None
             if response.step == self._step:
                 break  # older answers arrived after their deadline: skip them
-        self._synced.update(ids)
+        answered = {tree.sequence_id for tree in response.trees}
+        # A sequence without a tree was refused by the draft on its own (it kept nothing new of
+        # it): resend its whole history next time; the others are in step.
+        self._synced.update(i for i in ids if i in answered)
+        self._unsync([i for i in ids if i not in answered])
         self._sent.update(ids)
         return self._check(requests, response)
 
@@ -133,6 +142,10 @@ class DraftClient:
             return len(self._unreleased)
 
     def close(self) -> None:
+        with self._release_lock:
+            self._closed = True
+            if self._retry_timer is not None:
+                self._retry_timer.cancel()
         self._drop_stream(None)
 
     # ---- helpers ----------------------------------------------------------
@@ -197,7 +210,10 @@ class DraftClient:
         """Sends every unacknowledged release in one Release call, one call at a time."""
         channel = self._channel
         with self._release_lock:
-            if self._releasing or not self._unreleased or channel is None:
+            if self._releasing or not self._unreleased:
+                return
+            if channel is None:  # the stream is down: retried once it is back
+                self._schedule_retry()
                 return
             self._releasing = True
             batch = list(self._unreleased)
@@ -205,23 +221,44 @@ class DraftClient:
         try:
             future = stub.Release.future(draft_service_pb2.ReleaseRequest(sequence_ids=batch),
                                          timeout=self.timeout_s)
-        except Exception:  # e.g. the channel was closed meanwhile: retried at the next step
+        except Exception:  # e.g. the channel was closed meanwhile
             with self._release_lock:
                 self._releasing = False
+                self._schedule_retry()
             return
         future.add_done_callback(lambda f: self._released(batch, f))
+
+    def _schedule_retry(self) -> None:
+        """One retry timer at a time, backing off to RELEASE_RETRY_MAX_S (_release_lock held)."""
+        if self._retry_timer is not None or self._closed:
+            return
+        delay, self._retry_delay = self._retry_delay, min(self._retry_delay * 2, RELEASE_RETRY_MAX_S)
+        self._retry_timer = threading.Timer(delay, self._retry_releases)
+        self._retry_timer.daemon = True
+        self._retry_timer.start()
+
+    def _retry_releases(self) -> None:
+        """Timer thread: reconnects if the stream is down, then sends what is unacknowledged."""
+        with self._release_lock:
+            self._retry_timer = None
+        if self._channel is None:
+            self._ensure_stream()  # in the background; the next retry finds it up
+        self._send_releases()
 
     def _released(self, batch: list[str], future) -> None:
         """gRPC callback thread: forget acknowledged ids; failed ones wait for the next try."""
         failed = future.exception() is not None
         with self._release_lock:
             self._releasing = False
-            if not failed:
+            if failed:
+                self._schedule_retry()
+            else:
+                self._retry_delay = RELEASE_RETRY_MIN_S
                 for seq_id in batch:
                     self._unreleased.pop(seq_id, None)
             more = bool(self._unreleased) and not failed
         if failed:
-            log.info("draft Release of %d sequences failed (%s); retrying at the next step",
+            log.info("draft Release of %d sequences failed (%s); retrying in the background",
                      len(batch), getattr(future.exception(), "code", lambda: "error")())
         elif more:
             self._send_releases()

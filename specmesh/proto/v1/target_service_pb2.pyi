@@ -50,7 +50,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_size", "running_requests", "waiting_requests", "model", "queued_tokens", "preemptions", "evictions", "prefix_query_tokens", "prefix_hit_tokens", "kv_bytes", "fragmentation", "cache_model_id")
+    __slots__ = ("num_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_size", "running_requests", "waiting_requests", "model", "queued_tokens", "preemptions", "evictions", "prefix_query_tokens", "prefix_hit_tokens", "kv_bytes", "fragmentation", "cache_model_id", "engine_alive", "engine_error", "engine_steps")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -67,6 +67,9 @@ class GetStatsResponse(_message.Message):
     KV_BYTES_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTATION_FIELD_NUMBER: _ClassVar[int]
     CACHE_MODEL_ID_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ALIVE_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_ERROR_FIELD_NUMBER: _ClassVar[int]
+    ENGINE_STEPS_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     free_blocks: int
     used_blocks: int
@@ -83,7 +86,10 @@ class GetStatsResponse(_message.Message):
     kv_bytes: int
     fragmentation: float
     cache_model_id: str
-    def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., model: _Optional[str] = ..., queued_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., evictions: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., fragmentation: _Optional[float] = ..., cache_model_id: _Optional[str] = ...) -> None: ...
+    engine_alive: bool
+    engine_error: str
+    engine_steps: int
+    def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., model: _Optional[str] = ..., queued_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., evictions: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., fragmentation: _Optional[float] = ..., cache_model_id: _Optional[str] = ..., engine_alive: _Optional[bool] = ..., engine_error: _Optional[str] = ..., engine_steps: _Optional[int] = ...) -> None: ...
 
 class SubscribeKVEventsRequest(_message.Message):
     __slots__ = ("after_sequence", "snapshot")

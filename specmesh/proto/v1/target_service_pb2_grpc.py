@@ -63,7 +63,13 @@ class TargetServiceServicer:
         Errors: INVALID_ARGUMENT (empty prompt, bad sampling parameters, prompt
         plus max_tokens beyond the context or the KV capacity),
         RESOURCE_EXHAUSTED (admission queue full), DEADLINE_EXCEEDED,
-        CANCELLED when the caller cancels (its KV blocks are freed at once).
+        CANCELLED when the caller cancels (its KV blocks are freed at once),
+        INTERNAL when generation failed (a step, or the whole engine: then health
+        turns NOT_SERVING and the process exits), UNAVAILABLE once the engine has
+        failed or the server is shutting down. Speculation plans deeper or wider
+        than the draft's limits are clamped to them; an unknown method, a negative
+        depth, a priority outside [-100, 100] or a bucket name over 64 characters
+        (or outside [A-Za-z0-9._-]) is INVALID_ARGUMENT.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
