@@ -107,3 +107,17 @@ async def start_draft(draft_model_dir: Path | None = None, tls_dir: Path | None 
     server = build_draft_server(config)
     await server.start()
     return server
+
+
+async def first_sample(stub, make_request, wanted, tries: int = 64, batch: int = 16) -> tuple[int, list[int]]:
+    """(seed, token ids) of the first seed in range(tries) whose sample satisfies `wanted(ids)`
+    (`make_request(seed)` builds the request; `batch` run at a time): a real sample that does
+    something rare (a control token mid-stream, an end-of-sequence token), found by search
+    instead of forced."""
+    for first in range(0, tries, batch):
+        seeds = range(first, min(first + batch, tries))
+        results = await asyncio.gather(*(collect(stub, make_request(seed)) for seed in seeds))
+        for seed, (ids, _, _) in zip(seeds, results):
+            if wanted(ids):
+                return seed, ids
+    raise AssertionError(f"no sample of the seeds in range({tries}) {wanted.__name__}")

@@ -18,6 +18,7 @@ class SamplingConfig:
     top_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = field(default_factory=tuple)
+    skip_special_tokens: bool = True  # control tokens stay out of the text (ids stream anyway)
 
     def __post_init__(self) -> None:
         errors = sampling_errors(self.max_tokens, self.temperature, self.top_k, self.top_p, self.stop)
@@ -61,4 +62,6 @@ def sampling_from_proto(params: common_pb2.SamplingParams) -> SamplingConfig:
         top_p=params.top_p,
         seed=params.seed if params.has_seed else None,
         stop=tuple(params.stop),
+        skip_special_tokens=(params.skip_special_tokens if params.HasField("skip_special_tokens")
+                             else True),  # unset = skip, as vLLM
     )

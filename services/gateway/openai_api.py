@@ -174,6 +174,8 @@ def _sampling(body: dict, max_tokens) -> common_pb2.SamplingParams:
     if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops) or len(stops) > MAX_STOP_STRINGS:
         raise BadRequest(f"'stop' must be a string or a list of at most {MAX_STOP_STRINGS} strings", "stop")
     sampling.stop.extend(stops)
+    if "skip_special_tokens" in body:  # vLLM's extra field; unset = skip
+        sampling.skip_special_tokens = _bool(body, "skip_special_tokens")
     return sampling
 
 

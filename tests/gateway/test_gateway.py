@@ -7,12 +7,13 @@ import grpc
 import openai
 import pytest
 import pytest_asyncio
+from transformers import AutoTokenizer
 
 from services.common.models.tiny import build_tiny_model
 from specmesh.proto.v1 import common_pb2, router_service_pb2
 from services.gateway.app import Gateway, GatewayConfig
 from services.gateway.openai_api import grpc_error
-from tests.mesh import TOKEN_A, collect, start_mesh
+from tests.mesh import TOKEN_A, collect, first_sample, start_mesh
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")  # one mesh for the module
 QUESTION = [{"role": "user", "content": "What is the capital of France?"}]
@@ -126,3 +127,54 @@ async def test_status_mapping(code, status, kind):
     got_status, body, headers = grpc_error(error)
     assert (got_status, body["error"]["type"], body["error"]["message"]) == (status, kind, "why")
     assert headers == {"Retry-After": "2"}
+
+
+# ---- special tokens: skipped in the text by default, shown with skip_special_tokens=false ----
+
+
+async def _control_sample(mesh, tokenizer, make_request) -> tuple[int, list[int]]:
+    """(seed, ids) of a sampled answer with a control token (<pad>, <bos>, <unk> or
+    <start_of_turn>) mid-stream that runs to max_tokens."""
+    control = set(tokenizer.all_special_ids) | {tokenizer.convert_tokens_to_ids("<start_of_turn>")}
+    ends = {tokenizer.eos_token_id, tokenizer.convert_tokens_to_ids("<end_of_turn>")}
+
+    def has_a_control_token_mid_stream(ids):
+        return not ends & set(ids) and any(t in control for t in ids[1:-1])
+
+    return await first_sample(mesh.router_stub, make_request, has_a_control_token_mid_stream)
+
+
+async def test_special_tokens_are_skipped_unless_asked_on_both_endpoints(front, chat_dir):
+    mesh, _, client = front
+    tokenizer = AutoTokenizer.from_pretrained(chat_dir)
+    prompt, max_tokens = "Once upon a time", 24
+
+    def sampling(seed):
+        return common_pb2.SamplingParams(max_tokens=max_tokens, temperature=1.0, seed=seed, has_seed=True)
+
+    seed, ids = await _control_sample(mesh, tokenizer, lambda s: router_service_pb2.GenerateRequest(
+        prompt=prompt, sampling=sampling(s)))
+    skipped, shown = (tokenizer.decode(ids, skip_special_tokens=skip) for skip in (True, False))
+    assert skipped != shown
+    args = dict(model="default", prompt=prompt, max_tokens=max_tokens, temperature=1.0, seed=seed)
+    stream = await client.completions.create(**args, stream=True)
+    assert "".join([e.choices[0].text async for e in stream]) == skipped
+    full = await client.completions.create(**args, extra_body={"skip_special_tokens": False})
+    assert full.choices[0].text == shown
+
+    seed, ids = await _control_sample(mesh, tokenizer, lambda s: router_service_pb2.GenerateRequest(
+        messages=[common_pb2.ChatMessage(**m) for m in QUESTION], sampling=sampling(s)))
+    skipped, shown = (tokenizer.decode(ids, skip_special_tokens=skip) for skip in (True, False))
+    args = dict(model="default", messages=QUESTION, max_tokens=max_tokens, temperature=1.0, seed=seed)
+    full = await client.chat.completions.create(**args)
+    assert full.choices[0].message.content == skipped
+    stream = await client.chat.completions.create(**args, stream=True, extra_body={"skip_special_tokens": False})
+    assert "".join([e.choices[0].delta.content or "" async for e in stream]) == shown
+
+
+async def test_skip_special_tokens_must_be_a_boolean(front):
+    _, _, client = front
+    with pytest.raises(openai.BadRequestError) as exc:
+        await client.completions.create(model="default", prompt="hi", max_tokens=4,
+                                        extra_body={"skip_special_tokens": "no"})
+    assert exc.value.body["param"] == "skip_special_tokens"

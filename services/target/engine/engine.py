@@ -165,7 +165,8 @@ class Engine:
         """
         self.validate(prompt_ids, sampling)
         seq = Sequence(request_id, list(prompt_ids), sampling, make_generator(sampling.seed),
-                       IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling.stop), emit,
+                       IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling.stop,
+                                              sampling.skip_special_tokens), emit,
                        extra_key=extra_key(self.name, tenant_salt),
                        plan=plan if self.speculator is not None else None,
                        tenant_salt=tenant_salt, bucket=bucket, span_context=span_context,

@@ -228,11 +228,12 @@ def _append(seq: Sequence, tokens: list[int], eos_token_ids: frozenset[int]) -> 
     for token in tokens:
         seq.token_ids.append(token)
         committed.append(token)
+        if token in eos_token_ids:  # ends the request; never text, even when specials are shown
+            reason = FinishReason.STOP
+            break
         text += seq.detokenizer.add([token])
         if seq.detokenizer.stopped:
             reason = FinishReason.STOP_SEQUENCE
-        elif token in eos_token_ids:
-            reason = FinishReason.STOP
         elif seq.num_output_tokens >= seq.sampling.max_tokens:
             reason = FinishReason.LENGTH
         if reason is not None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from services.target.output.special_tokens import control_token_ids
 from services.target.output.stop_matcher import StopMatcher
 
 # Tokens decoded again before the newest ones, so that merges across token boundaries
@@ -15,12 +16,20 @@ class IncrementalDetokenizer:
     Text is held back while it may still be (a) an incomplete UTF-8 character or
     (b) the start of a stop sequence, so no stop text ever reaches the client.
     Each call decodes only a few tokens (a sliding window), not the whole output.
+
+    With `skip_special_tokens` (the default) control tokens (services/target/output/
+    special_tokens.py) are dropped before decoding: the text is that of the other tokens
+    alone, so a control token between the bytes of one character, or inside a stop
+    sequence, splits neither. Token ids are not this class's business: they stream as sampled.
     """
 
-    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...]) -> None:
+    def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...],
+                 skip_special_tokens: bool = True) -> None:
         self._tokenizer = tokenizer
-        # The streamed text equals decode(output ids), as transformers' streamers produce it.
-        self._ids: list[int] = []
+        self._skip_special = skip_special_tokens
+        self._hidden = control_token_ids(tokenizer) if skip_special_tokens else frozenset()
+        # The streamed text equals decode(shown output ids), as transformers' streamers produce it.
+        self._ids: list[int] = []  # output ids that are shown (all of them when not skipping)
         self._prefix_offset = 0  # window start
         self._read_offset = 0  # tokens before this are already in _text
         self._text = ""  # decoded text of all output tokens so far
@@ -33,7 +42,7 @@ class IncrementalDetokenizer:
         """Adds committed tokens; returns the new text that is safe to emit."""
         if self.stopped:
             return ""
-        self._ids.extend(token_ids)
+        self._ids.extend(t for t in token_ids if t not in self._hidden)
         new = self._decode_new()
         self._text += new
         index = self._stop.feed(new) if self._stop is not None and new else None
@@ -66,7 +75,7 @@ class IncrementalDetokenizer:
         return delta
 
     def _decode(self, ids: list[int]) -> str:
-        return self._tokenizer.decode(ids, skip_special_tokens=True)
+        return self._tokenizer.decode(ids, skip_special_tokens=self._skip_special)
 
     def _take(self, end: int) -> str:
         piece = self._text[self._emitted:end]
