@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from services.target.engine.block_manager import BlockManager, PrefixMatch
-from services.target.model.gemma3_forward import supports
+from services.target.model.gemma3_forward import Gemma3PagedForward, supports
 from services.target.model.model_runner import ModelRunner, load_model
 from services.target.model.model_runner_inputs import StepInput
 
@@ -19,7 +19,6 @@ def _runner(model_dir, dtype, weights="auto", fuse=True, row_ops=None):
     model, _, spec = load_model(model_dir, dtype, weights=weights, fuse=fuse)
     runner = ModelRunner(model, spec, BlockManager(128, 4), dtype, kernels="cpu")
     if row_ops is not None and runner.lean_forward is not None:
-        from services.target.model.gemma3_forward import Gemma3PagedForward
         runner.lean_forward = Gemma3PagedForward(model, row_ops=row_ops)
     return runner
 
@@ -83,9 +82,10 @@ def test_fused_model_still_runs_transformers_forward(tiny_gemma_dir):
     assert all(torch.equal(a, b) for a, b in zip(lean, _run(runner)))
 
 
-def test_other_models_keep_transformers_forward(tiny_llama_dir):
+def test_other_models_do_not_take_the_gemma_forward(tiny_llama_dir):
+    """(Llama takes its family's lean forward: tests/target/test_llama_forward.py.)"""
     runner = _runner(tiny_llama_dir, torch.float32)
-    assert not supports(runner.model) and runner.lean_forward is None
+    assert not supports(runner.model) and not isinstance(runner.lean_forward, Gemma3PagedForward)
 
 
 def test_loading_logs_which_linear_format_was_packed(tiny_gemma_dir, caplog):

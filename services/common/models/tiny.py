@@ -11,7 +11,13 @@ path (`load_causal_lm`). Everything is offline and deterministic:
   large std (0.2) makes greedy output vary instead of repeating one token.
 
 Architectures: "llama" (2 layers, full attention) and "gemma3" (4 layers mixing
-sliding-window and full attention, sliding_window=16). Both untie the LM head.
+sliding-window and full attention, sliding_window=16), both with an untied LM head; the rest
+of the Llama family for its lean forward (services/target/model/llama_forward.py): "qwen2"
+(q/k/v biases, tied embeddings, its last 2 of 4 layers sliding, window 16, GQA 4:1), "qwen3"
+(q/k norms, head_dim 32 so heads * head_dim != hidden), "mistral" (every layer sliding, window
+16, GQA 1:1); and "mixtral" (a MoE, which keeps transformers' forward). These four also seed
+their vectors (norm weights 1 + N(0, 0.1), biases N(0, std)), so a norm weight or a bias that a
+forward forgot changes the logits.
 """
 
 from __future__ import annotations
@@ -26,7 +32,7 @@ from typing import Any
 
 import torch
 
-TINY_ARCHS = ("llama", "gemma3")
+TINY_ARCHS = ("llama", "gemma3", "qwen2", "qwen3", "mistral", "mixtral")
 TINY_VOCAB_SIZE = 384
 SPECIAL_TOKENS = ("<pad>", "<bos>", "<eos>", "<unk>")  # ids 0, 1, 2, 3
 TINY_MARKER = "specmesh-tiny.json"
@@ -67,16 +73,50 @@ _ARCH_DEFAULTS: dict[str, dict[str, Any]] = {
         # scaled embedding dominates and greedy output repeats one token forever.
         tie_word_embeddings=False,
     ),
+    "qwen2": dict(
+        num_hidden_layers=4,
+        num_key_value_heads=1,
+        use_sliding_window=True,
+        sliding_window=16,
+        max_window_layers=2,  # layers 2 and 3 slide
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        tie_word_embeddings=True,
+    ),
+    "qwen3": dict(
+        num_hidden_layers=3,
+        head_dim=32,
+        rope_parameters={"rope_type": "default", "rope_theta": 1_000_000.0},
+        tie_word_embeddings=False,
+    ),
+    "mistral": dict(
+        num_hidden_layers=3,
+        num_key_value_heads=4,
+        sliding_window=16,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        tie_word_embeddings=False,
+    ),
+    "mixtral": dict(
+        num_hidden_layers=2,
+        num_local_experts=4,
+        num_experts_per_tok=2,
+        rope_parameters={"rope_type": "default", "rope_theta": 10_000.0},
+        tie_word_embeddings=False,
+    ),
 }
+_CONFIG_CLASSES = {"llama": "LlamaConfig", "gemma3": "Gemma3TextConfig", "qwen2": "Qwen2Config",
+                   "qwen3": "Qwen3Config", "mistral": "MistralConfig", "mixtral": "MixtralConfig"}
+_ARCHITECTURES = {"llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                  "qwen3": "Qwen3ForCausalLM", "mistral": "MistralForCausalLM", "mixtral": "MixtralForCausalLM"}
+_SEED_VECTORS = ("qwen2", "qwen3", "mistral", "mixtral")  # llama and gemma3 keep their files as they were
 
 
 def tiny_config(arch: str = "llama", **overrides):
     """The tiny config of `arch` with `overrides` applied (unknown keys are an error)."""
-    from transformers import Gemma3TextConfig, LlamaConfig
+    import transformers
 
     if arch not in TINY_ARCHS:
         raise ValueError(f"unknown tiny arch {arch!r}; expected one of {TINY_ARCHS}")
-    config_cls = {"llama": LlamaConfig, "gemma3": Gemma3TextConfig}[arch]
+    config_cls = getattr(transformers, _CONFIG_CLASSES[arch])
     known = set(config_cls().to_dict()) | {"rope_parameters", "layer_types"}
     unknown = sorted(set(overrides) - known)
     if unknown:
@@ -85,7 +125,7 @@ def tiny_config(arch: str = "llama", **overrides):
     if arch == "gemma3" and "num_hidden_layers" in overrides and "layer_types" not in overrides:
         kwargs["layer_types"] = _alternating_layer_types(overrides["num_hidden_layers"])
     config = config_cls(**kwargs)
-    config.architectures = [{"llama": "LlamaForCausalLM", "gemma3": "Gemma3ForCausalLM"}[arch]]
+    config.architectures = [_ARCHITECTURES[arch]]
     return config
 
 
@@ -106,7 +146,7 @@ def build_tiny_model(out_dir: Path, arch: str = "llama", seed: int = 0, chat: bo
         overrides.setdefault("vocab_size", TINY_VOCAB_SIZE + len(CHAT_SPECIAL_TOKENS))
     config = tiny_config(arch, **overrides)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    _seed_weights(model, seed, config.initializer_range)
+    _seed_weights(model, seed, config.initializer_range, vectors=arch in _SEED_VECTORS)
     model.generation_config.pad_token_id = config.pad_token_id
     tokenizer = build_tiny_tokenizer(chat=chat)
     if chat:
@@ -166,13 +206,18 @@ def build_tiny_tokenizer(chat: bool = False):
 # ----------------------------------------------------------------------------- helpers
 
 
-def _seed_weights(model: torch.nn.Module, seed: int, std: float) -> None:
-    """Overwrite every matrix with N(0, std) from one seeded generator; keep vectors."""
+def _seed_weights(model: torch.nn.Module, seed: int, std: float, vectors: bool = False) -> None:
+    """Overwrite every matrix with N(0, std) from one seeded generator; keep vectors, or with
+    `vectors` draw them too: norm weights 1 + N(0, 0.1), biases N(0, std)."""
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
-        for _, param in sorted(model.named_parameters(), key=lambda item: item[0]):
+        for name, param in sorted(model.named_parameters(), key=lambda item: item[0]):
             if param.dim() >= 2:
                 param.copy_(torch.randn(param.shape, generator=generator) * std)
+            elif vectors and name.endswith(".bias"):
+                param.copy_(torch.randn(param.shape, generator=generator) * std)
+            elif vectors and "norm" in name:
+                param.copy_(1.0 + torch.randn(param.shape, generator=generator) * 0.1)
 
 
 @lru_cache(maxsize=1)

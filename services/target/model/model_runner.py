@@ -1,5 +1,5 @@
 """Runs the Hugging Face model over a flat batch of tokens against the paged KV pool
-(Gemma 3 through its lean forward, services/target/model/gemma3_forward.py)."""
+(Gemma 3 and the Llama family through their lean forwards, services/target/model/lean_forward.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from services.target.model.attention import (
     register_paged_attention,
 )
 from services.target.engine.block_manager import BlockManager
-from services.target.model.gemma3_forward import FUSED, Gemma3PagedForward, fuse_projections, supports
+from services.target.model import lean_forward
 from services.target.kernels.select import get_kernels
 from services.target.model.linear import prepack_linears, resolve_weight_format
 from services.target.model.model_runner_inputs import StepInput
@@ -48,9 +48,8 @@ class ModelRunner:
         self.kv_pool = KVPool.allocate(spec.num_layers, block_manager.num_blocks,
                                        block_manager.block_size, spec.num_kv_heads, spec.head_dim,
                                        kv_dtype, self.device)
-        # Gemma 3 runs a lean forward with transformers' exact ops; other models their own forward.
-        lean = supports(model) and hasattr(model, FUSED)
-        self.lean_forward = Gemma3PagedForward(model) if lean else None
+        # Gemma 3 and the Llama family run a lean forward with transformers' exact ops; other models their own.
+        self.lean_forward = lean_forward.build(model)
 
     @torch.inference_mode()
     def forward(self, inputs: list[StepInput]) -> torch.Tensor:
@@ -144,8 +143,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu", weights
     """Loads any local Hugging Face causal LM with paged attention; returns (model, tokenizer, spec).
 
     `weights` picks how linear layers are stored and multiplied (services/target/model/linear.py).
-    `fuse`: Gemma 3's projections fused for its lean forward (False: transformers' modules as
-    they are, and transformers' forward).
+    `fuse`: the projections fused for the model's lean forward, where it has one (False:
+    transformers' modules as they are, and transformers' forward).
     """
     from services.common.models.loading import load_causal_lm
 
@@ -153,8 +152,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu", weights
     model, tokenizer = load_causal_lm(model_dir, dtype=dtype, device=device, attn_implementation=attn)
     model.eval()
     spec = model_spec(model, tokenizer)
-    if fuse and supports(model):
-        fuse_projections(model)  # before packing: the fused weights get packed
+    if fuse:
+        lean_forward.fuse(model)  # before packing: the fused weights get packed
     weight_format = resolve_weight_format(weights, dtype, device)
     packed = prepack_linears(model, weight_format)
     log.info("linear layers: %s (asked: %s), %d packed", weight_format, weights, packed)
