@@ -30,16 +30,12 @@ PROMPTS = ["the cat sat on the mat. the cat sat on the mat. the cat",
 MESHES = ["plain", "chain", "tree"]
 
 
-@pytest.fixture(scope="module")
-def draft_dir(tmp_path_factory):
-    from services.common.models.tiny import build_tiny_model
-    return build_tiny_model(tmp_path_factory.mktemp("tiny-draft"), arch="llama", seed=7)
-
-
 @pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def meshes(tiny_llama_dir, draft_dir):
-    """No speculation; a draft model's chains (depth 3); dynamic draft trees (depth 3, 8 nodes)."""
-    draft = await start_draft(draft_dir)
+async def meshes(tiny_llama_dir):
+    """No speculation; a draft model's chains (depth 3); dynamic draft trees (depth 3, 8 nodes).
+    The draft model is the target itself: its proposals are the raw greedy tokens, so many are
+    accepted, and penalties, bias and sampling still reject some (the bonus after a rejection)."""
+    draft = await start_draft(tiny_llama_dir)
     started = {"plain": await start_mesh(tiny_llama_dir),
                "chain": await start_mesh(tiny_llama_dir, draft_address=draft.address, speculation={
                    "speculation_method": "draft_model", "speculation_depth": 3}),
