@@ -1,7 +1,7 @@
 """Per-token cost of log-probabilities (top-5) and of each penalty, relative to plain sampling.
 
-    python benchmarks/sampling_cost.py                  # default model, bf16, one stream
-    python benchmarks/sampling_cost.py --tokens 64 --rounds 5
+    python -m benchmarks.sampling_cost                  # default model, bf16, one stream
+    python -m benchmarks.sampling_cost --tokens 64 --rounds 5
 
 Two measurements, side by side in one run:
   * decode: one request at a time through the in-process engine (no gRPC), each variant in
