@@ -13,7 +13,9 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.common.errors import details_of
 from specmesh.proto.v1 import common_pb2, router_service_pb2
+from services.gateway.openai_sampling import chat_logprobs, completion_logprobs, surface_fields
 
 MAX_STOP_STRINGS = 16
 
@@ -85,8 +87,20 @@ def grpc_error(exc: grpc.aio.AioRpcError) -> tuple[int, dict, dict]:
     for key, value in exc.trailing_metadata() or ():
         if key == "grpc-retry-pushback-ms" and str(value).isdigit():
             headers["Retry-After"] = str(max(1, math.ceil(int(value) / 1000)))
-    body = error_body(exc.details() or exc.code().name, kind, code=exc.code().name.lower())
+    body = error_body(exc.details() or exc.code().name, kind, code=exc.code().name.lower(),
+                      param=_violated_param(exc))
     return status, body, headers
+
+
+def _violated_param(exc: grpc.aio.AioRpcError) -> str | None:
+    """The first invalid field the router named, as OpenAI names it ("sampling.top_p" -> "top_p")."""
+    try:
+        bad = details_of(exc).get("BadRequest")
+    except Exception:  # no details, or details that do not match the status
+        return None
+    if bad is None or not bad.field_violations:
+        return None
+    return bad.field_violations[0].field.removeprefix("sampling.")
 
 
 class Answer:
@@ -99,9 +113,14 @@ class Answer:
         self.text: list[str] = []
         self.finish_reason: str | None = None
         self.usage: dict | None = None
+        self.logprobs: list[common_pb2.TokenLogprob] = []  # every token's, when asked for
+        self._unsent = 0  # trailing entries of `logprobs` no streamed event carried yet
+        self._offset = 0  # completions' text_offset of the next streamed token
 
     def add(self, chunk: common_pb2.GenerateChunk) -> None:
         self.text.append(chunk.text)
+        self.logprobs.extend(chunk.logprobs)
+        self._unsent += len(chunk.logprobs)
         if chunk.finish_reason:
             self.finish_reason = _FINISH.get(chunk.finish_reason, "stop")
         if chunk.HasField("usage"):
@@ -115,9 +134,10 @@ class Answer:
         text = "".join(self.text)
         if self.parsed.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": self.finish_reason}
+                      "logprobs": self._logprobs(self.logprobs), "finish_reason": self.finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": self._logprobs(self.logprobs),
+                      "finish_reason": self.finish_reason}
         return {**self._head(chunk=False), "choices": [choice], "usage": self.usage}
 
     def delta(self, text: str, first: bool = False, finish_reason: str | None = None) -> dict:
@@ -126,9 +146,11 @@ class Answer:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
             if finish_reason is not None and not text:
                 delta = {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "delta": delta, "logprobs": self._streamed_logprobs(),
+                      "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": 0, "text": text, "logprobs": self._streamed_logprobs(),
+                      "finish_reason": finish_reason}
         event = {**self._head(chunk=True), "choices": [choice]}
         if self.parsed.include_usage:
             event["usage"] = None
@@ -136,6 +158,22 @@ class Answer:
 
     def usage_event(self) -> dict:
         return {**self._head(chunk=True), "choices": [], "usage": self.usage}
+
+    def _logprobs(self, entries: list, offset: int = 0) -> dict | None:
+        """The choice's `logprobs` in the endpoint's shape (services/gateway/openai_sampling.py)."""
+        if not self.parsed.request.sampling.logprobs:
+            return None
+        if self.parsed.chat:
+            return chat_logprobs(entries)
+        return completion_logprobs(entries, offset)[0]
+
+    def _streamed_logprobs(self) -> dict | None:
+        """The tokens' log-probabilities not yet sent (text held back sends them later)."""
+        entries = self.logprobs[len(self.logprobs) - self._unsent:]
+        self._unsent = 0
+        shaped = self._logprobs(entries, self._offset)
+        self._offset += sum(len(e.token) for e in entries)
+        return shaped
 
     def _head(self, chunk: bool) -> dict:
         kind = ("chat.completion" + (".chunk" if chunk else "")) if self.parsed.chat else "text_completion"
@@ -151,6 +189,7 @@ def _parsed(body: dict, request: router_service_pb2.GenerateRequest, max_tokens,
         raise BadRequest("only n=1 is supported", "n")
     request.model = model
     request.sampling.CopyFrom(_sampling(body, max_tokens))
+    surface_fields(body, request.sampling, chat, BadRequest)
     stream = _bool(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):

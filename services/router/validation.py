@@ -12,7 +12,7 @@ import grpc
 from services.common.errors import Refusal, Violation
 from services.common.limits import RequestLimits
 from specmesh.proto.v1 import router_service_pb2
-from services.common.sampling_params import SamplingConfig, sampling_from_proto, sampling_violations
+from services.common.sampling_params import SamplingConfig, params_violations, sampling_from_proto
 
 
 def validate(request: router_service_pb2.GenerateRequest, limits: RequestLimits,
@@ -24,8 +24,7 @@ def validate(request: router_service_pb2.GenerateRequest, limits: RequestLimits,
                                   params.stop, "messages" if request.messages else "prompt")
     if too_large:
         raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, _message(too_large), "REQUEST_TOO_LARGE", too_large)
-    problems = [Violation(f"sampling.{field}", message) for field, message in sampling_violations(
-        params.max_tokens, params.temperature, params.top_k, params.top_p, tuple(params.stop))]
+    problems = [Violation(f"sampling.{field}", message) for field, message in params_violations(params)]
     if request.prompt and request.messages:
         problems.append(Violation("prompt", "set prompt or messages, not both"))
     elif request.messages:

@@ -30,7 +30,9 @@ from services.target.engine.fault_point import FaultPoint
 from services.target.engine.kv_events import KVEventLog
 from services.target.model.model_runner import ModelRunner, load_model
 from services.target.model.model_runner_inputs import StepInput
-from services.target.model.sampler import make_generator, sample
+from services.target.model.logits_processors import LogitsProcessor
+from services.target.model.sample_rows import sample_rows
+from services.target.model.sampler import make_generator
 from services.target.engine.scheduler import ScheduledSeq, Scheduler, SeqUpdate, StepResult
 from services.target.engine.sequence import FinishReason, Sequence, SpeculationPlan, StepOutput
 from services.target.speculation.speculator import Speculator, verify_span
@@ -166,11 +168,13 @@ class Engine:
         self.validate(prompt_ids, sampling)
         seq = Sequence(request_id, list(prompt_ids), sampling, make_generator(sampling.seed),
                        IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling.stop,
-                                              sampling.skip_special_tokens), emit,
+                                              sampling.skip_special_tokens, sampling.min_tokens), emit,
                        extra_key=extra_key(self.name, tenant_salt),
                        plan=plan if self.speculator is not None else None,
                        tenant_salt=tenant_salt, bucket=bucket, span_context=span_context,
-                       priority=priority, confidence=Confidence() if report_confidence else None)
+                       priority=priority, confidence=Confidence() if report_confidence else None,
+                       logits_processor=LogitsProcessor.for_request(sampling, self.spec.eos_token_ids,
+                                                                    len(prompt_ids)))
         with self._lock:
             if self.failure is not None:
                 raise EngineFailed(str(self.failure))
@@ -200,6 +204,10 @@ class Engine:
             raise InvalidRequest(f"prompt ({len(prompt_ids)} tokens) plus max_tokens "
                                  f"({sampling.max_tokens}) exceeds the model context "
                                  f"of {self.spec.max_context} tokens")
+        unknown = [t for t, _ in sampling.logit_bias if t >= self.spec.vocab_size]
+        if unknown:
+            raise InvalidRequest(f"sampling.logit_bias: token id {unknown[0]} is not in the vocabulary "
+                                 f"(ids 0 .. {self.spec.vocab_size - 1})", "sampling.logit_bias")
         capacity = self.blocks.num_blocks * self.blocks.block_size
         if total > capacity:
             raise InvalidRequest(f"prompt plus max_tokens ({total} tokens) exceeds the KV "
@@ -368,24 +376,26 @@ class Engine:
             offset += inp.num_logits
             if seq.seq_id in trees:
                 try:  # one sequence's sampling failure fails that request only
-                    path, bonus = self.speculator.accept(seq, rows, trees[seq.seq_id])
+                    path, bonus, logprobs = self.speculator.accept(seq, rows, trees[seq.seq_id])
                     if seq.confidence is not None:
                         seq.confidence.add_tree(rows, trees[seq.seq_id], path, bonus)
                     with self._lock:
                         results[seq.seq_id] = self._compact_tree(seq, item.start, trees[seq.seq_id], path, bonus)
+                        results[seq.seq_id].logprobs = logprobs
                 except Exception as exc:
                     log.exception("verify of %s failed", seq.seq_id)
                     failed[seq.seq_id] = exc
             elif item.samples:
                 plain.append(item)
                 plain_rows.append(rows)
-        sampled = sample(torch.cat(plain_rows), [i.seq.sampling for i in plain],
-                         [i.seq.generator for i in plain]) if plain else []
-        for item, rows, token in zip(plain, plain_rows, sampled):
+        sampled, logprobs = sample_rows(
+            torch.cat(plain_rows), [i.seq.sampling for i in plain], [i.seq.generator for i in plain],
+            [i.seq.logits_processor for i in plain], [i.seq.token_ids for i in plain]) if plain else ([], [])
+        for item, rows, token, logprob in zip(plain, plain_rows, sampled, logprobs):
             if isinstance(token, Exception):
                 failed[item.seq.seq_id] = token
                 continue
-            results[item.seq.seq_id] = StepResult([token])
+            results[item.seq.seq_id] = StepResult([token], logprobs=None if logprob is None else [logprob])
             if item.seq.confidence is not None:
                 item.seq.confidence.add(rows[-1:], [token])
         return results, failed
@@ -426,7 +436,7 @@ class Engine:
         elif seq.last_token_time is not None:
             self._metrics.next_tokens(seq, now, len(update.token_ids))
         seq.last_token_time = now
-        seq.emit(StepOutput(update.token_ids, update.text))
+        seq.emit(StepOutput(update.token_ids, update.text, logprobs=update.logprobs))
         if update.finish_reason is not None:
             self._finish(seq, update.finish_reason)
 

@@ -8,6 +8,10 @@ from dataclasses import dataclass
 class InvalidRequest(ValueError):
     """The request can never be served as given (maps to INVALID_ARGUMENT)."""
 
+    def __init__(self, message: str, field: str = "") -> None:
+        super().__init__(message)
+        self.field = field  # the offending request field, e.g. "sampling.logit_bias" ("" = none named)
+
 
 class DuplicateRequest(InvalidRequest):
     """A request id already in flight; the request holding it is not affected."""

@@ -18,7 +18,7 @@ from __future__ import annotations
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from services.target.engine.block_manager import BlockManager
 from services.target.engine.sequence import FinishReason, SeqStatus, Sequence
@@ -48,6 +48,7 @@ class StepResult:
 
     tokens: list[int] = field(default_factory=list)  # new tokens (sampled, or accepted path + bonus)
     num_computed: int | None = None  # KV entries now valid (verify: context + root + accepted); None = as scheduled
+    logprobs: list | None = None  # [len(tokens)] TokenLogprob, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -58,6 +59,7 @@ class SeqUpdate:
     token_ids: list[int]
     text: str
     finish_reason: FinishReason | None
+    logprobs: list | None = None  # of the committed tokens, when the request asked for them
 
 
 class Scheduler:
@@ -161,6 +163,8 @@ class Scheduler:
             if item.num_draft_slots:
                 self.blocks.truncate(seq.seq_id, seq.num_computed)  # rejected and unused slots
             update = _append(seq, result.tokens, eos_token_ids) if result.tokens else None
+            if update is not None and result.logprobs is not None:
+                update = replace(update, logprobs=result.logprobs[:len(update.token_ids)])
             # After the append: only positions holding both KV and a committed token are hashed.
             self.blocks.commit(seq.seq_id, seq.token_ids, min(seq.num_computed, seq.num_tokens),
                                seq.extra_key)

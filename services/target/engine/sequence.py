@@ -40,6 +40,7 @@ class StepOutput:
     error: Exception | None = None
     speculation: "SpeculationStats | None" = None
     confidence: "Confidence | None" = None  # set when the request asked for it
+    logprobs: list | None = None  # [len(token_ids)] TokenLogprob, when the request asked for them
 
 
 @dataclass(frozen=True)
@@ -105,6 +106,8 @@ class Sequence:
     counted_admission: bool = False  # its prompt tokens were taken off the queued-token count
     priority: int = 0  # tenant priority: higher is admitted first and preempted last
     confidence: Confidence | None = None  # log-prob sums of committed tokens, when asked for
+    # Penalties, bias, min_tokens (services/target/model/logits_processors.py); None = none asked.
+    logits_processor: object = None
     num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:

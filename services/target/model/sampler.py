@@ -53,10 +53,13 @@ def target_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, configs: list[SamplingConfig],
-           generators: list[torch.Generator]) -> list[int | SamplingError]:
+           generators: list[torch.Generator],
+           probs_out: dict[int, torch.Tensor] | None = None) -> list[int | SamplingError]:
     """logits: [num_seqs, vocab] -> one token id per sequence, or its SamplingError.
 
-    A failure of one sequence never affects the others' tokens.
+    A failure of one sequence never affects the others' tokens. `probs_out`, when given,
+    receives row i's sampling probabilities ([vocab]) for every sampled (non-greedy) row,
+    so log-probabilities need not compute them again.
     """
     safe = _finite_shifted(logits, check=False)  # [num_seqs, vocab]
     greedy = safe.argmax(dim=-1).tolist()
@@ -70,6 +73,8 @@ def sample(logits: torch.Tensor, configs: list[SamplingConfig],
         else:
             try:
                 probs = target_probs(logits[i:i + 1], config)[0]
+                if probs_out is not None:
+                    probs_out[i] = probs
                 out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
             except (SamplingError, RuntimeError) as exc:  # never fail the batch for one row
                 out.append(exc if isinstance(exc, SamplingError) else SamplingError(str(exc)))

@@ -24,10 +24,12 @@ class IncrementalDetokenizer:
     """
 
     def __init__(self, tokenizer, prompt_ids: list[int], stop: tuple[str, ...],
-                 skip_special_tokens: bool = True) -> None:
+                 skip_special_tokens: bool = True, min_tokens: int = 0) -> None:
         self._tokenizer = tokenizer
         self._skip_special = skip_special_tokens
         self._hidden = control_token_ids(tokenizer) if skip_special_tokens else frozenset()
+        self._min_tokens = min_tokens  # stop sequences ending before this many tokens do not stop
+        self._num_tokens = 0  # output tokens added, shown or not
         # The streamed text equals decode(shown output ids), as transformers' streamers produce it.
         self._ids: list[int] = []  # output ids that are shown (all of them when not skipping)
         self._prefix_offset = 0  # window start
@@ -43,10 +45,11 @@ class IncrementalDetokenizer:
         if self.stopped:
             return ""
         self._ids.extend(t for t in token_ids if t not in self._hidden)
+        self._num_tokens += len(token_ids)
         new = self._decode_new()
         self._text += new
         index = self._stop.feed(new) if self._stop is not None and new else None
-        if index is not None:
+        if index is not None and self._num_tokens >= self._min_tokens:
             self.stopped = True
             return self._take(index)
         return self._take(max(self._emitted, len(self._text) - self._holdback))

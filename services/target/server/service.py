@@ -17,9 +17,10 @@ from specmesh.proto.v1 import (
 from services.common.errors import Violation, abort, guard_malformed
 from services.common.metrics_interceptor import status_of
 from services.common.request_checks import BucketLabels, checked_plan, routing_violations
-from services.common.sampling_params import sampling_from_proto, sampling_violations
+from services.common.sampling_params import params_violations, sampling_from_proto
 from services.common.telemetry import record_error
 from services.target.server.chat import ChatTemplateError, chat_prompt_ids
+from services.target.server.logprob_chunks import TokenTexts, logprobs_proto
 from services.target.engine.engine import Engine, InvalidRequest, Overloaded
 from services.target.engine.engine_types import DuplicateRequest, EngineFailed
 from services.target.engine.sequence import FinishReason, SpeculationPlan, StepOutput
@@ -41,6 +42,7 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
         self.engine = engine
         self.model_name = model_name
         self._in_flight = 0
+        self._texts = TokenTexts(engine.tokenizer)  # token pieces of GenerateChunk.logprobs
         self._draining = False
         self._buckets = BucketLabels()
 
@@ -51,10 +53,8 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
         try:
             sampling = sampling_from_proto(request.sampling)
         except ValueError as exc:
-            params = request.sampling
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), "INVALID_REQUEST", [
-                Violation(f"sampling.{field}", message) for field, message in sampling_violations(
-                    params.max_tokens, params.temperature, params.top_k, params.top_p, tuple(params.stop))])
+                Violation(f"sampling.{field}", message) for field, message in params_violations(request.sampling)])
         problems = routing_violations(request.speculation, request.bucket, request.priority)
         if problems:  # the router's fields, checked as the router checks them (services/common/request_checks.py)
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "; ".join(v.description for v in problems),
@@ -100,7 +100,8 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
                 await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), "DUPLICATE_REQUEST_ID",
                             [Violation("request_id", str(exc))])
             except InvalidRequest as exc:
-                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), "INVALID_REQUEST")
+                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), "INVALID_REQUEST",
+                            [Violation(exc.field, str(exc))] if exc.field else ())
             except EngineFailed as exc:  # the replica is going down: another one (or this, restarted)
                 await abort(context, grpc.StatusCode.UNAVAILABLE, str(exc), "ENGINE_FAILED",
                             retry_after_s=RETRY_PUSHBACK_MS / 1000)
@@ -120,7 +121,8 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
                     yield target_service_pb2.TargetServiceGenerateResponse(chunk=_final_chunk(out))
                     return
                 yield target_service_pb2.TargetServiceGenerateResponse(
-                    chunk=common_pb2.GenerateChunk(text=out.text, token_ids=out.token_ids))
+                    chunk=common_pb2.GenerateChunk(text=out.text, token_ids=out.token_ids,
+                                                   logprobs=logprobs_proto(out.logprobs, self._texts)))
                 out = await queue.get()
         except BaseException as exc:
             error = exc

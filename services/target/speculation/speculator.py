@@ -17,6 +17,8 @@ import torch
 from services.common.draft_tree import DraftTree
 from services.common.speculation_cost import LoadAwareDepth, expected_tokens, sequence_alpha
 from services.target.speculation.draft_client import DraftClient, DraftRequest
+from services.target.model.logits_processors import tree_paths
+from services.target.model.logprobs import token_logprobs
 from services.target.model.sampler import target_probs
 from services.target.engine.scheduler import ScheduledSeq
 from services.target.engine.sequence import Sequence
@@ -85,21 +87,27 @@ class Speculator:
                 seq.draft_synced = seq.num_tokens
         return proposals
 
-    def accept(self, seq: Sequence, rows: torch.Tensor, proposal: DraftTree) -> tuple[list[int], int]:
+    def accept(self, seq: Sequence, rows: torch.Tensor,
+               proposal: DraftTree) -> tuple[list[int], int, list | None]:
         """rows: [1 + num_nodes, vocab] target logits for root + draft nodes.
 
-        Returns (accepted draft node indices along the path, bonus token).
+        Returns (accepted draft node indices along the path, bonus token, the committed tokens'
+        TokenLogprobs from the target's rows or None when not asked for). Penalties, bias and
+        min_tokens apply to every row along its own root path (logits_processors.tree_paths).
         """
         n = len(proposal.token_ids)
         draft_tokens = torch.tensor([[seq.token_ids[-1], *proposal.token_ids]], dtype=torch.int64)
         parents = torch.tensor([[-1, *(p + 1 for p in proposal.parents)]], dtype=torch.int64)
         num_nodes = torch.tensor([n + 1], dtype=torch.int64)
+        processed = rows if seq.logits_processor is None else seq.logits_processor.apply(
+            rows, seq.token_ids, tree_paths(proposal.token_ids, proposal.parents))  # [n + 1, vocab]
+        probs = None
         if seq.sampling.greedy:
-            argmax = rows.argmax(dim=-1).unsqueeze(0)  # [1, n + 1]
+            argmax = processed.argmax(dim=-1).unsqueeze(0)  # [1, n + 1]
             nodes, num_accepted, bonus = self.kernels.accept_tree_greedy(
                 draft_tokens, parents, num_nodes, argmax)
         else:
-            probs = target_probs(rows, seq.sampling).unsqueeze(0).contiguous()  # [1, n + 1, vocab]
+            probs = target_probs(processed, seq.sampling).unsqueeze(0).contiguous()  # [1, n + 1, vocab]
             # Proposers here are deterministic: zero draft rows mean q = one-hot(proposed token).
             draft_probs = torch.zeros_like(probs)
             uniforms = torch.rand(1, n + 2, generator=seq.generator)  # [1, n + 2]
@@ -114,7 +122,13 @@ class Speculator:
             note = seq.spec.passes[-1]
             note[5] = a
             self._metrics.verify_pass(seq, n, a, note[1] - note[0], note[3] - note[2])
-        return path, int(bonus[0])
+        logprobs = None
+        if seq.sampling.logprobs:  # row of the root, then of each accepted node: they chose the tokens
+            chooser = [0, *(node + 1 for node in path)]
+            logprobs = token_logprobs(rows[chooser], processed[chooser],
+                                      [*(proposal.token_ids[node] for node in path), int(bonus[0])],
+                                      seq.sampling, None if probs is None else probs[0, chooser])
+        return path, int(bonus[0]), logprobs
 
     def release(self, seq: Sequence) -> None:
         if seq.plan is not None:

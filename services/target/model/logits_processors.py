@@ -1,0 +1,145 @@
+"""Penalties, logit bias and min_tokens: the logits a sequence samples from, per row.
+
+One `LogitsProcessor` per sequence that asks for any of them (None otherwise, so plain and
+greedy requests never pay for it). It turns raw logit rows into the logits sampled from,
+in this order:
+  1. logit_bias            logit[t] += bias[t]
+  2. min_tokens            logit[eos] = -inf while fewer than min_tokens tokens were generated
+  3. repetition_penalty    over prompt + generated tokens (transformers / vLLM): a positive
+                           logit is divided by it, a negative one multiplied
+  4. presence / frequency  over generated tokens (OpenAI): logit[t] -= presence * [count > 0]
+                           + frequency * count
+Temperature, top-k and top-p follow in the sampler (services/target/model/sampler.py).
+
+Every row has its own history: the committed tokens (prompt, then output) plus `extras[i]`,
+the tokens that row follows beyond them. A decode row has none; in a verify pass the row
+of a draft node follows that node's whole root path (row 0 the root, with none), so a
+penalty at depth 3 counts the draft tokens at depths 1-2 of its own path. That is what
+keeps speculation lossless: each verify row is exactly the distribution the target would
+sample from had the path's tokens been committed one by one.
+
+State: counts of generated tokens and the set of prompt + generated tokens, dense over
+the vocabulary, caught up from the sequence's `token_ids` (the owner) on each call, so
+the scheduler's append needs no hook. Path extras are sparse corrections on top.
+"""
+
+from __future__ import annotations
+
+from collections import Counter
+from collections.abc import Sequence
+
+import torch
+
+from services.common.sampling_params import SamplingConfig
+
+
+class LogitsProcessor:
+    def __init__(self, config: SamplingConfig, eos_token_ids: frozenset[int], num_prompt_tokens: int) -> None:
+        self.config = config
+        self.num_prompt_tokens = num_prompt_tokens
+        self.eos_ids = sorted(eos_token_ids)
+        self.repetition = config.repetition_penalty if config.repetition_penalty not in (0.0, 1.0) else 1.0
+        self.presence = config.presence_penalty
+        self.frequency = config.frequency_penalty
+        self.penalizes = self.repetition != 1.0 or bool(self.presence or self.frequency)
+        self._bias_ids = torch.tensor([t for t, _ in config.logit_bias], dtype=torch.int64)  # [num_bias]
+        self._bias = torch.tensor([b for _, b in config.logit_bias], dtype=torch.float32)  # [num_bias]
+        self._counts: torch.Tensor | None = None  # [vocab] f32: generated-token counts
+        self._seen: torch.Tensor | None = None  # [vocab] bool: prompt + generated tokens
+        self._counted = 0  # leading token_ids already in _counts / _seen
+
+    @classmethod
+    def for_request(cls, config: SamplingConfig, eos_token_ids: frozenset[int],
+                    num_prompt_tokens: int) -> "LogitsProcessor | None":
+        """A processor when the request asks for penalties, bias or min_tokens; else None."""
+        return cls(config, eos_token_ids, num_prompt_tokens) if config.processes_logits else None
+
+    def apply(self, logits: torch.Tensor, token_ids: list[int],
+              extras: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
+        """logits: [n, vocab] raw rows of this sequence -> [n, vocab] float32 processed rows.
+
+        `token_ids`: the sequence's committed tokens (prompt then output); `extras[i]`: the
+        draft tokens row i follows beyond them (None = none for every row).
+        """
+        x = logits.float().clone()  # [n, vocab]
+        n, vocab = x.shape
+        extras = extras if extras is not None else [()] * n
+        if self._bias_ids.numel():
+            x[:, self._bias_ids] += self._bias
+        if self.config.min_tokens:
+            generated = len(token_ids) - self.num_prompt_tokens
+            early = [i for i in range(n) if generated + len(extras[i]) < self.config.min_tokens]
+            if early and self.eos_ids:
+                x[torch.tensor(early)[:, None], torch.tensor(self.eos_ids)[None, :]] = float("-inf")
+        if self.penalizes:
+            self._catch_up(token_ids, vocab)
+            rows, cols, added = _path_pairs(extras)
+            before = x[rows, cols] if rows.numel() else None  # [num_pairs] values before penalties
+            self._penalize_dense(x)
+            if before is not None:
+                x[rows, cols] = self._penalize_pairs(before, cols, added)
+        return x
+
+    # ---- helpers ------------------------------------------------------------
+    def _catch_up(self, token_ids: list[int], vocab: int) -> None:
+        """Adds committed tokens not yet counted (token_ids only grows)."""
+        if self._counts is None:
+            self._counts = torch.zeros(vocab, dtype=torch.float32)
+            self._seen = torch.zeros(vocab, dtype=torch.bool)
+        if self._counted == len(token_ids):
+            return
+        new = torch.tensor(token_ids[self._counted:], dtype=torch.int64)  # [num_new]
+        self._seen[new] = True
+        first_output = max(self.num_prompt_tokens - self._counted, 0)
+        if first_output < new.numel():
+            self._counts.index_add_(0, new[first_output:], torch.ones(new.numel() - first_output))
+        self._counted = len(token_ids)
+
+    def _penalize_dense(self, x: torch.Tensor) -> None:
+        """x: [n, vocab] in place: the committed history's penalties, the same for every row."""
+        if self.repetition != 1.0:
+            seen = self._seen.expand_as(x)
+            x.copy_(torch.where(seen, torch.where(x > 0, x / self.repetition, x * self.repetition), x))
+        if self.presence or self.frequency:
+            x -= self.frequency * self._counts + self.presence * (self._counts > 0).float()
+
+    def _penalize_pairs(self, before: torch.Tensor, cols: torch.Tensor, added: torch.Tensor) -> torch.Tensor:
+        """Values at (row, token) pairs whose token the row's draft path adds `added` times:
+        the penalties of committed count + added, from the values before any penalty."""
+        count = self._counts[cols] + added  # [num_pairs]
+        out = torch.where(before > 0, before / self.repetition, before * self.repetition) \
+            if self.repetition != 1.0 else before  # every pair's token is in its row's history now
+        return out - self.frequency * count - self.presence * (count > 0).float()
+
+
+def _path_pairs(extras: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows [p], tokens [p], occurrences [p]): each distinct draft token of each row's path."""
+    rows, cols, added = [], [], []
+    for i, path in enumerate(extras):
+        for token, k in Counter(path).items():
+            rows.append(i)
+            cols.append(token)
+            added.append(k)
+    return (torch.tensor(rows, dtype=torch.int64), torch.tensor(cols, dtype=torch.int64),
+            torch.tensor(added, dtype=torch.float32))
+
+
+def tree_paths(token_ids: Sequence[int], parents: Sequence[int]) -> list[tuple[int, ...]]:
+    """Draft-tree rows' extras: [()] for the root row, then node i's root path (its own token last)."""
+    paths: list[tuple[int, ...]] = []
+    for token, parent in zip(token_ids, parents):
+        paths.append((paths[parent] if parent >= 0 else ()) + (int(token),))
+    return [(), *paths]
+
+
+def process_rows(logits: torch.Tensor, processors: Sequence["LogitsProcessor | None"],
+                 histories: Sequence[list[int]]) -> torch.Tensor:
+    """logits: [num_seqs, vocab], one row per sequence -> the rows to sample from. Returns
+    `logits` itself when no sequence has a processor (greedy and plain rows stay as they are)."""
+    if all(p is None for p in processors):
+        return logits
+    out = logits.float().clone()  # [num_seqs, vocab]
+    for i, (processor, history) in enumerate(zip(processors, histories)):
+        if processor is not None:
+            out[i:i + 1] = processor.apply(logits[i:i + 1], history)
+    return out

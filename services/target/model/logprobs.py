@@ -1,0 +1,49 @@
+"""Log-probabilities of committed tokens, and the most likely alternatives per position.
+
+Under the distribution actually sampled from: the processed logits (bias, min_tokens,
+penalties; services/target/model/logits_processors.py), then temperature, top-k and top-p
+(services/target/model/sampler.target_probs); tokens those filters drop have -inf. A greedy
+request samples from argmax, so its log-probabilities are those of the processed logits at
+temperature 1 without top-k/top-p. `raw_logprobs` asks for the raw model distribution
+(log-softmax of the target's logits) instead. Under speculation the rows are the target's
+own verify rows along the accepted path, never the draft's: an accepted draft token gets
+exactly the value it would have had if decoded without speculation.
+
+Only requests that ask for log-probabilities reach this module.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from services.common.sampling_params import SamplingConfig
+from services.target.model.sampler import target_probs
+
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """One committed token: its log-probability and the top alternatives, most likely first."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token id, log-probability)
+
+
+def token_logprobs(raw: torch.Tensor, processed: torch.Tensor, tokens: list[int],
+                   config: SamplingConfig, probs: torch.Tensor | None = None) -> list[TokenLogprob]:
+    """raw, processed: [m, vocab] the rows that chose `tokens` ([m]); `probs` ([m, vocab]) the
+    sampling probabilities when the caller has them already (sampled requests)."""
+    if config.raw_logprobs:
+        lp = torch.log_softmax(raw.float(), dim=-1)  # [m, vocab]
+    elif config.greedy:
+        lp = torch.log_softmax(processed.float(), dim=-1)
+    else:
+        lp = torch.log(probs if probs is not None else target_probs(processed, config))
+    chosen = lp.gather(-1, torch.tensor(tokens, dtype=torch.int64)[:, None])[:, 0].tolist()  # [m]
+    if not config.top_logprobs:
+        return [TokenLogprob(t, c) for t, c in zip(tokens, chosen)]
+    top = torch.topk(lp, min(config.top_logprobs, lp.shape[-1]), dim=-1)  # sorted, most likely first
+    return [TokenLogprob(t, c, tuple(zip(ids, values)))
+            for t, c, ids, values in zip(tokens, chosen, top.indices.tolist(), top.values.tolist())]
