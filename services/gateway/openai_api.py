@@ -12,6 +12,7 @@ import uuid
 from dataclasses import dataclass
 
 import grpc
+from google.rpc import error_details_pb2, status_pb2
 
 from specmesh.proto.v1 import common_pb2, router_service_pb2
 
@@ -85,25 +86,27 @@ def grpc_error(exc: grpc.aio.AioRpcError) -> tuple[int, dict, dict]:
     for key, value in exc.trailing_metadata() or ():
         if key == "grpc-retry-pushback-ms" and str(value).isdigit():
             headers["Retry-After"] = str(max(1, math.ceil(int(value) / 1000)))
-    body = error_body(exc.details() or exc.code().name, kind, code=exc.code().name.lower())
+    body = error_body(exc.details() or exc.code().name, kind, code=exc.code().name.lower(),
+                      param=_violated_param(exc))
     return status, body, headers
 
 
 class Answer:
-    """Builds the OpenAI response objects of one request from the router's chunks."""
+    """Builds the OpenAI response objects of one request from the router's chunks; with `n`
+    samples, one choice per sample (chunk.index), in index order."""
 
     def __init__(self, parsed: Parsed) -> None:
         self.parsed = parsed
         self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.text: list[str] = []
-        self.finish_reason: str | None = None
+        self.texts: dict[int, list[str]] = {}  # per choice index
+        self.finish_reasons: dict[int, str] = {}
         self.usage: dict | None = None
 
     def add(self, chunk: common_pb2.GenerateChunk) -> None:
-        self.text.append(chunk.text)
+        self.texts.setdefault(chunk.index, []).append(chunk.text)
         if chunk.finish_reason:
-            self.finish_reason = _FINISH.get(chunk.finish_reason, "stop")
+            self.finish_reasons[chunk.index] = _FINISH.get(chunk.finish_reason, "stop")
         if chunk.HasField("usage"):
             u = chunk.usage
             self.usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
@@ -112,23 +115,25 @@ class Answer:
 
     def full(self) -> dict:
         """The non-streaming response."""
-        text = "".join(self.text)
-        if self.parsed.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": None, "finish_reason": self.finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
-        return {**self._head(chunk=False), "choices": [choice], "usage": self.usage}
+        choices = []
+        for index in sorted(self.texts):
+            text, finish_reason = "".join(self.texts[index]), self.finish_reasons.get(index)
+            if self.parsed.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                                "logprobs": None, "finish_reason": finish_reason})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason})
+        return {**self._head(chunk=False), "choices": choices, "usage": self.usage}
 
-    def delta(self, text: str, first: bool = False, finish_reason: str | None = None) -> dict:
-        """One streamed event."""
+    def delta(self, text: str, first: bool = False, finish_reason: str | None = None, index: int = 0) -> dict:
+        """One streamed event (of choice `index`)."""
         if self.parsed.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
             if finish_reason is not None and not text:
                 delta = {}
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason}
+            choice = {"index": index, "text": text, "logprobs": None, "finish_reason": finish_reason}
         event = {**self._head(chunk=True), "choices": [choice]}
         if self.parsed.include_usage:
             event["usage"] = None
@@ -147,10 +152,10 @@ def _parsed(body: dict, request: router_service_pb2.GenerateRequest, max_tokens,
     model = body.get("model")
     if not isinstance(model, str):
         raise BadRequest("'model' must be a string (a pool name from GET /v1/models)", "model")
-    if body.get("n", 1) != 1:
-        raise BadRequest("only n=1 is supported", "n")
     request.model = model
     request.sampling.CopyFrom(_sampling(body, max_tokens))
+    n = body.get("n")  # samples of the prompt; the router refuses more than its limit
+    request.sampling.n = 1 if n is None else _number(n, "n", int, 1)
     stream = _bool(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):
@@ -187,6 +192,22 @@ def _number(value, name: str, kind: type, minimum):
     if value < minimum:
         raise BadRequest(f"'{name}' must be >= {minimum}, got {value}", name)
     return kind(value)
+
+
+def _violated_param(exc: grpc.aio.AioRpcError) -> str | None:
+    """The request field a router refusal names (BadRequest details), as the OpenAI body names it."""
+    for key, value in exc.trailing_metadata() or ():
+        if key != "grpc-status-details-bin":
+            continue
+        try:
+            status = status_pb2.Status.FromString(value)
+        except Exception:  # not ours to fail on: the error still goes out without a param
+            return None
+        for detail in status.details:
+            bad = error_details_pb2.BadRequest()
+            if detail.Unpack(bad) and bad.field_violations:
+                return bad.field_violations[0].field.removeprefix("sampling.")
+    return None
 
 
 def _bool(body: dict, name: str) -> bool:
