@@ -134,3 +134,38 @@ async def test_n_above_the_running_limit_is_refused_by_the_engine(tiny_llama_dir
         assert exc.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "n must be in 0..2" in exc.value.details()
     finally:
         await mesh.stop()
+
+
+async def test_each_sample_speculates_on_its_own_and_stays_lossless(tiny_llama_dir):
+    from tests.mesh import start_draft
+    repeating = "one two three four five six one two three four five six one two three"
+    draft = await start_draft(tiny_llama_dir)
+    mesh = await start_mesh(tiny_llama_dir, draft_address=draft.address,
+                            speculation={"speculation_method": "prompt_lookup", "speculation_depth": 4})
+    try:
+        expected, _, _ = await collect(mesh.router_stub, request(repeating, 16))
+        tokens, finish, _, last = await _samples(mesh.router_stub, request(repeating, 16, n=3))
+        assert tokens == {0: expected, 1: expected, 2: expected}  # greedy: equal to the plain answer
+        assert sorted(finish) == [0, 1, 2]
+        assert last.usage.proposed_tokens > 0 and last.usage.verify_passes >= 3  # every sample verified
+        assert not mesh.engine.live_request_ids()
+    finally:
+        await mesh.stop()
+        await draft.stop(grace=0.5)
+
+
+async def test_samples_under_block_pressure_are_preempted_and_recomputed_exactly(tiny_llama_dir):
+    expected = {}
+    mesh = await start_mesh(tiny_llama_dir, num_blocks=24, enable_prefix_caching=False)
+    try:
+        for i in range(3):
+            expected[i], _, _ = await collect(mesh.router_stub, request(PROMPT, 40, temperature=1.0,
+                                                                        seed=5 + i, has_seed=True))
+        # 3 samples of 25 + 40 tokens need 3 x 17 blocks of 4 (prompt blocks shared): 24 force preemption.
+        tokens, finish, _, _ = await _samples(mesh.router_stub, request(PROMPT, 40, temperature=1.0, seed=5,
+                                                                       has_seed=True, n=3))
+        assert tokens == expected
+        assert mesh.engine.stats().num_preemptions > 0
+        assert mesh.engine.stats().used_blocks == 0
+    finally:
+        await mesh.stop()
