@@ -1,7 +1,7 @@
 """n samples sharing one prefill vs n separate requests, on the default model: prompt tokens
 computed (prefill work) and time until every sample has its first token. One run, side by side.
 
-    python benchmarks/n_samples.py            # n = 8, a 1,500-token prompt
+    python -m benchmarks.n_samples            # n = 8, a 1,500-token prompt
 
 The separate requests run concurrently, each under its own tenant salt, so none reuses another's
 prefix-cache blocks (what n requests pay on different replicas or tenants); a third row runs them
