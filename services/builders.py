@@ -63,7 +63,8 @@ def engine_config(settings: Settings, model_dir: Path):
                         max_batched_tokens=settings.max_batched_tokens,
                         max_queued_requests=settings.max_queued_requests,
                         max_queued_tokens=settings.max_queued_tokens,
-                        max_tokens_limit=settings.max_tokens_limit, kernels=settings.kernels,
+                        max_tokens_limit=settings.max_tokens_limit, max_samples=settings.max_samples,
+                        kernels=settings.kernels,
                         weights=settings.weights,
                         draft_address="" if settings.speculation_method == "off" else settings.draft_address,
                         draft_timeout_s=settings.draft_timeout_ms / 1000, limits=request_limits(settings))
@@ -92,6 +93,7 @@ def build_server(service: str, settings: Settings, config: ServerConfig | None =
             mesh_tls=mesh,
             target_address=settings.target_address, tokens=parse_tokens(settings.tokens),
             salt_secret=settings.salt_secret, max_tokens_limit=settings.max_tokens_limit,
+            max_samples=settings.max_samples,
             limits=request_limits(settings),
             speculation_method=settings.speculation_method, speculation_depth=settings.speculation_depth,
             speculation_nodes=settings.speculation_nodes,

@@ -75,6 +75,8 @@ class Settings(BaseModel):
     max_queued_tokens: int = Field(262144, gt=0, description="prompt tokens waiting for admission at the "
                                    "target; more are refused with RESOURCE_EXHAUSTED")
     max_tokens_limit: int = Field(4096, gt=0, description="largest max_tokens a request may ask for")
+    max_samples: int = Field(16, gt=0, le=128, description="largest n (samples of one prompt, sharing "
+                             "one prefill) a request may ask for; the target also caps it at max_num_seqs")
     max_prompt_bytes: int = Field(1 << 20, gt=0, description="largest prompt (or sum of chat message "
                                   "contents) in UTF-8 bytes; router and target refuse more before tokenizing")
     max_stop_sequences: int = Field(16, gt=0, description="most stop sequences a request may give")

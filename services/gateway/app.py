@@ -151,17 +151,18 @@ async def _stream(http: web.Request, call, parsed: Parsed) -> web.StreamResponse
         first = None
     response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
     await response.prepare(http)
-    sent_first = False
+    started: set[int] = set()  # choices (samples) that sent their first event
     try:
         pending = [first] if first is not None else []
         while True:
             for item in pending:
                 chunk = item.chunk
                 answer.add(chunk)
-                finish = answer.finish_reason if chunk.finish_reason else None
-                if chunk.text or not sent_first or finish:
-                    await _send(response, answer.delta(chunk.text, first=not sent_first, finish_reason=finish))
-                    sent_first = True
+                finish = answer.finish_reasons.get(chunk.index) if chunk.finish_reason else None
+                if chunk.text or chunk.index not in started or finish:
+                    await _send(response, answer.delta(chunk.text, first=chunk.index not in started,
+                                                       finish_reason=finish, index=chunk.index))
+                    started.add(chunk.index)
             try:
                 pending = [await iterator.__anext__()]
             except StopAsyncIteration:

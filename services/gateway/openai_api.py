@@ -104,25 +104,29 @@ def _violated_param(exc: grpc.aio.AioRpcError) -> str | None:
 
 
 class Answer:
-    """Builds the OpenAI response objects of one request from the router's chunks."""
+    """Builds the OpenAI response objects of one request from the router's chunks; with `n`
+    samples, one choice per sample (chunk.index), in index order."""
 
     def __init__(self, parsed: Parsed) -> None:
         self.parsed = parsed
         self.id = ("chatcmpl-" if parsed.chat else "cmpl-") + uuid.uuid4().hex
         self.created = int(time.time())
-        self.text: list[str] = []
-        self.finish_reason: str | None = None
+        self.texts: dict[int, list[str]] = {}  # per choice index
+        self.finish_reasons: dict[int, str] = {}
         self.usage: dict | None = None
-        self.logprobs: list[common_pb2.TokenLogprob] = []  # every token's, when asked for
-        self._unsent = 0  # trailing entries of `logprobs` no streamed event carried yet
-        self._offset = 0  # completions' text_offset of the next streamed token
+        # Per choice index, when asked for: every token's log-probability, how many trailing
+        # entries no streamed event carried yet, and completions' text_offset of the next one.
+        self.logprobs: dict[int, list[common_pb2.TokenLogprob]] = {}
+        self._unsent: dict[int, int] = {}
+        self._offset: dict[int, int] = {}
 
     def add(self, chunk: common_pb2.GenerateChunk) -> None:
-        self.text.append(chunk.text)
-        self.logprobs.extend(chunk.logprobs)
-        self._unsent += len(chunk.logprobs)
+        index = chunk.index
+        self.texts.setdefault(index, []).append(chunk.text)
+        self.logprobs.setdefault(index, []).extend(chunk.logprobs)
+        self._unsent[index] = self._unsent.get(index, 0) + len(chunk.logprobs)
         if chunk.finish_reason:
-            self.finish_reason = _FINISH.get(chunk.finish_reason, "stop")
+            self.finish_reasons[chunk.index] = _FINISH.get(chunk.finish_reason, "stop")
         if chunk.HasField("usage"):
             u = chunk.usage
             self.usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
@@ -131,25 +135,27 @@ class Answer:
 
     def full(self) -> dict:
         """The non-streaming response."""
-        text = "".join(self.text)
-        if self.parsed.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self._logprobs(self.logprobs), "finish_reason": self.finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": self._logprobs(self.logprobs),
-                      "finish_reason": self.finish_reason}
-        return {**self._head(chunk=False), "choices": [choice], "usage": self.usage}
+        choices = []
+        for index in sorted(self.texts):
+            text, finish_reason = "".join(self.texts[index]), self.finish_reasons.get(index)
+            logprobs = self._logprobs(self.logprobs.get(index, []))
+            if self.parsed.chat:
+                choices.append({"index": index, "message": {"role": "assistant", "content": text},
+                                "logprobs": logprobs, "finish_reason": finish_reason})
+            else:
+                choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
+        return {**self._head(chunk=False), "choices": choices, "usage": self.usage}
 
-    def delta(self, text: str, first: bool = False, finish_reason: str | None = None) -> dict:
-        """One streamed event."""
+    def delta(self, text: str, first: bool = False, finish_reason: str | None = None, index: int = 0) -> dict:
+        """One streamed event (of choice `index`)."""
         if self.parsed.chat:
             delta = {"role": "assistant", "content": text} if first else {"content": text}
             if finish_reason is not None and not text:
                 delta = {}
-            choice = {"index": 0, "delta": delta, "logprobs": self._streamed_logprobs(),
+            choice = {"index": index, "delta": delta, "logprobs": self._streamed_logprobs(index),
                       "finish_reason": finish_reason}
         else:
-            choice = {"index": 0, "text": text, "logprobs": self._streamed_logprobs(),
+            choice = {"index": index, "text": text, "logprobs": self._streamed_logprobs(index),
                       "finish_reason": finish_reason}
         event = {**self._head(chunk=True), "choices": [choice]}
         if self.parsed.include_usage:
@@ -167,12 +173,13 @@ class Answer:
             return chat_logprobs(entries)
         return completion_logprobs(entries, offset)[0]
 
-    def _streamed_logprobs(self) -> dict | None:
-        """The tokens' log-probabilities not yet sent (text held back sends them later)."""
-        entries = self.logprobs[len(self.logprobs) - self._unsent:]
-        self._unsent = 0
-        shaped = self._logprobs(entries, self._offset)
-        self._offset += sum(len(e.token) for e in entries)
+    def _streamed_logprobs(self, index: int) -> dict | None:
+        """Choice `index`'s log-probabilities not yet sent (text held back sends them later)."""
+        entries = self.logprobs.get(index, [])
+        entries = entries[len(entries) - self._unsent.get(index, 0):]
+        self._unsent[index] = 0
+        shaped = self._logprobs(entries, self._offset.get(index, 0))
+        self._offset[index] = self._offset.get(index, 0) + sum(len(e.token) for e in entries)
         return shaped
 
     def _head(self, chunk: bool) -> dict:
@@ -185,11 +192,11 @@ def _parsed(body: dict, request: router_service_pb2.GenerateRequest, max_tokens,
     model = body.get("model")
     if not isinstance(model, str):
         raise BadRequest("'model' must be a string (a pool name from GET /v1/models)", "model")
-    if body.get("n", 1) != 1:
-        raise BadRequest("only n=1 is supported", "n")
     request.model = model
     request.sampling.CopyFrom(_sampling(body, max_tokens))
     surface_fields(body, request.sampling, chat, BadRequest)
+    n = body.get("n")  # samples of the prompt; the router refuses more than its limit
+    request.sampling.n = 1 if n is None else _number(n, "n", int, 1)
     stream = _bool(body, "stream")
     options = body.get("stream_options") or {}
     if not isinstance(options, dict):

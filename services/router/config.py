@@ -21,6 +21,7 @@ class RouterConfig:
     # Secret mixed into tenant salts (HMAC); replicas of one deployment must share it.
     salt_secret: str = "specmesh-dev-secret"
     max_tokens_limit: int = default_of("max_tokens_limit")
+    max_samples: int = default_of("max_samples")  # largest n (samples of one prompt) a request may ask for
     # Prompt bytes and stop sequences, checked before any work (services/common/limits.py).
     limits: RequestLimits = RequestLimits()
     default_timeout_s: float = 300.0  # used when the caller sets no deadline
@@ -59,6 +60,8 @@ class RouterConfig:
         for token, tenant in self.tokens.items():
             if not token or not tenant:
                 raise ValueError("tokens and tenants must be non-empty strings")
+        if self.max_samples <= 0:
+            raise ValueError(f"max_samples must be > 0, got {self.max_samples}")
         if self.max_tokens_limit <= 0:
             raise ValueError(f"max_tokens_limit must be > 0, got {self.max_tokens_limit}")
         if self.speculation_method not in SPECULATION_METHODS:

@@ -257,7 +257,8 @@ class Routing:
                     prefill = 0
                 if chunk.HasField("usage"):
                     attempt.final = chunk
-                    _observe_tpot(pool, first_at, chunk.usage.completion_tokens)
+                    _observe_tpot(pool, first_at,  # n samples decode side by side: per sample
+                                  chunk.usage.completion_tokens // max(req.target.sampling.n, 1))
                     if chunk.finish_reason != common_pb2.FINISH_REASON_UNSPECIFIED:
                         continue  # goes out with the route record (_final); the stream ends here
                 out = router_service_pb2.GenerateResponse(chunk=chunk)

@@ -134,7 +134,7 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
     async def _validate(self, request, context) -> SamplingConfig:
         """services/router/validation.py; INVALID_ARGUMENT with field violations."""
         try:
-            return validate(request, self.config.limits, self.config.max_tokens_limit)
+            return validate(request, self.config.limits, self.config.max_tokens_limit, self.config.max_samples)
         except Refusal as refusal:
             await abort_refusal(context, refusal)
 
@@ -186,7 +186,8 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
 
     async def _admit(self, route_request: RouteRequest, context) -> Callable[[], None]:
         """Per-tenant quotas (services/router/quotas.py); over quota -> RESOURCE_EXHAUSTED + pushback."""
-        estimate = len(route_request.text.encode()) // 4 + route_request.max_tokens
+        samples = max(route_request.target.sampling.n, 1)  # each sample may generate max_tokens
+        estimate = len(route_request.text.encode()) // 4 + route_request.max_tokens * samples
         try:
             return self.quotas.acquire(route_request.tenant, estimate)
         except QuotaExceeded as exc:  # RetryInfo and the grpc-retry-pushback-ms trailer

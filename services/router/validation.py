@@ -12,11 +12,12 @@ import grpc
 from services.common.errors import Refusal, Violation
 from services.common.limits import RequestLimits
 from specmesh.proto.v1 import router_service_pb2
+from services.common.sample_count import sample_count_violations
 from services.common.sampling_params import SamplingConfig, params_violations, sampling_from_proto
 
 
 def validate(request: router_service_pb2.GenerateRequest, limits: RequestLimits,
-             max_tokens_limit: int) -> SamplingConfig:
+             max_tokens_limit: int, max_samples: int) -> SamplingConfig:
     """The request's validated sampling config; raises Refusal listing every problem."""
     params = request.sampling
     # Sizes first: they bound the work of every later check.
@@ -35,6 +36,8 @@ def validate(request: router_service_pb2.GenerateRequest, limits: RequestLimits,
     if params.max_tokens > max_tokens_limit:
         problems.append(Violation("sampling.max_tokens", f"max_tokens {params.max_tokens} is above "
                                   f"the limit {max_tokens_limit}"))
+    problems += [Violation(field, message) for field, message in sample_count_violations(
+        params.n, params.seed if params.has_seed else None, max_samples)]
     if problems:
         raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, _message(problems), "INVALID_REQUEST", problems)
     return sampling_from_proto(params)

@@ -32,6 +32,7 @@ class EngineConfig:
     max_queued_requests: int = default_of("max_queued_requests")
     max_tokens_limit: int = default_of("max_tokens_limit")
     max_queued_tokens: int = default_of("max_queued_tokens")
+    max_samples: int = default_of("max_samples")  # largest n (samples of one prompt) a request may ask for
     enable_prefix_caching: bool = True
     kernels: str = default_of("kernels")
     name: str = ""  # model id in prefix-cache keys and metrics; "" = the model directory's name
@@ -54,7 +55,7 @@ class EngineConfig:
         if self.kernels not in _KERNELS:
             raise ValueError(f"kernels must be one of {_KERNELS}, got {self.kernels!r}")
         for name in ("block_size", "num_blocks", "max_num_seqs", "max_batched_tokens", "max_tokens_limit",
-                     "max_queued_tokens"):
+                     "max_queued_tokens", "max_samples"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 < self.draft_timeout_s <= 60:

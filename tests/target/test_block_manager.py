@@ -135,3 +135,63 @@ def test_prefix_caching_off_never_hits():
     admit(bm, "a", p)
     bm.commit("a", p, 5, KEY)
     assert bm.match_prefix(p, KEY).num_tokens == 0 and bm.stats().cached_blocks == 0
+
+
+def test_fork_shares_the_prompt_blocks_and_copies_the_partial_block_on_first_write():
+    bm = BlockManager(num_blocks=12, block_size=4)
+    prompt = list(range(10))  # blocks 0, 1 full; block 2 holds 2 of 4 tokens
+    admit(bm, "s0", prompt)
+    bm.commit("s0", prompt, 10, KEY)
+    for child in ("s1", "s2", "s3"):
+        bm.fork("s0", child, 10)
+    assert [bm.block_table(s) for s in ("s0", "s1", "s2", "s3")] == [[0, 1, 2]] * 4
+    assert [bm.ref_count(i) for i in range(4)] == [4, 4, 4, 0]
+    assert bm.num_free == 9  # nothing taken by the forks
+    # Each sample's first write goes into the shared partial block 2: copied for all but the last.
+    assert bm.can_reserve("s0", 11) and bm._missing("s0", 11) == 1
+    assert bm.reserve("s0", 11) == [3]
+    assert bm.block_table("s0") == [0, 1, 3] and bm.ref_count(2) == 3
+    assert bm.reserve("s1", 11) == [4]
+    assert bm.reserve("s2", 11) == [5]
+    assert bm._missing("s3", 11) == 0 and bm.reserve("s3", 11) == []  # the last sharer keeps block 2
+    assert bm.block_table("s3") == [0, 1, 2]
+    assert bm.take_copies() == [(2, 3), (2, 4), (2, 5)]
+    assert bm.take_copies() == []
+    assert [bm.ref_count(i) for i in range(6)] == [4, 4, 1, 1, 1, 1]
+    # Writes into an own block copy nothing more; growth past it takes fresh blocks.
+    assert bm.reserve("s1", 13) == [6] and bm.take_copies() == []
+    # Full blocks keep their hash: a sample commits its next block on top of the shared chain.
+    bm.commit("s1", prompt + [50, 51, 52], 12, KEY)
+    assert bm.stats().cached_blocks == 3
+    # Releasing every sample frees everything (cached full blocks become evictable).
+    for s in ("s0", "s1", "s2", "s3"):
+        bm.release(s)
+    assert bm.num_free == 12 and all(bm.ref_count(i) == 0 for i in range(12))
+
+
+def test_fork_at_a_block_boundary_copies_nothing_and_bad_forks_change_nothing():
+    bm = BlockManager(num_blocks=6, block_size=4)
+    admit(bm, "a", list(range(8)))
+    bm.fork("a", "b", 8)
+    assert bm.reserve("a", 9) == [2] and bm.reserve("b", 9) == [3]
+    assert bm.take_copies() == [] and bm.block_table("b") == [0, 1, 3]
+    with pytest.raises(ValueError):
+        bm.fork("a", "b", 9)  # b exists
+    with pytest.raises(ValueError):
+        bm.fork("a", "c", 8)  # a holds 9 tokens now, not 8
+    with pytest.raises(ValueError):
+        bm.fork("zz", "c", 8)
+    assert not bm.has("c") and [bm.ref_count(i) for i in range(4)] == [2, 2, 1, 1]
+
+
+def test_copy_on_write_counts_against_free_blocks():
+    bm = BlockManager(num_blocks=3, block_size=4)
+    admit(bm, "a", list(range(6)))  # blocks 0, 1 (1 partial)
+    bm.fork("a", "b", 6)
+    assert bm.reserve("a", 7) == [2]  # the only free block is the copy
+    assert bm.can_reserve("b", 7)  # b is the last sharer of block 1: no copy needed
+    bm.reserve("b", 7)
+    assert not bm.can_reserve("b", 9)
+    with pytest.raises(OutOfBlocks):
+        bm.reserve("b", 9)
+    assert bm.take_copies() == [(1, 2)]

@@ -8,6 +8,12 @@ Terms:
   references it (ref count 0) it waits in LRU order and is evicted only when a fresh
   block is needed and no never-cached free block is left.
 
+- A *fork* (n samples of one prompt) gives a new sequence the blocks of another by
+  reference count, no KV copied. A shared *partial* last block is copied on write: the
+  first `reserve` of a sharer that grows past it takes a fresh block and queues a
+  (source, destination) block copy, which the engine runs before the next forward pass
+  (`take_copies`); the last sharer keeps the original.
+
 Check, then commit: `can_reserve` / `can_admit` before `reserve` / `admit`; a call that
 cannot be satisfied raises `OutOfBlocks` and changes nothing. Everything else in the
 engine asks this module and never edits a table.
@@ -85,6 +91,7 @@ class BlockManager:
         self._cached: dict[int, int] = {}  # hash -> block id
         self._seqs: dict[str, _SeqBlocks] = {}
         self._events: list[KVEvent] = []  # taken by drain_events
+        self._copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) blocks; see take_copies
         self._evictions = self._queries = self._query_tokens = self._hit_tokens = 0
 
     # ---- queries -------------------------------------------------------
@@ -192,15 +199,27 @@ class BlockManager:
         self.reserve(seq_id, num_tokens)
 
     def reserve(self, seq_id: str, num_tokens: int) -> list[int]:
-        """Grows `seq_id`'s table to hold `num_tokens` tokens; returns the new block ids."""
+        """Grows `seq_id`'s table to hold `num_tokens` tokens; returns the new block ids.
+
+        A shared partial last block that the growth writes into is copied first (copy-on-write):
+        its copy is among the returned ids and (old, new) is queued for `take_copies`."""
         missing = self._missing(seq_id, num_tokens)
         if missing > self.num_free:
             raise OutOfBlocks(f"{seq_id}: need {missing} blocks, {self.num_free} free")
         entry = self._seqs.setdefault(seq_id, _SeqBlocks())
+        copied = []
+        if self._shared_tail(entry, num_tokens) is not None:
+            i = entry.reserved_tokens // self.block_size
+            old, copy = entry.table[i], self._take_free_block()
+            entry.table[i] = copy
+            self._decref(old)
+            self._copies.append((old, copy))
+            copied.append(copy)
+            missing -= 1
         new = [self._take_free_block() for _ in range(missing)]
         entry.table.extend(new)
         entry.reserved_tokens = max(entry.reserved_tokens, num_tokens)
-        return new
+        return copied + new
 
     def commit(self, seq_id: str, token_ids: list[int], num_committed: int, extra_key: str) -> None:
         """Registers the sequence's full blocks whose tokens are all committed (KV computed)."""
@@ -218,6 +237,33 @@ class BlockManager:
                 self._cached[h] = entry.table[i]
                 self._events.append(KVEvent("stored", h, parent, bs, _scope(extra_key)))
             entry.hashes.append(h)
+
+    def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
+        """Starts `child_id` with `parent_id`'s blocks holding its first `num_tokens` tokens, shared
+        by reference count (another sample of the same prompt); no block is taken or copied here.
+
+        The parent must hold exactly those tokens (a step boundary: nothing reserved beyond), so
+        that each sharer's next `reserve` is its first write past them (copy-on-write of a
+        partial last block)."""
+        parent = self._seqs.get(parent_id)
+        if parent is None:
+            raise ValueError(f"{parent_id} holds no blocks")
+        if child_id in self._seqs:
+            raise ValueError(f"{child_id} already holds blocks")
+        keep = self.blocks_for(num_tokens)
+        if parent.reserved_tokens != num_tokens or len(parent.table) != keep:
+            raise ValueError(f"{parent_id} must hold exactly {num_tokens} tokens to fork, holds "
+                             f"{parent.reserved_tokens} in {len(parent.table)} blocks")
+        for block_id in parent.table:
+            self._acquire(block_id)
+        self._seqs[child_id] = _SeqBlocks(list(parent.table), parent.hashes[:num_tokens // self.block_size],
+                                          num_tokens)
+
+    def take_copies(self) -> list[tuple[int, int]]:
+        """Copy-on-write block copies (source, destination) queued since the last call, in order;
+        the engine runs them before the next forward pass writes any KV."""
+        copies, self._copies = self._copies, []
+        return copies
 
     def truncate(self, seq_id: str, num_tokens: int) -> int:
         """Frees the sequence's trailing blocks beyond `num_tokens` (e.g. rejected draft slots).
@@ -247,9 +293,19 @@ class BlockManager:
 
     # ---- helpers -------------------------------------------------------
     def _missing(self, seq_id: str, num_tokens: int) -> int:
+        """Blocks `reserve(seq_id, num_tokens)` takes: new ones, plus a copy-on-write copy."""
         entry = self._seqs.get(seq_id)
         have = len(entry.table) if entry else 0
-        return max(0, self.blocks_for(num_tokens) - have)
+        cow = 1 if entry is not None and self._shared_tail(entry, num_tokens) is not None else 0
+        return max(0, self.blocks_for(num_tokens) - have) + cow
+
+    def _shared_tail(self, entry: _SeqBlocks, num_tokens: int) -> int | None:
+        """The partial last block growing to `num_tokens` writes into, if another sequence shares it."""
+        filled = entry.reserved_tokens
+        if num_tokens <= filled or filled % self.block_size == 0:
+            return None  # no growth, or the growth starts a fresh block
+        block_id = entry.table[filled // self.block_size]
+        return block_id if self._blocks[block_id].ref_count > 1 else None
 
     def _decref(self, block_id: int) -> None:
         block = self._blocks[block_id]

@@ -33,6 +33,8 @@ from services.target.model.model_runner_inputs import StepInput
 from services.target.model.logits_processors import LogitsProcessor
 from services.target.model.sample_rows import sample_rows
 from services.target.model.sampler import make_generator
+from services.common.sample_count import sample_count_violations
+from services.target.engine.samples import SampleGroup, sample_id, sample_seed
 from services.target.engine.scheduler import ScheduledSeq, Scheduler, SeqUpdate, StepResult
 from services.target.engine.sequence import FinishReason, Sequence, SpeculationPlan, StepOutput
 from services.target.speculation.speculator import Speculator, verify_span
@@ -158,44 +160,60 @@ class Engine:
     def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingConfig,
                emit: Callable[[StepOutput], None], tenant_salt: str = "",
                plan: SpeculationPlan | None = None, bucket: str = "",
-               span_context=None, priority: int = 0, report_confidence: bool = False) -> None:
+               span_context=None, priority: int = 0, report_confidence: bool = False,
+               n: int = 1) -> None:
         """Queues a request; raises InvalidRequest or Overloaded without queueing anything.
 
         `plan` asks for speculative decoding; it is ignored when no draft service is configured.
         `priority` orders admission and preemption; `report_confidence` fills the final
-        output's `confidence` (services/target/speculation/confidence.py).
+        output's `confidence` (services/target/speculation/confidence.py). `n` > 1 samples the
+        prompt n times over one prefill (services/target/engine/samples.py); outputs carry
+        their sample's `index`.
         """
-        self.validate(prompt_ids, sampling)
-        seq = Sequence(request_id, list(prompt_ids), sampling, make_generator(sampling.seed),
-                       IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling.stop,
-                                              sampling.skip_special_tokens, sampling.min_tokens), emit,
-                       extra_key=extra_key(self.name, tenant_salt),
-                       plan=plan if self.speculator is not None else None,
-                       tenant_salt=tenant_salt, bucket=bucket, span_context=span_context,
-                       priority=priority, confidence=Confidence() if report_confidence else None,
-                       logits_processor=LogitsProcessor.for_request(sampling, self.spec.eos_token_ids,
-                                                                    len(prompt_ids)))
+        n = max(n, 1)
+        self.validate(prompt_ids, sampling, n)
+        group = SampleGroup(request_id, n, emit) if n > 1 else None
+
+        def new_sample(index: int) -> Sequence:
+            return Sequence(
+                sample_id(request_id, index), list(prompt_ids), sampling,
+                make_generator(sample_seed(sampling.seed, index)),
+                IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling.stop,
+                                       sampling.skip_special_tokens, sampling.min_tokens),
+                group.emitter(index) if group else emit, extra_key=extra_key(self.name, tenant_salt),
+                plan=plan if self.speculator is not None else None,
+                tenant_salt=tenant_salt, bucket=bucket, span_context=span_context if index == 0 else None,
+                priority=priority, confidence=Confidence() if report_confidence else None,
+                group=group, index=index, counted_admission=index > 0,  # the prompt is queued once
+                # each sample's penalties count its own output
+                logits_processor=LogitsProcessor.for_request(sampling, self.spec.eos_token_ids,
+                                                             len(prompt_ids)))
+        seq = new_sample(0)
+        seq.followers = [new_sample(i) for i in range(1, n)]
         with self._lock:
             if self.failure is not None:
                 raise EngineFailed(str(self.failure))
             if self._stopped:
                 raise Overloaded("engine is shutting down")
-            if request_id in self._ids:
+            if request_id in self._ids or any(f.seq_id in self._ids for f in seq.followers):
                 raise DuplicateRequest(f"request id {request_id!r} is already in flight; use a unique id")
-            if self._num_pending >= self.config.max_num_seqs + self.config.max_queued_requests:
+            if self._num_pending + n > self.config.max_num_seqs + self.config.max_queued_requests:
                 raise Overloaded(f"{self._num_pending} requests in flight; queue limit reached")
             if self._queued_tokens + len(prompt_ids) > self.config.max_queued_tokens:
                 raise Overloaded(f"{self._queued_tokens} prompt tokens already queued; "
                                  f"limit {self.config.max_queued_tokens}")
-            self._num_pending += 1
-            self._ids.add(request_id)
+            self._num_pending += n  # admission counts the samples
+            self._ids.update([request_id, *(f.seq_id for f in seq.followers)])
             self._queued_tokens += len(prompt_ids)
             self._incoming.append(seq)
             self._lock.notify_all()
 
-    def validate(self, prompt_ids: list[int], sampling: SamplingConfig) -> None:
+    def validate(self, prompt_ids: list[int], sampling: SamplingConfig, n: int = 1) -> None:
         if not prompt_ids:
             raise InvalidRequest("prompt is empty")
+        problems = sample_count_violations(n, sampling.seed, min(self.config.max_samples, self.config.max_num_seqs))
+        if problems:
+            raise InvalidRequest("; ".join(message for _, message in problems))
         if sampling.max_tokens > self.config.max_tokens_limit:
             raise InvalidRequest(f"max_tokens {sampling.max_tokens} is above the limit "
                                  f"{self.config.max_tokens_limit}")
@@ -231,7 +249,8 @@ class Engine:
                 evictions=b.evictions, prefix_queries=b.prefix_queries,
                 prefix_query_tokens=b.prefix_query_tokens, prefix_hit_tokens=b.prefix_hit_tokens,
                 kv_bytes=self.runner.kv_pool.num_bytes,
-                fragmentation=(allocated - used) / allocated if allocated else 0.0)
+                fragmentation=(allocated - used) / allocated if allocated else 0.0,
+                prompt_tokens_computed=self.scheduler.prompt_tokens_computed)
 
     def live_request_ids(self) -> set[str]:
         """Requests the engine holds any state for (queued, running or holding blocks)."""
@@ -341,13 +360,15 @@ class Engine:
 
     def _take_incoming(self) -> None:
         for seq in self._incoming:
-            self._live[seq.seq_id] = seq
+            for sample in (seq, *seq.followers):  # followers wait on seq outside the queues
+                self._live[sample.seq_id] = sample
             self.scheduler.add(seq)
         self._incoming.clear()
         for seq_id in self._aborts:
             seq = self._live.get(seq_id)
             if seq is not None:
                 self._finish(seq, FinishReason.ABORTED)
+            self._finish_samples(seq_id, FinishReason.ABORTED)  # every sample of the request
         self._aborts.clear()
 
     def _run_step(self, batch: list[ScheduledSeq]) -> None:
@@ -355,15 +376,16 @@ class Engine:
         results, failed = self._execute(batch)
         now = time.monotonic()
         with self._lock:
-            for item in batch:
-                if item.seq.seq_id in failed:
-                    self._finish(item.seq, error=failed[item.seq.seq_id])
+            for seq_id, exc in failed.items():  # batch items, and followers sampled with them
+                if seq_id in self._live:
+                    self._finish(self._live[seq_id], error=exc)
             for update in self.scheduler.postprocess(batch, results, self.spec.eos_token_ids):
                 self._emit(update, now)
             self.kv_events.append(self.blocks.drain_events())
 
     def _execute(self, batch: list[ScheduledSeq]) -> tuple[dict[str, StepResult], dict[str, Exception]]:
         """Draft, forward, sample or accept: new tokens per sequence (and per-sequence failures)."""
+        self.runner.copy_blocks(self.blocks.take_copies())  # copy-on-write, before any KV is written
         proposals = self.speculator.propose(batch) if self.speculator else {}
         inputs, trees = self._step_inputs(batch, proposals)
         with verify_span(trees, batch, self.speculator):
@@ -386,8 +408,9 @@ class Engine:
                     log.exception("verify of %s failed", seq.seq_id)
                     failed[seq.seq_id] = exc
             elif item.samples:
-                plain.append(item)
-                plain_rows.append(rows)
+                for sampled_item in (item, *followers_of(item)):  # followers: the same row
+                    plain.append(sampled_item)
+                    plain_rows.append(rows)
         sampled, logprobs = sample_rows(
             torch.cat(plain_rows), [i.seq.sampling for i in plain], [i.seq.generator for i in plain],
             [i.seq.logits_processor for i in plain], [i.seq.token_ids for i in plain]) if plain else ([], [])
@@ -447,7 +470,10 @@ class Engine:
             return
         self.scheduler.remove(seq)
         self._num_pending -= 1
-        self._ids.discard(seq.seq_id)
+        if seq.group is None or seq.index > 0:
+            self._ids.discard(seq.seq_id)
+        if seq.group is not None and not self._samples(seq.request_id):
+            self._ids.discard(seq.request_id)  # taken until the request's last sample ends
         if not seq.counted_admission:
             seq.counted_admission = True
             self._queued_tokens -= seq.num_prompt_tokens
@@ -455,6 +481,8 @@ class Engine:
         if self.speculator is not None:
             self.speculator.release(seq)
         self._metrics.finished(seq, "error" if error is not None else (reason.value if reason else "error"))
+        if error is not None and seq.group is not None:
+            self._finish_samples(seq.request_id, FinishReason.ABORTED)  # the request fails whole
         if reason is FinishReason.ABORTED:
             return  # nobody is listening
         seq.emit(StepOutput([], "", finish_reason=reason, prompt_tokens=seq.num_prompt_tokens,
@@ -462,3 +490,20 @@ class Engine:
                             completion_tokens=seq.num_output_tokens, error=error,
                             speculation=seq.spec if seq.plan is not None else None,
                             confidence=seq.confidence))
+
+    def _samples(self, request_id: str) -> list[Sequence]:
+        """The live sequences of a request's n > 1 samples (lock held)."""
+        found = []
+        for seq in self._live.values():
+            if seq.group is not None and seq.group.request_id == request_id:
+                found.append(seq)
+        return found
+
+    def _finish_samples(self, request_id: str, reason: FinishReason) -> None:
+        for seq in self._samples(request_id):
+            self._finish(seq, reason)
+
+
+def followers_of(item: ScheduledSeq) -> list[ScheduledSeq]:
+    """The samples waiting on `item`'s prefill, sampled from its row (services/target/engine/samples.py)."""
+    return [ScheduledSeq(f, item.start, item.num_tokens) for f in item.seq.followers]

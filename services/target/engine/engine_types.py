@@ -38,6 +38,7 @@ class EngineStats:
     prefix_hit_tokens: int
     kv_bytes: int
     fragmentation: float  # allocated-but-unused slots / allocated slots
+    prompt_tokens_computed: int = 0  # prompt positions computed (not served by the prefix cache or a fork)
 
 
 class EngineFailed(RuntimeError):

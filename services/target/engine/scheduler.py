@@ -74,6 +74,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.prompt_tokens_computed = 0  # prompt positions whose KV a forward pass computed
         self.arrivals = ArrivalRate()  # new requests per second (speculation weighs their TTFT)
 
     def add(self, seq: Sequence) -> None:
@@ -124,7 +125,7 @@ class Scheduler:
             batch.append(ScheduledSeq(seq, seq.num_computed, n))
             budget -= n
         num_running = len(batch)
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        while self.waiting and budget > 0 and self._has_seats(self.waiting[0]):
             seq = self.waiting[0]
             match = self.blocks.match_prefix(seq.token_ids, seq.extra_key)
             n = min(seq.num_tokens - match.num_tokens, budget)
@@ -159,6 +160,7 @@ class Scheduler:
                 continue  # failed or finished during the step
             result = results.get(seq.seq_id) or StepResult()
             computed = item.start + item.num_tokens
+            self.prompt_tokens_computed += max(0, min(computed, seq.num_prompt_tokens) - item.start)
             seq.num_computed = computed if result.num_computed is None else result.num_computed
             if item.num_draft_slots:
                 self.blocks.truncate(seq.seq_id, seq.num_computed)  # rejected and unused slots
@@ -170,6 +172,32 @@ class Scheduler:
                                seq.extra_key)
             if update is not None:
                 updates.append(update)
+            if seq.followers and result.tokens:  # its prefill ended: the other samples start
+                updates += self._fork_followers(seq, results, eos_token_ids)
+        return updates
+
+    def _has_seats(self, seq: Sequence) -> bool:
+        """Admission counts samples: running ones, those waiting to fork, and `seq`'s."""
+        seats = len(self.running) + sum(len(s.followers) for s in self.running)
+        return seats + 1 + len(seq.followers) <= self.max_num_seqs
+
+    def _fork_followers(self, leader: Sequence, results: dict[str, StepResult],
+                        eos_token_ids: frozenset[int]) -> list[SeqUpdate]:
+        """Starts each follower of `leader` on its prompt blocks (shared by reference count) with
+        the first token the engine sampled for it (services/target/engine/samples.py)."""
+        updates = []
+        for follower in leader.followers:
+            if follower.status is SeqStatus.FINISHED:
+                continue  # its first token failed; the engine ends the request
+            self.blocks.fork(leader.seq_id, follower.seq_id, leader.num_computed)
+            follower.num_computed = leader.num_computed
+            follower.num_cached_prompt = leader.num_cached_prompt
+            follower.status, follower.admitted = SeqStatus.RUNNING, True
+            self.running.append(follower)
+            result = results.get(follower.seq_id)
+            if result is not None and result.tokens:
+                updates.append(_append(follower, result.tokens, eos_token_ids))
+        leader.followers = []
         return updates
 
     def _add_draft_slots(self, batch: list[ScheduledSeq], budget: int) -> tuple[list[ScheduledSeq], int]:
@@ -177,7 +205,8 @@ class Scheduler:
         out = []
         for item in batch:
             seq = item.seq
-            slots = min(self.draft_limit(seq), budget) if item.samples and item.num_tokens == 1 else 0
+            decoding = item.samples and item.num_tokens == 1 and not seq.followers  # followers share its row
+            slots = min(self.draft_limit(seq), budget) if decoding else 0
             end = item.start + 1 + slots
             if slots > 0 and self.blocks.can_reserve(seq.seq_id, end):
                 self.blocks.reserve(seq.seq_id, end)

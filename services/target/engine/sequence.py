@@ -41,6 +41,8 @@ class StepOutput:
     speculation: "SpeculationStats | None" = None
     confidence: "Confidence | None" = None  # set when the request asked for it
     logprobs: list | None = None  # [len(token_ids)] TokenLogprob, when the request asked for them
+    index: int = 0  # the sample (0 .. n-1) these tokens belong to (services/target/engine/samples.py)
+    ends_request: bool = True  # False: one sample of several finished, others go on
 
 
 @dataclass(frozen=True)
@@ -108,10 +110,19 @@ class Sequence:
     confidence: Confidence | None = None  # log-prob sums of committed tokens, when asked for
     # Penalties, bias, min_tokens (services/target/model/logits_processors.py); None = none asked.
     logits_processor: object = None
+    # n samples of one prompt (services/target/engine/samples.py): the request's group, this
+    # sample's index, and (sample 0 until its prefill ends) the samples that wait to fork from it.
+    group: "SampleGroup | None" = None
+    index: int = 0
+    followers: list["Sequence"] = field(default_factory=list)
     num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:
         self.num_prompt_tokens = len(self.token_ids)
+
+    @property
+    def request_id(self) -> str:
+        return self.group.request_id if self.group is not None else self.seq_id
 
     @property
     def num_tokens(self) -> int:

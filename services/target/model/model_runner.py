@@ -94,6 +94,17 @@ class ModelRunner:
             flat = cache.view(-1, *cache.shape[2:])  # [num_slots, ...]
             flat[dst_slots] = flat[src_slots]
 
+    def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
+        """Copies whole KV blocks (source, destination) in every layer (copy-on-write); every source
+        is read before any destination is written."""
+        if not copies:
+            return
+        src = torch.tensor([a for a, _ in copies], dtype=torch.long, device=self.device)
+        dst = torch.tensor([b for _, b in copies], dtype=torch.long, device=self.device)
+        pool = self.kv_pool
+        for cache in [*pool.k_caches, *pool.v_caches, *(pool.k_scales or []), *(pool.v_scales or [])]:
+            cache[dst] = cache[src]  # [num_blocks, block_size, ...]
+
     def _metadata(self, slots: list[int], positions: list[int], q_lens: list[int],
                   ctx_lens: list[int], tables: list[list[int]],
                   tree_mask: torch.Tensor | None) -> AttentionMetadata:

@@ -23,6 +23,7 @@ from services.target.server.chat import ChatTemplateError, chat_prompt_ids
 from services.target.server.logprob_chunks import TokenTexts, logprobs_proto
 from services.target.engine.engine import Engine, InvalidRequest, Overloaded
 from services.target.engine.engine_types import DuplicateRequest, EngineFailed
+from services.common.sample_count import sample_count_violations
 from services.target.engine.sequence import FinishReason, SpeculationPlan, StepOutput
 
 log = logging.getLogger(__name__)
@@ -60,6 +61,10 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "; ".join(v.description for v in problems),
                         "INVALID_REQUEST", problems)
         bucket = self._buckets.label(request.bucket)  # a metric label: bounded cardinality
+        n_problems = sample_count_violations(request.sampling.n, sampling.seed, self.engine.config.max_samples)
+        if n_problems:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "; ".join(m for _, m in n_problems),
+                        "INVALID_REQUEST", [Violation(field, message) for field, message in n_problems])
         if request.prompt and request.messages:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set prompt or messages, not both")
         if not request.prompt and not request.messages:
@@ -94,7 +99,7 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
                 self.engine.submit(request_id, prompt_ids, sampling, emit, request.tenant_salt,
                                    plan=_plan(request.speculation), bucket=bucket,
                                    span_context=span.get_span_context(), priority=request.priority,
-                                   report_confidence=request.report_confidence)
+                                   report_confidence=request.report_confidence, n=request.sampling.n)
                 submitted = True
             except DuplicateRequest as exc:  # the original keeps streaming
                 await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), "DUPLICATE_REQUEST_ID",
@@ -115,13 +120,18 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
             while True:
                 if out.error is not None:
                     await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {out.error}")
+                if out.finish_reason is not None and not out.ends_request:  # one sample of several
+                    yield target_service_pb2.TargetServiceGenerateResponse(chunk=common_pb2.GenerateChunk(
+                        finish_reason=_FINISH[out.finish_reason], index=out.index))
+                    out = await queue.get()
+                    continue
                 if out.finish_reason is not None:
                     finished = True
                     _record_usage(span, out)
                     yield target_service_pb2.TargetServiceGenerateResponse(chunk=_final_chunk(out))
                     return
                 yield target_service_pb2.TargetServiceGenerateResponse(
-                    chunk=common_pb2.GenerateChunk(text=out.text, token_ids=out.token_ids,
+                    chunk=common_pb2.GenerateChunk(text=out.text, token_ids=out.token_ids, index=out.index,
                                                    logprobs=logprobs_proto(out.logprobs, self._texts)))
                 out = await queue.get()
         except BaseException as exc:
@@ -218,7 +228,7 @@ def _final_chunk(out: StepOutput) -> common_pb2.GenerateChunk:
         usage.min_logprob = out.confidence.min_logprob
         usage.mean_margin = out.confidence.mean_margin
     return common_pb2.GenerateChunk(text=out.text, token_ids=out.token_ids,
-                                    finish_reason=_FINISH[out.finish_reason], usage=usage)
+                                    finish_reason=_FINISH[out.finish_reason], usage=usage, index=out.index)
 
 
 def _record_usage(span, out: StepOutput) -> None:
