@@ -40,6 +40,7 @@ from services.router.retrieval import Retrieval, annotate, tenant_labels
 from services.router.routing import Decision, RouteRequest, Routing, UpstreamError
 from services.router.speculation_policy import PolicyConfig, SpeculationPolicy
 from services.router.target_health import TargetHealthWatch
+from services.router.tool_results import ToolResults
 from services.router.validation import validate
 
 tracer = trace.get_tracer("specmesh.router")
@@ -65,6 +66,8 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
         self.quotas = TenantQuotas(config.mesh.tenants)
         self.retrieval = Retrieval(lambda address: internal_channel(address, config.mesh_tls),
                                    config.cache_address, tenant_labels(config.mesh))
+        self.tool_results = ToolResults(lambda address: internal_channel(address, config.mesh_tls),
+                                        config.cache_address)
         self._routing_started: asyncio.Task | None = None
         # NOT_SERVING while no target replica is healthy (started with the server).
         self.health_watch = TargetHealthWatch(self.routing.any_healthy, config.poll_interval_s)
@@ -89,7 +92,7 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
             span.set_attribute("specmesh.speculation", self.config.speculation_method)
             span.set_attribute("gen_ai.request.max_tokens", sampling.max_tokens)
             target_request = target_service_pb2.TargetServiceGenerateRequest(
-                request_id=uuid.uuid4().hex, prompt=request.prompt, messages=request.messages,
+                request_id=uuid.uuid4().hex, prompt=request.prompt, messages=request.messages, tools=request.tools,
                 sampling=request.sampling,
                 tenant_salt=self.auth.salt(tenant), bucket=bucket,
                 speculation=self._plan(bucket, sampling))
@@ -162,6 +165,12 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
     async def RemoveDocuments(self, request, context):
         return await self.retrieval.remove(request, await self._tenant(context), context)
 
+    async def LookupToolResult(self, request, context):  # services/router/tool_results.py
+        return await self.tool_results.lookup(request, await self._tenant(context), context)
+
+    async def StoreToolResult(self, request, context):
+        return await self.tool_results.store(request, await self._tenant(context), context)
+
     async def _tenant(self, context) -> str:
         try:
             return self.auth.tenant(context.invocation_metadata())
@@ -203,6 +212,7 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
         await self.health_watch.close()
         await self.routing.close()
         await self.retrieval.close()
+        await self.tool_results.close()
 
 
 def add_to_server(server: grpc.aio.Server, service: RouterService) -> None:
