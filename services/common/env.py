@@ -43,6 +43,10 @@ class Settings(BaseModel):
                               "for `up`: 0 = no gateway)")
     model: str = Field("default", description="target model: 'default' (Gemma 3 270M) or a local "
                        "Hugging Face model directory")
+    chat_template: str = Field("", description="chat template of the target model: a Jinja file (or a "
+                               "JSON file with \"chat_template\"), a name (gemma3, or none = plain prompts only), "
+                               "or empty = the model's own, Gemma 3's for a model without one that has Gemma's "
+                               "turn tokens (the default model)")
     model_cache: str = Field(str(Path.home() / ".cache" / "specmesh" / "models"),
                              description="where prepared models are cached")
     dtype: Literal["bfloat16", "float32", "float16"] = Field(

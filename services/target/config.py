@@ -34,6 +34,7 @@ class EngineConfig:
     kernels: str = "auto"
     name: str = ""  # model id in prefix-cache keys and metrics; "" = the model directory's name
     draft_address: str = ""  # draft service for speculative decoding; "" = never speculate
+    chat_template: str = ""  # --chat-template FILE|NAME (services/common/models/chat_templates.py); "" = the model's own
     weights: str = "auto"  # linear-layer format: auto, none, bf16, bf16-avx512, fp16, int8 (services/target/model/linear.py)
     draft_timeout_s: float = 0.5  # per-step deadline of a draft call; past it the step decodes normally
     # The target's mesh identity for its calls to the draft service (services/common/tls.py

@@ -80,7 +80,7 @@ class Engine:
 
         def build() -> "Engine":
             model, tokenizer, spec = load_model(config.model_dir, config.torch_dtype, config.device,
-                                               config.weights)
+                                               config.weights, chat_template=config.chat_template)
             return cls(config, model, tokenizer, spec, torch_thread)
         return torch_thread.submit(build).result()
 

@@ -18,7 +18,7 @@ from services.common.errors import Violation, abort, guard_malformed
 from services.common.metrics_interceptor import status_of
 from services.common.sampling_params import sampling_from_proto, sampling_violations
 from services.common.telemetry import record_error
-from services.target.server.chat import ChatTemplateError, chat_prompt_ids
+from services.target.server.chat import ChatTemplateError, chat_prompt_ids, tool_texts
 from services.target.engine.engine import Engine, InvalidRequest, Overloaded
 from services.target.engine.engine_types import DuplicateRequest
 from services.target.engine.sequence import FinishReason, SpeculationPlan, StepOutput
@@ -57,6 +57,8 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set prompt or messages, not both")
         if not request.prompt and not request.messages:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+        if request.tools and not request.messages:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tools need messages (a chat request)")
         request_id = request.request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
@@ -67,7 +69,8 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
         # Tokenizing a large prompt takes a while: off the event loop, so other calls go on.
         if request.messages:
             try:
-                prompt_ids = await asyncio.to_thread(chat_prompt_ids, self.engine.tokenizer, request.messages)
+                prompt_ids = await asyncio.to_thread(chat_prompt_ids, self.engine.tokenizer, request.messages,
+                                                     request.tools)
             except ChatTemplateError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         else:
@@ -127,7 +130,7 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
     async def _check_sizes(self, request, context) -> None:
         """Prompt bytes and stop sequences within the limits (INVALID_ARGUMENT otherwise)."""
         problems = self.engine.config.limits.violations(
-            [request.prompt, *(m.content for m in request.messages)], request.sampling.stop,
+            [request.prompt, *(m.content for m in request.messages), *tool_texts(request)], request.sampling.stop,
             "messages" if request.messages else "prompt")
         if problems:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "; ".join(v.description for v in problems),
