@@ -157,9 +157,13 @@ async def _stream(http: web.Request, call, parsed: Parsed) -> web.StreamResponse
         while True:
             for item in pending:
                 chunk = item.chunk
-                answer.add(chunk)
+                content, deltas = answer.add(chunk)
                 finish = answer.finish_reason if chunk.finish_reason else None
-                if chunk.text or not sent_first or finish:
+                if answer.tools is not None:  # content and tool-call deltas (services/gateway/tool_calls.py)
+                    for event in answer.events(content, deltas, not sent_first, finish):
+                        await _send(response, event)
+                        sent_first = True
+                elif chunk.text or not sent_first or finish:
                     await _send(response, answer.delta(chunk.text, first=not sent_first, finish_reason=finish))
                     sent_first = True
             try:
