@@ -60,6 +60,7 @@ def engine_config(settings: Settings, model_dir: Path):
                         num_blocks=settings.num_blocks, max_num_seqs=settings.max_num_seqs,
                         max_batched_tokens=settings.max_batched_tokens,
                         max_queued_requests=settings.max_queued_requests,
+                        max_queued_tokens=settings.max_queued_tokens,
                         max_tokens_limit=settings.max_tokens_limit, kernels=settings.kernels,
                         weights=settings.weights, chat_template=settings.chat_template,
                         draft_address="" if settings.speculation_method == "off" else settings.draft_address,

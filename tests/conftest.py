@@ -1,9 +1,17 @@
 from __future__ import annotations
 
-import pytest
-from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
+import os
 
-from services.common.telemetry import TelemetryConfig, setup_telemetry
+# Triton runs under its interpreter on the CPU. @triton.jit picks interpreted or compiled kernels
+# when a kernel module is imported, and any test module (not only tests/kernels/) may import
+# one during collection, so the variable is set here, before every test module.
+# benchmarks/gpu_kernels.py runs the kernel tests on CUDA with TRITON_INTERPRET=0.
+os.environ.setdefault("TRITON_INTERPRET", "1")
+
+import pytest  # noqa: E402
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter  # noqa: E402
+
+from services.common.telemetry import TelemetryConfig, setup_telemetry  # noqa: E402
 
 _SPANS = InMemorySpanExporter()
 # Each service reports its own service.name; metrics are read by scraping /metrics (tests/e2e/test_metrics.py).

@@ -71,7 +71,8 @@ async def start_mesh(model_dir: Path, speculation: dict | None = None, tls_dir: 
             if engine.speculator.client.connected:
                 break
             await asyncio.sleep(0.02)
-    plan = {"speculation_method": "off", **(speculation or {})}
+    # The fixed policy: a test asks for exactly the plan it checks.
+    plan = {"speculation_method": "off", "speculation_policy": "fixed", **(speculation or {})}
     router_tls = MeshTls.from_dir(tls_dir, "router") if tls_dir else None
     router = build_router_server(ServerConfig(port=0), RouterConfig(
         target_address=target.address, tokens={TOKEN_A: "tenant-a", TOKEN_B: "tenant-b"},

@@ -60,7 +60,7 @@ class Router:
 
 async def start_router(mesh: MeshConfig, cache_address: str = "", **overrides) -> Router:
     config = RouterConfig(target_address="", mesh=mesh, cache_address=cache_address,
-                          speculation_method="off", max_tokens_limit=256,
+                          speculation_method="off", speculation_policy="fixed", max_tokens_limit=256,
                           **{"poll_interval_s": 60.0, **overrides})
     service = RouterService(config)
     server = GrpcServer(ServerConfig(port=0), lambda s: add_to_server(s, service), [SERVICE_NAME],

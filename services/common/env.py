@@ -15,9 +15,16 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from services.common.speculation_plan import (
+    MAX_DEPTH,
+    MAX_NODES,
+    SpeculationMethodName,
+    SpeculationPolicyMode,
+)
 
 DEFAULT_PORTS = {"router": 50051, "target": 50052, "draft": 50053, "cache": 50054, "gateway": 8000}
 DEV_TOKEN = "specmesh-dev-token"  # what `specmesh up` accepts unless SPECMESH_TOKENS is set
@@ -69,6 +76,8 @@ class Settings(BaseModel):
                                     "(prefill chunks + decodes + verify trees)")
     max_queued_requests: int = Field(256, ge=0, description="requests waiting beyond max_num_seqs; "
                                      "more are refused with RESOURCE_EXHAUSTED")
+    max_queued_tokens: int = Field(262144, gt=0, description="prompt tokens waiting for admission at the "
+                                   "target; more are refused with RESOURCE_EXHAUSTED")
     max_tokens_limit: int = Field(4096, gt=0, description="largest max_tokens a request may ask for")
     max_prompt_bytes: int = Field(1 << 20, gt=0, description="largest prompt (or sum of chat message "
                                   "contents) in UTF-8 bytes; router and target refuse more before tokenizing")
@@ -109,11 +118,11 @@ class Settings(BaseModel):
     metrics_base_port: int = Field(9464, ge=0, le=65535, description="`up`: router, target, draft and "
                                    "cache serve Prometheus /metrics on this port and the next three; 0 = none")
     grace_seconds: float = Field(10.0, ge=0, description="graceful-shutdown drain time on SIGTERM")
-    speculation_method: Literal["off", "prompt_lookup", "suffix", "draft_model", "dynamic_tree"] = Field(
+    speculation_method: SpeculationMethodName = Field(
         "prompt_lookup", description="speculative decoding method the router plans")
-    speculation_depth: int = Field(5, gt=0, description="draft tokens per verify pass (chain depth)")
-    speculation_nodes: int = Field(0, ge=0, description="draft tree node budget; 0 = a chain")
-    speculation_policy: Literal["fixed", "adaptive"] = Field(
+    speculation_depth: int = Field(5, gt=0, le=MAX_DEPTH, description="draft tokens per verify pass (chain depth)")
+    speculation_nodes: int = Field(0, ge=0, le=MAX_NODES, description="draft tree node budget; 0 = a chain")
+    speculation_policy: SpeculationPolicyMode = Field(
         "adaptive", description="adaptive depth per bucket and per step from predicted and measured "
         "acceptance, load and step times (docs/p99_incident.md), or the fixed plan for every request")
     replicas: int = Field(1, ge=1, le=16, description="`up`: target replicas of the default pool on "
@@ -174,6 +183,17 @@ def read_config_file(path: str | Path) -> dict[str, Any]:
     if not isinstance(data, dict):
         raise ValueError(f"config file {path}: expected a mapping at the top level")
     return data
+
+
+def default_of(name: str) -> Any:
+    """The declared default of setting `name`: service configs take their defaults from here,
+    so a default is written once."""
+    return Settings.model_fields[name].default
+
+
+def allowed_values(name: str) -> tuple:
+    """The allowed values of a setting declared as a Literal."""
+    return get_args(Settings.model_fields[name].annotation)
 
 
 def setting_help(name: str) -> str:

@@ -6,6 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from services.common.server import ServerConfig
+from services.common.speculation_plan import MAX_DEPTH, MAX_NODES
 
 DRAFT_MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
@@ -14,8 +15,8 @@ DRAFT_MODEL_DTYPES = ("float32", "bfloat16", "float16")
 class DraftConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
     # Largest max_depth / max_nodes a request may ask for.
-    max_depth_limit: int = 16
-    max_nodes_limit: int = 64
+    max_depth_limit: int = MAX_DEPTH
+    max_nodes_limit: int = MAX_NODES
     # Most committed tokens one sequence may hold (prompt + generated).
     max_history_tokens: int = 65536
     # Most open sequences; opening more answers RESOURCE_EXHAUSTED until some are released.

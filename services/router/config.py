@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from services.common.env import default_of
 from services.common.limits import RequestLimits
 from services.common.mesh_config import MeshConfig, default_mesh_config
+from services.common.speculation_plan import MAX_DEPTH, MAX_NODES, POLICY_MODES, SPECULATION_METHODS
 from services.common.tls import MeshTls
 from services.router.replicas import POLICIES
 
-SPECULATION_METHODS = ("off", "prompt_lookup", "suffix", "draft_model", "dynamic_tree")
 
 
 @dataclass(frozen=True)
@@ -19,28 +20,26 @@ class RouterConfig:
     tokens: dict[str, str] = field(default_factory=dict)
     # Secret mixed into tenant salts (HMAC); replicas of one deployment must share it.
     salt_secret: str = "specmesh-dev-secret"
-    max_tokens_limit: int = 4096
+    max_tokens_limit: int = default_of("max_tokens_limit")
     # Prompt bytes and stop sequences, checked before any work (services/common/limits.py).
     limits: RequestLimits = RequestLimits()
     default_timeout_s: float = 300.0  # used when the caller sets no deadline
     # Speculation plan for every bucket for now: method name (see SPECULATION_METHODS) and limits.
-    speculation_method: str = "prompt_lookup"
-    speculation_depth: int = 5
-    speculation_nodes: int = 0  # tree node budget; 0 = a chain of `speculation_depth` nodes
+    speculation_method: str = default_of("speculation_method")
+    speculation_depth: int = default_of("speculation_depth")
+    speculation_nodes: int = default_of("speculation_nodes")  # 0 = a chain of `speculation_depth` nodes
     # "fixed": every bucket gets the plan above; "adaptive": depth per bucket from measured
-    # acceptance, off where it does not pay (services/router/speculation_policy.py). Served
-    # routers take the default from the settings (adaptive, services/common/env.py); a router
-    # built directly, as tests do, gets the deterministic fixed plan unless it asks.
-    speculation_policy: str = "fixed"
+    # acceptance, off where it does not pay (services/router/speculation_policy.py).
+    speculation_policy: str = default_of("speculation_policy")
     # The router's mesh identity for its calls to targets and the cache (services/common/tls.py
     # MeshTls); None = plaintext (dev mode, tests).
     mesh_tls: MeshTls | None = None
     # Routing (services/router/routing.py): pools, tenants, classes, risk rules. None = one pool
     # "default" over `target_address` (comma-separated replicas) with the `tokens` tenants.
     mesh: MeshConfig | None = None
-    replica_policy: str = "kv_aware"  # kv_aware | least_loaded | round_robin
+    replica_policy: str = default_of("replica_policy")  # kv_aware | least_loaded | round_robin
     cache_address: str = ""  # the cache service (prefix index); "" = replica choice by load only
-    poll_interval_s: float = 1.0  # replica health checks and stats
+    poll_interval_s: float = default_of("replica_poll_seconds")  # replica health checks and stats
     model_cache: str = "~/.cache/specmesh/models"  # where pool model "default" (its tokenizer) lives
 
     def __post_init__(self) -> None:
@@ -65,12 +64,12 @@ class RouterConfig:
         if self.speculation_method not in SPECULATION_METHODS:
             raise ValueError(f"speculation_method must be one of {sorted(SPECULATION_METHODS)}, "
                              f"got {self.speculation_method!r}")
-        if not 1 <= self.speculation_depth <= 16:
-            raise ValueError(f"speculation_depth must be in [1, 16], got {self.speculation_depth}")
-        if not 0 <= self.speculation_nodes <= 64:
-            raise ValueError(f"speculation_nodes must be in [0, 64], got {self.speculation_nodes}")
-        if self.speculation_policy not in ("fixed", "adaptive"):
-            raise ValueError(f"speculation_policy must be 'fixed' or 'adaptive', got {self.speculation_policy!r}")
+        if not 1 <= self.speculation_depth <= MAX_DEPTH:
+            raise ValueError(f"speculation_depth must be in [1, {MAX_DEPTH}], got {self.speculation_depth}")
+        if not 0 <= self.speculation_nodes <= MAX_NODES:
+            raise ValueError(f"speculation_nodes must be in [0, {MAX_NODES}], got {self.speculation_nodes}")
+        if self.speculation_policy not in POLICY_MODES:
+            raise ValueError(f"speculation_policy must be one of {POLICY_MODES}, got {self.speculation_policy!r}")
         if self.default_timeout_s <= 0:
             raise ValueError(f"default_timeout_s must be > 0, got {self.default_timeout_s}")
 

@@ -20,6 +20,7 @@ import threading
 from dataclasses import dataclass
 
 from services.common.speculation_cost import expected_tokens
+from services.common.speculation_plan import MAX_DEPTH, POLICY_MODES
 
 # Prior acceptance rate by task (prompt-lookup / suffix drafts): copy-heavy tasks accept
 # most of what is drafted, open-ended chat little (measured: benchmarks/speculation.py).
@@ -39,10 +40,10 @@ class PolicyConfig:
     probe_every: int = 8
 
     def __post_init__(self) -> None:
-        if self.mode not in ("fixed", "adaptive"):
-            raise ValueError(f"speculation policy mode must be 'fixed' or 'adaptive', got {self.mode!r}")
-        if not 1 <= self.max_depth <= 16:
-            raise ValueError(f"max_depth must be in [1, 16], got {self.max_depth}")
+        if self.mode not in POLICY_MODES:
+            raise ValueError(f"speculation policy mode must be one of {POLICY_MODES}, got {self.mode!r}")
+        if not 1 <= self.max_depth <= MAX_DEPTH:
+            raise ValueError(f"max_depth must be in [1, {MAX_DEPTH}], got {self.max_depth}")
         if not 0 < self.ewma <= 1:
             raise ValueError(f"ewma must be in (0, 1], got {self.ewma}")
 

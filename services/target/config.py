@@ -7,35 +7,37 @@ from pathlib import Path
 
 import torch
 
+from services.common.env import allowed_values, default_of
 from services.common.limits import RequestLimits
 from services.common.tls import MeshTls
 from services.target.model.linear import WEIGHT_FORMATS
 
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _KV_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn}
-_KERNELS = ("auto", "triton", "cpu", "reference")
+_KERNELS = allowed_values("kernels")
 _WEIGHTS = WEIGHT_FORMATS
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: Path
-    dtype: str = "bfloat16"
-    kv_dtype: str = "auto"  # "auto" = same as dtype; "fp8" = float8_e4m3fn with scales
-    device: str = "cpu"
-    block_size: int = 16
-    num_blocks: int = 2048  # the same default as Settings.num_blocks (services/common/env.py)
-    max_num_seqs: int = 32  # running at once
-    max_batched_tokens: int = 512  # tokens per step (prefill chunks + decodes)
-    max_queued_requests: int = 256  # waiting beyond max_num_seqs; more → RESOURCE_EXHAUSTED
-    max_tokens_limit: int = 4096  # largest max_tokens a request may ask for
-    max_queued_tokens: int = 262144  # prompt tokens waiting; more → RESOURCE_EXHAUSTED
+    # Defaults and help of these are the settings' (services/common/env.py).
+    dtype: str = default_of("dtype")
+    kv_dtype: str = default_of("kv_dtype")
+    device: str = default_of("device")
+    block_size: int = default_of("block_size")
+    num_blocks: int = default_of("num_blocks")
+    max_num_seqs: int = default_of("max_num_seqs")
+    max_batched_tokens: int = default_of("max_batched_tokens")
+    max_queued_requests: int = default_of("max_queued_requests")
+    max_tokens_limit: int = default_of("max_tokens_limit")
+    max_queued_tokens: int = default_of("max_queued_tokens")
     enable_prefix_caching: bool = True
-    kernels: str = "auto"
+    kernels: str = default_of("kernels")
     name: str = ""  # model id in prefix-cache keys and metrics; "" = the model directory's name
     draft_address: str = ""  # draft service for speculative decoding; "" = never speculate
     chat_template: str = ""  # --chat-template FILE|NAME (services/common/models/chat_templates.py); "" = the model's own
-    weights: str = "auto"  # linear-layer format: auto, none, bf16, bf16-avx512, fp16, int8 (services/target/model/linear.py)
+    weights: str = default_of("weights")  # linear-layer format: auto, none, bf16, bf16-avx512, fp16, int8 (services/target/model/linear.py)
     draft_timeout_s: float = 0.5  # per-step deadline of a draft call; past it the step decodes normally
     # The target's mesh identity for its calls to the draft service (services/common/tls.py
     # MeshTls); None = plaintext (dev mode, tests).

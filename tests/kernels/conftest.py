@@ -1,17 +1,13 @@
-"""Kernel tests: Triton runs under TRITON_INTERPRET=1 on the CPU.
-
-The variable must be set before any Triton kernel module is imported (@triton.jit picks
-interpreted or compiled kernels at import time), hence at the very top of this file.
-benchmarks/gpu_kernels.py runs these tests on a CUDA machine with TRITON_INTERPRET=0,
-where DEVICE becomes "cuda" and the same tests exercise the compiled kernels.
+"""Kernel tests: Triton runs under TRITON_INTERPRET=1 on the CPU (set in tests/conftest.py,
+before any test module imports a kernel). benchmarks/gpu_kernels.py runs these tests on a CUDA
+machine with TRITON_INTERPRET=0, where DEVICE becomes "cuda" and the same tests exercise the
+compiled kernels.
 """
 
 import os
 
-os.environ.setdefault("TRITON_INTERPRET", "1")
-
-import pytest  # noqa: E402
-import torch  # noqa: E402
+import pytest
+import torch
 
 INTERPRET = os.environ["TRITON_INTERPRET"].lower() in ("1", "true", "on", "yes")
 DEVICE = "cuda" if torch.cuda.is_available() and not INTERPRET else "cpu"

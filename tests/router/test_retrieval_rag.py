@@ -45,6 +45,7 @@ async def mesh(tiny_llama_dir):
                                          TenantConfig("tenant-b", TOKEN_B)))
     router = build_router_server(ServerConfig(port=0), RouterConfig(
         target_address=target.address, tokens=tokens, max_tokens_limit=256, speculation_method="off",
+        speculation_policy="fixed",
         mesh=mesh_config, cache_address=cache.address))
     await router.start()
     async with grpc.aio.insecure_channel(router.address) as channel:

@@ -92,14 +92,15 @@ def test_unreferenced_cached_blocks_are_evicted_lru_tail_first_and_only_when_nee
     # Released last block first: a's tail before a's head, then b's.
     assert bm.evictable_order() == [1, 0, 4, 3]
     assert bm.num_free == 6 and bm.stats().cached_blocks == 4
-    bm.events.clear()
+    bm.drain_events()
     admit(bm, "c", [50, 51, 52])  # 2 blocks: never-cached free blocks 2 and 5 first
     assert bm.block_table("c") == [2, 5]
     assert bm.stats().evictions == 0
     admit(bm, "d", [60, 61, 62])  # now evicts LRU: block 1 (a's tail), then block 0
     assert bm.block_table("d") == [1, 0]
     assert bm.stats().evictions == 2
-    assert [e.kind for e in bm.events] == ["removed", "removed"]
+    assert [e.kind for e in bm.drain_events()] == ["removed", "removed"]
+    assert bm.drain_events() == []  # drained once
     assert bm.match_prefix(a, KEY).num_tokens == 0
     assert bm.match_prefix(b, KEY).num_tokens == 4  # b's blocks survive
 
@@ -121,7 +122,7 @@ def test_stored_events_carry_chained_hashes_and_a_scope():
     p = [1, 2, 3, 4, 5]
     admit(bm, "a", p)
     bm.commit("a", p, 5, KEY)
-    first, second = bm.events
+    first, second = bm.drain_events()
     assert first.kind == second.kind == "stored"
     assert first.parent_hash is None and second.parent_hash == first.block_hash
     assert first.block_hash == block_hash(None, (1, 2), KEY)

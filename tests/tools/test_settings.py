@@ -103,10 +103,15 @@ def test_invalid_values_name_the_setting_and_the_allowed_values(tmp_path):
         read_settings({"SPECMESH_CONFIG": str(tmp_path / "missing.yaml")})
 
 
-def test_engine_and_settings_defaults_agree():
-    from services.target.config import EngineConfig
-    engine = EngineConfig(model_dir=Path("unused"))
-    for name in ("dtype", "kv_dtype", "kernels", "device", "block_size", "num_blocks", "max_num_seqs",
-                 "max_batched_tokens", "max_queued_requests", "max_tokens_limit"):
-        assert getattr(engine, name) == Settings.model_fields[name].default, name
+def test_a_speculation_depth_beyond_the_draft_limit_names_the_flag_and_the_limit():
+    with pytest.raises(ValueError) as exc:
+        from_cli(["up", "--speculation-depth", "20"], {})
+    assert str(exc.value) == ("invalid setting speculation_depth=20 (from --speculation-depth): "
+                              "Input should be less than or equal to 16")
+
+
+def test_max_queued_tokens_reaches_the_engine():
+    from services.builders import engine_config
+    settings = from_cli(["serve", "target", "--max-queued-tokens", "1000"], {})
+    assert engine_config(settings, Path("unused")).max_queued_tokens == 1000
 

@@ -84,7 +84,7 @@ class BlockManager:
         self._evictable: OrderedDict[int, None] = OrderedDict()  # cached, ref 0; oldest first
         self._cached: dict[int, int] = {}  # hash -> block id
         self._seqs: dict[str, _SeqBlocks] = {}
-        self.events: list[KVEvent] = []  # drained by the engine each step
+        self._events: list[KVEvent] = []  # taken by drain_events
         self._evictions = self._queries = self._query_tokens = self._hit_tokens = 0
 
     # ---- queries -------------------------------------------------------
@@ -156,6 +156,11 @@ class BlockManager:
             out.append(KVEvent("stored", h, parent, len(tokens), _scope(extra_key)))
         return out
 
+    def drain_events(self) -> list[KVEvent]:
+        """Prefix-cache events (blocks stored and removed) since the last drain, oldest first."""
+        events, self._events = self._events, []
+        return events
+
     def stats(self) -> BlockStats:
         used = self.num_blocks - self.num_free  # every block is free, evictable or referenced
         return BlockStats(self.num_blocks, self.num_free, used, len(self._cached), self._evictions,
@@ -211,7 +216,7 @@ class BlockManager:
             if h not in self._cached and block.hash is None:
                 block.hash, block.key = h, (parent, tokens, extra_key)
                 self._cached[h] = entry.table[i]
-                self.events.append(KVEvent("stored", h, parent, bs, _scope(extra_key)))
+                self._events.append(KVEvent("stored", h, parent, bs, _scope(extra_key)))
             entry.hashes.append(h)
 
     def truncate(self, seq_id: str, num_tokens: int) -> int:
@@ -269,7 +274,7 @@ class BlockManager:
             block = self._blocks[block_id]
             del self._cached[block.hash]
             parent, tokens, extra_key = block.key
-            self.events.append(KVEvent("removed", block.hash, parent, len(tokens), _scope(extra_key)))
+            self._events.append(KVEvent("removed", block.hash, parent, len(tokens), _scope(extra_key)))
             block.hash = block.key = None
             self._evictions += 1
         self._blocks[block_id].ref_count = 1

@@ -262,8 +262,7 @@ class Engine:
                     self._finish(item.seq, error=failed[item.seq.seq_id])
             for update in self.scheduler.postprocess(batch, results, self.spec.eos_token_ids):
                 self._emit(update, now)
-            self.kv_events.append(self.blocks.events)
-            self.blocks.events = []
+            self.kv_events.append(self.blocks.drain_events())
 
     def _execute(self, batch: list[ScheduledSeq]) -> tuple[dict[str, StepResult], dict[str, Exception]]:
         """Draft, forward, sample or accept: new tokens per sequence (and per-sequence failures)."""
@@ -352,8 +351,7 @@ class Engine:
         if not seq.counted_admission:
             seq.counted_admission = True
             self._queued_tokens -= seq.num_prompt_tokens
-        self.kv_events.append(self.blocks.events)
-        self.blocks.events = []
+        self.kv_events.append(self.blocks.drain_events())
         if self.speculator is not None:
             self.speculator.release(seq)
         self._metrics.finished(seq, "error" if error is not None else (reason.value if reason else "error"))
