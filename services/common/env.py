@@ -105,8 +105,9 @@ class Settings(BaseModel):
     metrics_base_port: int = Field(9464, ge=0, le=65535, description="`up`: router, target, draft and "
                                    "cache serve Prometheus /metrics on this port and the next three; 0 = none")
     grace_seconds: float = Field(10.0, ge=0, description="graceful-shutdown drain time on SIGTERM")
-    speculation_method: Literal["off", "prompt_lookup", "suffix", "draft_model", "dynamic_tree"] = Field(
-        "prompt_lookup", description="speculative decoding method the router plans")
+    speculation_method: Literal["off", "prompt_lookup", "suffix", "draft_model", "dynamic_tree", "grammar"] = Field(
+        "prompt_lookup", description="speculative decoding method the router plans (requests with a "
+        "constraint get grammar drafts unless 'off'; 'grammar' = only they speculate)")
     speculation_depth: int = Field(5, gt=0, description="draft tokens per verify pass (chain depth)")
     speculation_nodes: int = Field(0, ge=0, description="draft tree node budget; 0 = a chain")
     speculation_policy: Literal["fixed", "adaptive"] = Field(

@@ -9,7 +9,7 @@ from services.common.mesh_config import MeshConfig, default_mesh_config
 from services.common.tls import MeshTls
 from services.router.replicas import POLICIES
 
-SPECULATION_METHODS = ("off", "prompt_lookup", "suffix", "draft_model", "dynamic_tree")
+SPECULATION_METHODS = ("off", "prompt_lookup", "suffix", "draft_model", "dynamic_tree", "grammar")
 
 
 @dataclass(frozen=True)
