@@ -119,7 +119,8 @@ class Settings(BaseModel):
                                    "cache serve Prometheus /metrics on this port and the next three; 0 = none")
     grace_seconds: float = Field(10.0, ge=0, description="graceful-shutdown drain time on SIGTERM")
     speculation_method: SpeculationMethodName = Field(
-        "prompt_lookup", description="speculative decoding method the router plans")
+        "prompt_lookup", description="speculative decoding method the router plans (requests with a "
+        "constraint get grammar drafts unless 'off'; 'grammar' = only they speculate)")
     speculation_depth: int = Field(5, gt=0, le=MAX_DEPTH, description="draft tokens per verify pass (chain depth)")
     speculation_nodes: int = Field(0, ge=0, le=MAX_NODES, description="draft tree node budget; 0 = a chain")
     speculation_policy: SpeculationPolicyMode = Field(

@@ -27,6 +27,7 @@ from services.common.errors import (
     guard_malformed,
     relay_trailers,
 )
+from services.common.constraints import constraint_from_proto
 from services.common.sampling_params import SamplingConfig
 from services.common.telemetry import record_error
 from services.common.tls import internal_channel
@@ -38,7 +39,7 @@ from services.router.objective import NoPool
 from services.router.quotas import QuotaExceeded, TenantQuotas
 from services.router.retrieval import Retrieval, annotate, tenant_labels
 from services.router.routing import Decision, RouteRequest, Routing, UpstreamError
-from services.router.speculation_policy import PolicyConfig, SpeculationPolicy
+from services.router.speculation_policy import PolicyConfig, SpeculationPolicy, structured_method
 from services.router.target_health import TargetHealthWatch
 from services.router.tool_results import ToolResults
 from services.router.validation import validate
@@ -87,7 +88,8 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
         with tracer.start_as_current_span("route") as span:
             sampling = await self._validate(request, context)
             rag = await self.retrieval.augment(request, tenant, context)  # may rewrite request.prompt
-            bucket = bucket_of(request.prompt or "\n".join(m.content for m in request.messages), sampling)
+            bucket = bucket_of(request.prompt or "\n".join(m.content for m in request.messages), sampling,
+                               structured=constraint_from_proto(request.sampling) is not None)
             span.set_attribute("specmesh.bucket", bucket)
             span.set_attribute("specmesh.speculation", self.config.speculation_method)
             span.set_attribute("gen_ai.request.max_tokens", sampling.max_tokens)
@@ -142,7 +144,7 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
         """The speculation plan for a request: the configured method, depth from the policy
         (services/router/speculation_policy.py: task, temperature, requested length, measured
         acceptance; load-aware plans let the target shorten it per step)."""
-        method = self.config.speculation_method
+        method = structured_method(self.config.speculation_method, bucket)
         depth, alpha = (0, None) if method == "off" else self.policy.plan(
             bucket, sampling.max_tokens, sampling.temperature)
         if depth == 0:

@@ -13,6 +13,7 @@ from services.common.errors import Refusal, Violation
 from services.common.limits import RequestLimits
 from specmesh.proto.v1 import router_service_pb2
 from services.common.sampling_params import SamplingConfig, sampling_from_proto, sampling_violations
+from services.common.constraints import constraint_from_proto, constraint_violations
 from services.target.server.chat import tool_texts
 
 
@@ -27,6 +28,8 @@ def validate(request: router_service_pb2.GenerateRequest, limits: RequestLimits,
         raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, _message(too_large), "REQUEST_TOO_LARGE", too_large)
     problems = [Violation(f"sampling.{field}", message) for field, message in sampling_violations(
         params.max_tokens, params.temperature, params.top_k, params.top_p, tuple(params.stop))]
+    problems += [Violation(f"sampling.{field}", message)
+                 for field, message in constraint_violations(constraint_from_proto(params))]
     if request.prompt and request.messages:
         problems.append(Violation("prompt", "set prompt or messages, not both"))
     elif request.messages:

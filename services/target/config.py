@@ -44,6 +44,9 @@ class EngineConfig:
     mesh_tls: MeshTls | None = None
     # Prompt bytes and stop sequences, checked before tokenizing (services/common/limits.py).
     limits: RequestLimits = RequestLimits()
+    # Compiled constraint grammars persist here across restarts (services/target/structured/
+    # compiler.py); None = in memory only.
+    grammar_cache_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -24,6 +24,10 @@ from services.target.config import EngineConfig
 from services.target.speculation.confidence import Confidence
 from services.target.output.detokenizer import IncrementalDetokenizer
 from services.target.speculation.draft_client import DraftClient
+from services.target.speculation.no_draft_service import NoDraftService
+from services.target.structured.compiler import ConstraintCompiler
+from services.target.structured.grammar_state import GrammarState
+from services.target.structured.hooks import masked_sample_rows, servable_plan
 from services.target.engine.engine_types import DuplicateRequest, EngineStats, InvalidRequest, Overloaded
 from services.target.engine.kv_events import KVEventLog
 from services.target.model.model_runner import ModelRunner, load_model
@@ -62,11 +66,14 @@ class Engine:
         self._loop_future = None
         self._tasks: list[tuple] = []  # (fn, args, future) to run on the engine thread between steps
         self._metrics = metrics.register_engine(self)
-        self.speculator: Speculator | None = None
-        if config.draft_address:
-            client = DraftClient(config.draft_address, config.draft_timeout_s, spec.vocab_size,
-                                 tls=config.mesh_tls)
-            self.speculator = Speculator(client, self.runner.kernels, spec.max_context, self._metrics)
+        # Always a speculator: without a draft service it verifies the target's own drafts
+        # (grammar drafts); every other plan is dropped at submit (`servable_plan`).
+        client = DraftClient(config.draft_address, config.draft_timeout_s, spec.vocab_size,
+                             tls=config.mesh_tls) if config.draft_address else NoDraftService()
+        self.speculator: Speculator | None = Speculator(client, self.runner.kernels, spec.max_context,
+                                                        self._metrics)
+        self.grammars = ConstraintCompiler(tokenizer, spec.vocab_size, spec.eos_token_ids,
+                                           cache_dir=config.grammar_cache_dir)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batched_tokens,
                                    self.speculator.max_draft_nodes if self.speculator else None)
         if self.speculator is not None:
@@ -119,6 +126,7 @@ class Engine:
         # Joined, not only told to stop: a process that exits while this thread still runs
         # torch aborts at exit ("terminate called without an active exception", status 134).
         self._torch_thread.shutdown(timeout)
+        self.grammars.close()
         if self.speculator is not None:
             self.speculator.client.close()
 
@@ -128,20 +136,23 @@ class Engine:
     def submit(self, request_id: str, prompt_ids: list[int], sampling: SamplingConfig,
                emit: Callable[[StepOutput], None], tenant_salt: str = "",
                plan: SpeculationPlan | None = None, bucket: str = "",
-               span_context=None, priority: int = 0, report_confidence: bool = False) -> None:
+               span_context=None, priority: int = 0, report_confidence: bool = False,
+               grammar=None) -> None:
         """Queues a request; raises InvalidRequest or Overloaded without queueing anything.
 
         `plan` asks for speculative decoding; it is ignored when no draft service is configured.
         `priority` orders admission and preemption; `report_confidence` fills the final
-        output's `confidence` (services/target/speculation/confidence.py).
+        output's `confidence` (services/target/speculation/confidence.py). `grammar` is the
+        request's compiled constraint (`self.grammars.compile`), None when unconstrained.
         """
         self.validate(prompt_ids, sampling)
         seq = Sequence(request_id, list(prompt_ids), sampling, make_generator(sampling.seed),
                        IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling.stop), emit,
                        extra_key=extra_key(self.name, tenant_salt),
-                       plan=plan if self.speculator is not None else None,
+                       plan=servable_plan(plan, grammar is not None, bool(self.config.draft_address)),
                        tenant_salt=tenant_salt, bucket=bucket, span_context=span_context,
-                       priority=priority, confidence=Confidence() if report_confidence else None)
+                       priority=priority, confidence=Confidence() if report_confidence else None,
+                       grammar=GrammarState(grammar, self.spec.vocab_size) if grammar is not None else None)
         with self._lock:
             if self._stopped:
                 raise Overloaded("engine is shutting down")
@@ -288,7 +299,7 @@ class Engine:
                     failed[seq.seq_id] = exc
             elif item.samples:
                 plain.append(item)
-                plain_rows.append(rows)
+                plain_rows.append(masked_sample_rows(item.seq, rows))
         sampled = sample(torch.cat(plain_rows), [i.seq.sampling for i in plain],
                          [i.seq.generator for i in plain]) if plain else []
         for item, rows, token in zip(plain, plain_rows, sampled):

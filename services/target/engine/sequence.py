@@ -105,6 +105,7 @@ class Sequence:
     counted_admission: bool = False  # its prompt tokens were taken off the queued-token count
     priority: int = 0  # tenant priority: higher is admitted first and preempted last
     confidence: Confidence | None = None  # log-prob sums of committed tokens, when asked for
+    grammar: object = None  # services/target/structured/grammar_state.GrammarState, when constrained
     num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:

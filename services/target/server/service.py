@@ -17,6 +17,7 @@ from specmesh.proto.v1 import (
 from services.common.errors import Violation, abort, guard_malformed
 from services.common.metrics_interceptor import status_of
 from services.common.sampling_params import sampling_from_proto, sampling_violations
+from services.target.structured.request import compile_constraint
 from services.common.telemetry import record_error
 from services.target.server.chat import ChatTemplateError, chat_prompt_ids, tool_texts
 from services.target.engine.engine import Engine, InvalidRequest, Overloaded
@@ -59,6 +60,7 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
         if request.tools and not request.messages:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tools need messages (a chat request)")
+        grammar = await compile_constraint(self.engine.grammars, request.sampling, context)  # None: unconstrained
         request_id = request.request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
@@ -90,7 +92,7 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
                 self.engine.submit(request_id, prompt_ids, sampling, emit, request.tenant_salt,
                                    plan=_plan(request.speculation), bucket=request.bucket,
                                    span_context=span.get_span_context(), priority=request.priority,
-                                   report_confidence=request.report_confidence)
+                                   report_confidence=request.report_confidence, grammar=grammar)
                 submitted = True
             except DuplicateRequest as exc:  # the original keeps streaming
                 await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), "DUPLICATE_REQUEST_ID",

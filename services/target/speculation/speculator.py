@@ -20,6 +20,7 @@ from services.target.speculation.draft_client import DraftClient, DraftRequest
 from services.target.model.sampler import target_probs
 from services.target.engine.scheduler import ScheduledSeq
 from services.target.engine.sequence import Sequence
+from services.target.structured.hooks import draft_service_method, grammar_drafts, masked_verify_rows
 
 log = logging.getLogger(__name__)
 
@@ -59,16 +60,20 @@ class Speculator:
         """One batched draft call for every decoding sequence with a plan; {} on fallback."""
         seqs, requests = [], []
         slots = {item.seq.seq_id: item.num_draft_slots for item in batch}  # budgeted by the scheduler
-        for seq, depth in self._depths(batch):
+        depths = self._depths(batch)
+        forced = grammar_drafts((seq, min(depth, slots[seq.seq_id])) for seq, depth in depths)
+        for seq, depth in depths:
+            if seq.seq_id in forced or not self.client.available:
+                continue  # the grammar forces the next tokens: no draft-service round trip
             full = self.client.needs_resync(seq.seq_id)
             new = seq.token_ids if full else seq.token_ids[seq.draft_synced:]
             seqs.append(seq)
-            requests.append(DraftRequest(seq.seq_id, new, seq.plan.method, depth,
+            requests.append(DraftRequest(seq.seq_id, new, draft_service_method(seq.plan), depth,
                                          min(max(seq.plan.max_nodes, depth), slots[seq.seq_id]),
                                          seq.tenant_salt,
                                          traceparent(seq.span_context) if full else ""))
         if not requests:
-            return {}
+            return forced
         start = time.monotonic()
         result = self.client.propose(requests)
         window = (start, time.monotonic())
@@ -83,7 +88,7 @@ class Speculator:
                 self._metrics.fallback(seq)
             if not fallback:
                 seq.draft_synced = seq.num_tokens
-        return proposals
+        return {**proposals, **forced}
 
     def accept(self, seq: Sequence, rows: torch.Tensor, proposal: DraftTree) -> tuple[list[int], int]:
         """rows: [1 + num_nodes, vocab] target logits for root + draft nodes.
@@ -91,6 +96,7 @@ class Speculator:
         Returns (accepted draft node indices along the path, bonus token).
         """
         n = len(proposal.token_ids)
+        rows = masked_verify_rows(seq, rows, proposal)  # each row masked along its node's path
         draft_tokens = torch.tensor([[seq.token_ids[-1], *proposal.token_ids]], dtype=torch.int64)
         parents = torch.tensor([[-1, *(p + 1 for p in proposal.parents)]], dtype=torch.int64)
         num_nodes = torch.tensor([n + 1], dtype=torch.int64)
