@@ -19,7 +19,8 @@ Structured outputs travel as `SamplingParams.constraint`, compiled and enforced 
   * {"type": "function", "function": {"name": N}}: exactly one call of N;
   * "none": no constraint, and the tools are not shown to the model.
   `parallel_tool_calls: false` allows one call at most. Runs of whitespace inside the JSON are
-  at most MAX_WHITESPACE characters (a model cannot pad forever).
+  at most MAX_WHITESPACE long (one space after `:` and `,`; a model cannot pad forever), and
+  properties come in the order the schema declares them.
 The gateway parses the output back into `tool_calls` (services/gateway/tool_calls.py).
 """
 
@@ -29,10 +30,11 @@ import json
 import re
 from functools import lru_cache
 
+from services.common.constraints import MAX_CONSTRAINT_BYTES
 from specmesh.proto.v1 import common_pb2, tools_pb2
 
 MAX_TOOLS = 128  # services/target/server/chat.py MAX_TOOLS
-MAX_WHITESPACE = 2
+MAX_WHITESPACE = 1
 TOOL_FORMAT = "qwen_3"  # xgrammar's builtin structural tag of the Hermes <tool_call> format
 _NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")
 _FUNCTION_KEYS = {"name", "description", "parameters", "strict"}
@@ -75,7 +77,7 @@ def response_format_constraint(value) -> common_pb2.Constraint | None:
     if not isinstance(schema, (dict, bool)):
         raise InvalidField("response_format.json_schema.schema must be a JSON schema (an object)",
                            "response_format.json_schema.schema")
-    text = json.dumps(schema, sort_keys=True)
+    text = json.dumps(schema)  # key order kept: properties are generated in the declared order
     _check_schema(text, "response_format.json_schema.schema")
     return common_pb2.Constraint(json_schema=text)
 
@@ -111,7 +113,7 @@ def parse_tools(value) -> list[dict]:
                                f"{where}.function.parameters")
         if function.get("strict") is not None and not isinstance(function["strict"], bool):
             raise InvalidField(f"{where}.function.strict must be true or false", f"{where}.function.strict")
-        _check_schema(json.dumps(parameters, sort_keys=True), f"{where}.function.parameters")
+        _check_schema(json.dumps(parameters), f"{where}.function.parameters")
         tools.append({"name": name, "description": description, "parameters": parameters})
     return tools
 
@@ -138,8 +140,12 @@ def parse_tool_choice(value, tools: list[dict]) -> str | None:
 
 def tool_constraint(tools: list[dict], choice: str, parallel: bool) -> common_pb2.Constraint:
     """The grammar for `choice` over `tools` ("none" is the caller's to skip)."""
-    text = json.dumps(tools, sort_keys=True)
-    return common_pb2.Constraint(grammar=_tool_grammar(text, choice, parallel))
+    text = json.dumps(tools)  # key order kept: arguments follow the declared property order
+    grammar = _tool_grammar(text, choice, parallel)
+    if len(grammar.encode()) > MAX_CONSTRAINT_BYTES:
+        raise InvalidField(f"the tools make a grammar of {len(grammar.encode())} bytes, above the limit of "
+                           f"{MAX_CONSTRAINT_BYTES}: send fewer or smaller tools", "tools")
+    return common_pb2.Constraint(grammar=grammar)
 
 
 def tool_protos(tools: list[dict]) -> list[tools_pb2.Tool]:

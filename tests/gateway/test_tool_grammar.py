@@ -99,6 +99,14 @@ def test_bad_structured_requests_name_the_field(body, param, words):
     assert exc.value.param == param and words in str(exc.value)
 
 
+def test_tools_too_large_for_a_grammar_are_400():
+    many = [{"type": "function", "function": {"name": f"tool_{i}", "parameters": {"type": "object", "properties": {
+        f"field_{i}_{j}": {"enum": [f"value_{i}_{j}_{k}" for k in range(4)]} for j in range(10)}}}} for i in range(100)]
+    with pytest.raises(BadRequest) as exc:
+        parse_chat({"model": "m", "max_tokens": 8, "messages": USER, "tools": many})
+    assert exc.value.param == "tools" and "above the limit" in str(exc.value)
+
+
 def test_history_with_tool_calls_becomes_protos():
     parsed = parse_chat({"model": "m", "max_tokens": 8, "tools": [WEATHER], "messages": USER + [
         {"role": "assistant", "content": None, "tool_calls": [

@@ -11,7 +11,6 @@ import pytest
 from services.common.models.chat_templates import GEMMA3_CHAT_TEMPLATE, apply_chat_template_setting
 from services.common.models.tiny import build_tiny_tokenizer
 from services.target.server.chat import (
-    GENERIC_TOOLS_FOOTER,
     GENERIC_TOOLS_HEADER,
     chat_prompt_ids,
     renders_tools,
@@ -37,7 +36,7 @@ def test_generic_format_where_the_template_has_no_tool_format():
     tokenizer = build_tiny_tokenizer(chat=True)
     assert not renders_tools(tokenizer.chat_template)
     listing = GENERIC_TOOLS_HEADER + json.dumps(
-        {"name": "get_weather", "description": "Weather of a city", "parameters": PARAMS}) + GENERIC_TOOLS_FOOTER
+        {"name": "get_weather", "description": "Weather of a city", "parameters": PARAMS})
     expected = [
         {"role": "system", "content": listing},
         {"role": "user", "content": "Weather in Paris?"},
@@ -48,7 +47,7 @@ def test_generic_format_where_the_template_has_no_tool_format():
     want = tokenizer.apply_chat_template(expected, add_generation_prompt=True, tokenize=True, return_dict=True)
     assert chat_prompt_ids(tokenizer, CONVERSATION, [TOOL]) == list(want["input_ids"])
     text = tokenizer.decode(chat_prompt_ids(tokenizer, CONVERSATION, [TOOL]))
-    assert text.startswith("<bos><start_of_turn>user\nYou can call functions.")  # Gemma: system joins the user turn
+    assert text.startswith("<bos><start_of_turn>user\nTo call a function")  # Gemma: system joins the user turn
     # Without tools and tool turns nothing changes.
     plain = [{"role": "user", "content": "hi"}]
     assert chat_prompt_ids(tokenizer, plain) == list(tokenizer.apply_chat_template(

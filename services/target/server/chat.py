@@ -7,8 +7,8 @@ as transformers documents them (`tools=[{"type": "function", "function": {...}}]
 in one generic format, Hermes style, the format the gateway's tool-call grammar constrains the
 output to (services/gateway/tool_grammar.py):
 
-- the tool list goes into the system turn: GENERIC_TOOLS_HEADER, one JSON line per tool
-  ({"name", "description", "parameters"}), GENERIC_TOOLS_FOOTER;
+- the tool list goes into the system turn: GENERIC_TOOLS_HEADER, then one JSON line per tool
+  ({"name", "description" when there is one, "parameters"});
 - an assistant turn's calls are appended to its content as
   `<tool_call>\\n{"name": ..., "arguments": ...}\\n</tool_call>` blocks;
 - a tool result becomes a user turn `<tool_response>\\n...\\n</tool_response>`, merged with an
@@ -24,10 +24,9 @@ MAX_MESSAGES = 1024  # per request; the router's size limits apply to the conten
 MAX_TOOLS = 128
 TOOL_CALL_BEGIN, TOOL_CALL_END = "<tool_call>\n", "\n</tool_call>"
 TOOL_RESPONSE_BEGIN, TOOL_RESPONSE_END = "<tool_response>\n", "\n</tool_response>"
-GENERIC_TOOLS_HEADER = ("You can call functions. To call one, answer with only this, one block per call:\n"
-                        '<tool_call>\n{"name": <function name>, "arguments": <arguments as a JSON object>}\n'
-                        "</tool_call>\nThe functions:\n")
-GENERIC_TOOLS_FOOTER = "\nA function's result comes back as <tool_response>...</tool_response>."
+GENERIC_TOOLS_HEADER = ('To call a function, answer with <tool_call>\n{"name": <name>, "arguments": <JSON object>}'
+                        "\n</tool_call> (one block per call). Results come back in <tool_response>. "
+                        "The functions:\n")
 
 
 class ChatTemplateError(ValueError):
@@ -109,14 +108,16 @@ def generic_tool_turns(turns: list[dict], tools: list[dict]) -> list[dict]:
             out.append({"role": role, "content": content})
         merge_next = from_tool or (merge_next and role == "user")
     if tools:
-        listing = GENERIC_TOOLS_HEADER + "\n".join(
-            json.dumps({k: t["function"][k] for k in ("name", "description", "parameters")}) for t in tools) \
-            + GENERIC_TOOLS_FOOTER
+        listing = GENERIC_TOOLS_HEADER + "\n".join(json.dumps(_listed(t["function"])) for t in tools)
         if out and out[0]["role"] == "system":
             out[0] = {"role": "system", "content": out[0]["content"] + "\n\n" + listing}
         else:
             out.insert(0, {"role": "system", "content": listing})
     return out
+
+
+def _listed(function: dict) -> dict:
+    return {k: function[k] for k in ("name", "description", "parameters") if function.get(k) or k != "description"}
 
 
 def _tool_dict(tool) -> dict:
