@@ -65,7 +65,7 @@ def engine_config(settings: Settings, model_dir: Path):
                         max_queued_tokens=settings.max_queued_tokens,
                         max_tokens_limit=settings.max_tokens_limit, max_samples=settings.max_samples,
                         kernels=settings.kernels,
-                        weights=settings.weights,
+                        weights=settings.weights, chat_template=settings.chat_template,
                         draft_address="" if settings.speculation_method == "off" else settings.draft_address,
                         draft_timeout_s=settings.draft_timeout_ms / 1000, limits=request_limits(settings))
 

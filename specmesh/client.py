@@ -6,7 +6,12 @@
         for chunk in client.chat([{"role": "user", "content": "Why is the sky blue?"}]):
             print(chunk.text, end="", flush=True)
 
-`AsyncClient` has the same methods as async iterators / coroutines. Every call has a
+`AsyncClient` has the same methods as async iterators / coroutines.
+
+Agents share tool executions through the router's tool-result cache (scoped to the token's
+tenant): `cached_tool_call(tool, arguments, compute)` returns the stored result, or waits for
+another caller computing the same (tool, version, arguments), or computes it with `compute`
+and stores it (a raised exception is stored as a short-lived error and re-raised). Every call has a
 deadline (`timeout`, over all attempts). A call that fails with UNAVAILABLE or
 RESOURCE_EXHAUSTED before its first token is retried: after the server's
 `grpc-retry-pushback-ms` hint when it sent one (a negative hint means "do not retry"),
@@ -21,6 +26,8 @@ actually taken is visible (`RetryPolicy.sleep`) to tests.
 from __future__ import annotations
 
 import asyncio
+import inspect
+import json
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
@@ -28,7 +35,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from specmesh.proto.v1 import common_pb2, router_service_pb2, router_service_pb2_grpc
+from specmesh.proto.v1 import cache_service_pb2, common_pb2, router_service_pb2, router_service_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
@@ -36,6 +43,9 @@ _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_STOP_
            common_pb2.FINISH_REASON_LENGTH: "length"}
 
 Message = Mapping[str, str]  # {"role": ..., "content": ...}
+HIT, WAITED, COMPUTED = "hit", "waited", "computed"  # ToolResult.outcome
+_LEASE = cache_service_pb2.TOOL_LOOKUP_OUTCOME_LEASE_GRANTED
+_OUTCOME = {cache_service_pb2.TOOL_LOOKUP_OUTCOME_HIT: HIT, cache_service_pb2.TOOL_LOOKUP_OUTCOME_WAITED: WAITED}
 
 
 @dataclass(frozen=True)
@@ -47,6 +57,19 @@ class Chunk:
     token_ids: tuple[int, ...]
     finish_reason: str | None = None
     usage: common_pb2.Usage | None = None
+
+
+@dataclass(frozen=True)
+class ToolResult:
+    """A tool call's result: `value`, and whether it was a cache hit, waited for another
+    caller's computation, or computed by this call."""
+
+    value: bytes
+    outcome: str
+
+
+class ToolCallError(Exception):
+    """The tool failed (now or, cached briefly, for another caller)."""
 
 
 @dataclass(frozen=True)
@@ -140,6 +163,32 @@ class AsyncClient:
             except grpc.aio.AioRpcError as exc:
                 await self._wait(attempt, exc, deadline)
 
+    async def cached_tool_call(self, tool: str, arguments, compute, *, version: str = "1",
+                               ttl_seconds: int = 0, lease_ms: int = 0,
+                               timeout: float | None = None) -> ToolResult:
+        """The result of `tool(arguments)` (arguments: a JSON-able value or JSON text) from the
+        router's tool-result cache; on a miss `compute(arguments)` (sync or async, returning
+        bytes or str) runs here once while concurrent callers of the tenant wait for it."""
+        lookup = tool_lookup_request(tool, version, arguments, lease_ms)
+        metadata, timeout = self._o.metadata(), timeout or self._o.timeout
+        found = await self._stub.LookupToolResult(lookup, metadata=metadata, timeout=timeout)
+        if found.outcome != _LEASE:
+            return stored_result(found)
+        store = router_service_pb2.StoreToolResultRequest(tool=tool, tool_version=version,
+                                                   arguments_json=lookup.arguments_json,
+                                                   lease_id=found.lease_id, ttl_seconds=ttl_seconds)
+        try:
+            value = compute(arguments)
+            if inspect.isawaitable(value):
+                value = await value
+        except Exception as exc:
+            store.error_message = f"{type(exc).__name__}: {exc}"
+            await self._stub.StoreToolResult(store, metadata=metadata, timeout=timeout)
+            raise
+        store.value = as_bytes(value)
+        await self._stub.StoreToolResult(store, metadata=metadata, timeout=timeout)
+        return ToolResult(store.value, COMPUTED)
+
     async def _stream(self, request, timeout: float | None) -> AsyncIterator[Chunk]:
         deadline = time.monotonic() + (timeout or self._o.timeout)
         attempt = 0
@@ -212,6 +261,27 @@ class Client:
             except grpc.RpcError as exc:
                 self._wait(attempt, exc, deadline)
 
+    def cached_tool_call(self, tool: str, arguments, compute, *, version: str = "1",
+                         ttl_seconds: int = 0, lease_ms: int = 0, timeout: float | None = None) -> ToolResult:
+        """As AsyncClient.cached_tool_call; `compute` is a plain function."""
+        lookup = tool_lookup_request(tool, version, arguments, lease_ms)
+        metadata, timeout = self._o.metadata(), timeout or self._o.timeout
+        found = self._stub.LookupToolResult(lookup, metadata=metadata, timeout=timeout)
+        if found.outcome != _LEASE:
+            return stored_result(found)
+        store = router_service_pb2.StoreToolResultRequest(tool=tool, tool_version=version,
+                                                   arguments_json=lookup.arguments_json,
+                                                   lease_id=found.lease_id, ttl_seconds=ttl_seconds)
+        try:
+            value = compute(arguments)
+        except Exception as exc:
+            store.error_message = f"{type(exc).__name__}: {exc}"
+            self._stub.StoreToolResult(store, metadata=metadata, timeout=timeout)
+            raise
+        store.value = as_bytes(value)
+        self._stub.StoreToolResult(store, metadata=metadata, timeout=timeout)
+        return ToolResult(store.value, COMPUTED)
+
     def _stream(self, request, timeout: float | None) -> Iterator[Chunk]:
         deadline = time.monotonic() + (timeout or self._o.timeout)
         attempt = 0
@@ -269,8 +339,29 @@ def join(chunks: list[Chunk]) -> Chunk:
                  last.finish_reason, last.usage)
 
 
+def tool_lookup_request(tool: str, version: str, arguments, lease_ms: int = 0) -> router_service_pb2.LookupToolResultRequest:
+    text = arguments if isinstance(arguments, str) else json.dumps(arguments)
+    return router_service_pb2.LookupToolResultRequest(tool=tool, tool_version=version, arguments_json=text,
+                                               lease_ms=lease_ms)
+
+
+def stored_result(found: router_service_pb2.LookupToolResultResponse) -> ToolResult:
+    if found.is_error:
+        raise ToolCallError(found.error_message)
+    return ToolResult(found.value, _OUTCOME[found.outcome])
+
+
+def as_bytes(value) -> bytes:
+    if isinstance(value, str):
+        return value.encode()
+    if isinstance(value, (bytes, bytearray)):
+        return bytes(value)
+    raise TypeError(f"a tool result must be bytes or str, got {type(value).__name__}")
+
+
 def _left(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.001)
 
 
-__all__ = ["AsyncClient", "Chunk", "Client", "RetryPolicy", "build_request", "pushback_s"]
+__all__ = ["AsyncClient", "Chunk", "Client", "RetryPolicy", "ToolCallError", "ToolResult", "build_request",
+           "pushback_s"]

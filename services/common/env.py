@@ -50,6 +50,10 @@ class Settings(BaseModel):
                               "for `up`: 0 = no gateway)")
     model: str = Field("default", description="target model: 'default' (Gemma 3 270M) or a local "
                        "Hugging Face model directory")
+    chat_template: str = Field("", description="chat template of the target model: a Jinja file (or a "
+                               "JSON file with \"chat_template\"), a name (gemma3, or none = plain prompts only), "
+                               "or empty = the model's own, Gemma 3's for a model without one that has Gemma's "
+                               "turn tokens (the default model)")
     model_cache: str = Field(str(Path.home() / ".cache" / "specmesh" / "models"),
                              description="where prepared models are cached")
     dtype: Literal["bfloat16", "float32", "float16"] = Field(
@@ -117,7 +121,8 @@ class Settings(BaseModel):
                                    "cache serve Prometheus /metrics on this port and the next three; 0 = none")
     grace_seconds: float = Field(10.0, ge=0, description="graceful-shutdown drain time on SIGTERM")
     speculation_method: SpeculationMethodName = Field(
-        "prompt_lookup", description="speculative decoding method the router plans")
+        "prompt_lookup", description="speculative decoding method the router plans (requests with a "
+        "constraint get grammar drafts unless 'off'; 'grammar' = only they speculate)")
     speculation_depth: int = Field(5, gt=0, le=MAX_DEPTH, description="draft tokens per verify pass (chain depth)")
     speculation_nodes: int = Field(0, ge=0, le=MAX_NODES, description="draft tree node budget; 0 = a chain")
     speculation_policy: SpeculationPolicyMode = Field(

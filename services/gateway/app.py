@@ -157,9 +157,13 @@ async def _stream(http: web.Request, call, parsed: Parsed) -> web.StreamResponse
         while True:
             for item in pending:
                 chunk = item.chunk
-                answer.add(chunk)
+                content, deltas = answer.add(chunk)
                 finish = answer.finish_reasons.get(chunk.index) if chunk.finish_reason else None
-                if chunk.text or chunk.index not in started or finish:
+                if answer.tools is not None:  # one choice: content and tool-call deltas (tool_calls.py)
+                    for event in answer.events(content, deltas, 0 not in started, finish):
+                        await _send(response, event)
+                        started.add(0)
+                elif chunk.text or chunk.index not in started or finish:
                     await _send(response, answer.delta(chunk.text, first=chunk.index not in started,
                                                        finish_reason=finish, index=chunk.index))
                     started.add(chunk.index)

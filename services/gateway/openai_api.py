@@ -2,10 +2,14 @@
 
 Translation only: no policy, no state. Parsing raises `BadRequest`,
 which the app turns into a 400 OpenAI-style error before anything is sent to the router.
+Which body fields are served is one table (services/gateway/fields.py); structured outputs and
+tools become the request's constraint (services/gateway/tool_grammar.py) and tool calls are parsed
+back out of the text (services/gateway/tool_calls.py).
 """
 
 from __future__ import annotations
 
+import json
 import math
 import time
 import uuid
@@ -14,7 +18,17 @@ from dataclasses import dataclass
 import grpc
 
 from services.common.errors import details_of
-from specmesh.proto.v1 import common_pb2, router_service_pb2
+from services.gateway.fields import CHAT, COMPLETION, UnsupportedField, check_fields
+from services.gateway.tool_calls import ToolCallDelta, ToolCallStream
+from services.gateway.tool_grammar import (
+    InvalidField,
+    parse_tool_choice,
+    parse_tools,
+    response_format_constraint,
+    tool_constraint,
+    tool_protos,
+)
+from specmesh.proto.v1 import common_pb2, router_service_pb2, tools_pb2
 from services.gateway.openai_sampling import chat_logprobs, completion_logprobs, surface_fields
 
 MAX_STOP_STRINGS = 16
@@ -53,18 +67,28 @@ class Parsed:
     stream: bool
     include_usage: bool
     chat: bool
+    tool_calls: bool = False  # the output may hold tool calls (tools given, tool_choice not "none")
 
 
 def parse_chat(body: dict) -> Parsed:
+    _check_fields(body, CHAT)
     messages = body.get("messages")
     if not isinstance(messages, list) or not messages:
         raise BadRequest("'messages' must be a non-empty list of {role, content}", "messages")
-    turns = [common_pb2.ChatMessage(role=_role(m, i), content=_content(m, i)) for i, m in enumerate(messages)]
+    turns = [_message(m, i) for i, m in enumerate(messages)]
     max_tokens = body.get("max_completion_tokens", body.get("max_tokens"))
-    return _parsed(body, router_service_pb2.GenerateRequest(messages=turns), max_tokens, chat=True)
+    parsed = _parsed(body, router_service_pb2.GenerateRequest(messages=turns), max_tokens, chat=True)
+    try:
+        _structured(body, parsed)
+    except InvalidField as exc:
+        raise BadRequest(str(exc), exc.field) from None
+    if parsed.tool_calls and parsed.request.sampling.n > 1:  # tool-call parsing follows one choice
+        raise BadRequest("'n' above 1 is not supported together with 'tools'", "n")
+    return parsed
 
 
 def parse_completion(body: dict) -> Parsed:
+    _check_fields(body, COMPLETION)
     prompt = body.get("prompt")
     if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
         prompt = prompt[0]
@@ -120,18 +144,33 @@ class Answer:
         self._unsent: dict[int, int] = {}
         self._offset: dict[int, int] = {}
 
-    def add(self, chunk: common_pb2.GenerateChunk) -> None:
+        self.tools = ToolCallStream() if parsed.tool_calls else None  # one choice (n = 1) with tools
+        self._content: list[str] = []  # the text outside tool calls
+
+    def add(self, chunk: common_pb2.GenerateChunk) -> tuple[str, list[ToolCallDelta]]:
+        """Takes one chunk; returns the content and tool-call deltas it decides."""
         index = chunk.index
         self.texts.setdefault(index, []).append(chunk.text)
         self.logprobs.setdefault(index, []).extend(chunk.logprobs)
         self._unsent[index] = self._unsent.get(index, 0) + len(chunk.logprobs)
+        content, deltas = chunk.text, []
+        if self.tools is not None:
+            content, deltas = self.tools.feed(chunk.text)
+            if chunk.finish_reason:
+                content += self.tools.finish()
+        self._content.append(content)
         if chunk.finish_reason:
-            self.finish_reasons[chunk.index] = _FINISH.get(chunk.finish_reason, "stop")
+            reason = _FINISH.get(chunk.finish_reason, "stop")
+            if self.tools is not None and reason == "stop" and self.tools.complete_calls() \
+                    and not self.tools.open_call:
+                reason = "tool_calls"
+            self.finish_reasons[index] = reason
         if chunk.HasField("usage"):
             u = chunk.usage
             self.usage = {"prompt_tokens": u.prompt_tokens, "completion_tokens": u.completion_tokens,
                           "total_tokens": u.prompt_tokens + u.completion_tokens,
                           "prompt_tokens_details": {"cached_tokens": u.cached_prompt_tokens}}
+        return content, deltas
 
     def full(self) -> dict:
         """The non-streaming response."""
@@ -140,11 +179,36 @@ class Answer:
             text, finish_reason = "".join(self.texts[index]), self.finish_reasons.get(index)
             logprobs = self._logprobs(self.logprobs.get(index, []))
             if self.parsed.chat:
-                choices.append({"index": index, "message": {"role": "assistant", "content": text},
-                                "logprobs": logprobs, "finish_reason": finish_reason})
+                message = {"role": "assistant", "content": text}
+                if self.tools is not None:
+                    message = self._tool_message(text)
+                choices.append({"index": index, "message": message, "logprobs": logprobs,
+                                "finish_reason": finish_reason})
             else:
                 choices.append({"index": index, "text": text, "logprobs": logprobs, "finish_reason": finish_reason})
         return {**self._head(chunk=False), "choices": choices, "usage": self.usage}
+
+    def events(self, content: str, deltas: list[ToolCallDelta], first: bool, finish_reason: str | None) -> list[dict]:
+        """The streamed events for one chunk's content and tool-call deltas (chat with tools)."""
+        out = [self.delta(content, first=first)] if content or first and not deltas else []
+        for delta in deltas:
+            event = self.delta("", first=first and not out)
+            event["choices"][0]["delta"] = {**({"role": "assistant", "content": None} if first and not out else {}),
+                                            "tool_calls": [delta.openai()]}
+            out.append(event)
+        if finish_reason is not None:
+            out.append(self.delta("", finish_reason=finish_reason))
+        return out
+
+    def _tool_message(self, text: str) -> dict:
+        calls = self.tools.complete_calls()
+        content = "".join(self._content)
+        if self.tools.open_call:  # cut off inside a call: nothing of the text is lost
+            content = text
+        message = {"role": "assistant", "content": content or None}
+        if calls:
+            message["tool_calls"] = [c.openai() for c in calls]
+        return message
 
     def delta(self, text: str, first: bool = False, finish_reason: str | None = None, index: int = 0) -> dict:
         """One streamed event (of choice `index`)."""
@@ -242,6 +306,76 @@ def _bool(body: dict, name: str) -> bool:
     if not isinstance(value, bool):
         raise BadRequest(f"'{name}' must be true or false", name)
     return value
+
+
+def _check_fields(body: dict, endpoint: str) -> None:
+    try:
+        check_fields(body, endpoint)
+    except UnsupportedField as exc:
+        raise BadRequest(str(exc), exc.field) from None
+
+
+def _structured(body: dict, parsed: Parsed) -> None:
+    """response_format, tools, tool_choice, parallel_tool_calls -> constraint and tools."""
+    constraint = response_format_constraint(body.get("response_format"))
+    tools = parse_tools(body.get("tools"))
+    choice = parse_tool_choice(body.get("tool_choice"), tools)
+    parallel = body.get("parallel_tool_calls")
+    if parallel is not None and not isinstance(parallel, bool):
+        raise BadRequest("'parallel_tool_calls' must be true or false", "parallel_tool_calls")
+    if tools and choice != "none":
+        if constraint is not None:
+            raise BadRequest("'response_format' together with 'tools' is not supported; use one",
+                             "response_format")
+        constraint = tool_constraint(tools, choice, parallel is not False)
+        parsed.request.tools.extend(tool_protos(tools))
+        parsed.tool_calls = True
+    if constraint is not None:
+        parsed.request.sampling.constraint.CopyFrom(constraint)
+
+
+# Per role, the message keys the gateway reads; any other key is refused.
+_MESSAGE_KEYS = {"system": {"role", "content"}, "developer": {"role", "content"}, "user": {"role", "content"},
+                 "assistant": {"role", "content", "tool_calls", "refusal"},
+                 "tool": {"role", "content", "tool_call_id", "name"}}
+
+
+def _message(message, index: int) -> common_pb2.ChatMessage:
+    role = _role(message, index)
+    keys = _MESSAGE_KEYS.get(message["role"], {"role", "content"})
+    for key, value in message.items():
+        if key not in keys and value is not None:
+            raise BadRequest(f"messages[{index}].{key} is not supported (role {message['role']!r})", "messages")
+    if message.get("refusal") is not None:
+        raise BadRequest(f"messages[{index}].refusal is not supported", "messages")
+    calls = [_tool_call(c, index, j) for j, c in enumerate(message.get("tool_calls") or ())]
+    content = "" if calls and message.get("content") is None else _content(message, index)
+    turn = common_pb2.ChatMessage(role=role, content=content, tool_calls=calls)
+    if role == "tool":
+        if not isinstance(message.get("tool_call_id"), str) or not message["tool_call_id"]:
+            raise BadRequest(f"messages[{index}] (role 'tool') needs a 'tool_call_id'", "messages")
+        turn.tool_call_id = message["tool_call_id"]
+        if message.get("name") is not None:
+            if not isinstance(message["name"], str):
+                raise BadRequest(f"messages[{index}].name must be a string", "messages")
+            turn.name = message["name"]
+    return turn
+
+
+def _tool_call(call, index: int, j: int) -> tools_pb2.ToolCall:
+    where = f"messages[{index}].tool_calls[{j}]"
+    function = call.get("function") if isinstance(call, dict) else None
+    if not isinstance(function, dict) or call.get("type", "function") != "function" \
+            or not isinstance(call.get("id"), str) or not isinstance(function.get("name"), str) \
+            or not isinstance(function.get("arguments"), str) or set(call) - {"id", "type", "function"} \
+            or set(function) - {"name", "arguments"}:
+        raise BadRequest(f"{where} must be {{\"id\", \"type\": \"function\", \"function\": "
+                         f"{{\"name\", \"arguments\" (JSON text)}}}}", "messages")
+    try:
+        json.loads(function["arguments"])
+    except ValueError:
+        raise BadRequest(f"{where}.function.arguments is not JSON", "messages") from None
+    return tools_pb2.ToolCall(id=call["id"], name=function["name"], arguments_json=function["arguments"])
 
 
 def _role(message, index: int) -> str:

@@ -1,7 +1,8 @@
 """Request buckets: the unit the router measures and plans speculation for.
 
 A bucket is `task-length-mode`:
-- task: what the prompt asks for, from cheap text cues — `rewrite` (edit, rename, refactor,
+- task: `structured` when the request carries an output constraint (JSON schema, regex, choice,
+  grammar: tool calls and extraction); else what the prompt asks for, from cheap text cues — `rewrite` (edit, rename, refactor,
   translate, fix: output copies the input), `summarize`, `code` (source in the prompt),
   `chat` (everything else). The cues decide only how requests are grouped for statistics;
   a wrong guess costs speed, never correctness.
@@ -31,7 +32,7 @@ def task_of(prompt: str) -> str:
     return "chat"
 
 
-def bucket_of(prompt: str, sampling: SamplingConfig) -> str:
+def bucket_of(prompt: str, sampling: SamplingConfig, structured: bool = False) -> str:
     length = "short" if len(prompt) < LONG_PROMPT_CHARS else "long"
     mode = "greedy" if sampling.greedy else "sampled"
-    return f"{task_of(prompt)}-{length}-{mode}"
+    return f"{'structured' if structured else task_of(prompt)}-{length}-{mode}"

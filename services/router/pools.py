@@ -125,7 +125,11 @@ def _load_tokenizer(model: str, model_cache: str):
         else Path(model).expanduser()
     try:
         from transformers import AutoTokenizer
-        return AutoTokenizer.from_pretrained(path, local_files_only=True)
+
+        from services.common.models.chat_templates import apply_chat_template_setting
+        tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+        apply_chat_template_setting(tokenizer)  # as the target renders chat (its default)
+        return tokenizer
     except Exception as exc:  # missing directory or files: serve without one
         log.warning("pool model %s: no tokenizer at %s (%s); token counts are estimated and "
                     "replica choice ignores cached prefixes", model, path, exc)

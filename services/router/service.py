@@ -28,6 +28,7 @@ from services.common.errors import (
     relay_trailers,
 )
 from services.common.request_checks import routing_violations
+from services.common.constraints import constraint_from_proto
 from services.common.sampling_params import SamplingConfig
 from services.common.telemetry import record_error
 from services.common.tls import internal_channel
@@ -39,8 +40,9 @@ from services.router.objective import NoPool
 from services.router.quotas import QuotaExceeded, TenantQuotas
 from services.router.retrieval import Retrieval, annotate, tenant_labels
 from services.router.routing import Decision, RouteRequest, Routing, UpstreamError
-from services.router.speculation_policy import PolicyConfig, SpeculationPolicy
+from services.router.speculation_policy import PolicyConfig, SpeculationPolicy, structured_method
 from services.router.target_health import TargetHealthWatch
+from services.router.tool_results import ToolResults
 from services.router.validation import validate
 
 tracer = trace.get_tracer("specmesh.router")
@@ -66,6 +68,8 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
         self.quotas = TenantQuotas(config.mesh.tenants)
         self.retrieval = Retrieval(lambda address: internal_channel(address, config.mesh_tls),
                                    config.cache_address, tenant_labels(config.mesh))
+        self.tool_results = ToolResults(lambda address: internal_channel(address, config.mesh_tls),
+                                        config.cache_address)
         self._routing_started: asyncio.Task | None = None
         # NOT_SERVING while no target replica is healthy (started with the server).
         self.health_watch = TargetHealthWatch(self.routing.any_healthy, config.poll_interval_s)
@@ -85,14 +89,15 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
         with tracer.start_as_current_span("route") as span:
             sampling = await self._validate(request, context)
             rag = await self.retrieval.augment(request, tenant, context)  # may rewrite request.prompt
-            bucket = bucket_of(request.prompt or "\n".join(m.content for m in request.messages), sampling)
+            bucket = bucket_of(request.prompt or "\n".join(m.content for m in request.messages), sampling,
+                               structured=constraint_from_proto(request.sampling) is not None)
             span.set_attribute("specmesh.bucket", bucket)
             span.set_attribute("specmesh.speculation", self.config.speculation_method)
             span.set_attribute("gen_ai.request.max_tokens", sampling.max_tokens)
             plan = self._plan(bucket, sampling)
             await self._check_routing(plan, bucket, context)
             target_request = target_service_pb2.TargetServiceGenerateRequest(
-                request_id=uuid.uuid4().hex, prompt=request.prompt, messages=request.messages,
+                request_id=uuid.uuid4().hex, prompt=request.prompt, messages=request.messages, tools=request.tools,
                 sampling=request.sampling,
                 tenant_salt=self.auth.salt(tenant), bucket=bucket,
                 speculation=plan)
@@ -150,7 +155,7 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
         """The speculation plan for a request: the configured method, depth from the policy
         (services/router/speculation_policy.py: task, temperature, requested length, measured
         acceptance; load-aware plans let the target shorten it per step)."""
-        method = self.config.speculation_method
+        method = structured_method(self.config.speculation_method, bucket)
         depth, alpha = (0, None) if method == "off" else self.policy.plan(
             bucket, sampling.max_tokens, sampling.temperature)
         if depth == 0:
@@ -172,6 +177,12 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
 
     async def RemoveDocuments(self, request, context):
         return await self.retrieval.remove(request, await self._tenant(context), context)
+
+    async def LookupToolResult(self, request, context):  # services/router/tool_results.py
+        return await self.tool_results.lookup(request, await self._tenant(context), context)
+
+    async def StoreToolResult(self, request, context):
+        return await self.tool_results.store(request, await self._tenant(context), context)
 
     async def _tenant(self, context) -> str:
         try:
@@ -215,6 +226,7 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
         await self.health_watch.close()
         await self.routing.close()
         await self.retrieval.close()
+        await self.tool_results.close()
 
 
 def add_to_server(server: grpc.aio.Server, service: RouterService) -> None:

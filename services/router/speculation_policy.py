@@ -24,7 +24,9 @@ from services.common.speculation_plan import MAX_DEPTH, POLICY_MODES
 
 # Prior acceptance rate by task (prompt-lookup / suffix drafts): copy-heavy tasks accept
 # most of what is drafted, open-ended chat little (measured: benchmarks/speculation.py).
-TASK_PRIOR = {"rewrite": 0.75, "code": 0.55, "summarize": 0.45, "chat": 0.2}
+TASK_PRIOR = {"rewrite": 0.75, "code": 0.55, "summarize": 0.45, "chat": 0.2,
+              # grammar drafts: forced keys, braces and quotes (services/target/structured/)
+              "structured": 0.6}
 SHORT_OUTPUT_TOKENS = 8  # requests asking for at most this many tokens do not speculate
 
 
@@ -147,3 +149,14 @@ def _blend(prior: float | None, state: _BucketState, prior_tokens: float) -> flo
         return state.acceptance
     weight = state.measured_tokens / (state.measured_tokens + prior_tokens)
     return weight * state.acceptance + (1 - weight) * prior
+
+
+def structured_method(configured: str, bucket: str) -> str:
+    """The method a bucket's plan names: `structured` buckets get grammar drafts (the target
+    proposes what the constraint forces, prompt lookup for the free parts) unless speculation
+    is off; under the `grammar` setting the other buckets do not speculate."""
+    if configured == "off":
+        return "off"
+    if bucket.startswith("structured-"):
+        return "grammar"
+    return "off" if configured == "grammar" else configured

@@ -14,6 +14,8 @@ from services.common.limits import RequestLimits
 from specmesh.proto.v1 import router_service_pb2
 from services.common.sample_count import sample_count_violations
 from services.common.sampling_params import SamplingConfig, params_violations, sampling_from_proto
+from services.common.constraints import constraint_from_proto, constraint_violations
+from services.target.server.chat import tool_texts
 
 
 def validate(request: router_service_pb2.GenerateRequest, limits: RequestLimits,
@@ -21,11 +23,13 @@ def validate(request: router_service_pb2.GenerateRequest, limits: RequestLimits,
     """The request's validated sampling config; raises Refusal listing every problem."""
     params = request.sampling
     # Sizes first: they bound the work of every later check.
-    too_large = limits.violations([request.prompt, *(m.content for m in request.messages)],
+    too_large = limits.violations([request.prompt, *(m.content for m in request.messages), *tool_texts(request)],
                                   params.stop, "messages" if request.messages else "prompt")
     if too_large:
         raise Refusal(grpc.StatusCode.INVALID_ARGUMENT, _message(too_large), "REQUEST_TOO_LARGE", too_large)
     problems = [Violation(f"sampling.{field}", message) for field, message in params_violations(params)]
+    problems += [Violation(f"sampling.{field}", message)
+                 for field, message in constraint_violations(constraint_from_proto(params))]
     if request.prompt and request.messages:
         problems.append(Violation("prompt", "set prompt or messages, not both"))
     elif request.messages:
@@ -33,6 +37,8 @@ def validate(request: router_service_pb2.GenerateRequest, limits: RequestLimits,
             problems.append(Violation("messages", "messages are empty"))
     elif not request.prompt.strip():
         problems.append(Violation("prompt", "prompt is empty"))
+    if request.tools and not request.messages:
+        problems.append(Violation("tools", "tools need messages (a chat request)"))
     if params.max_tokens > max_tokens_limit:
         problems.append(Violation("sampling.max_tokens", f"max_tokens {params.max_tokens} is above "
                                   f"the limit {max_tokens_limit}"))

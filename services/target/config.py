@@ -37,6 +37,7 @@ class EngineConfig:
     kernels: str = default_of("kernels")
     name: str = ""  # model id in prefix-cache keys and metrics; "" = the model directory's name
     draft_address: str = ""  # draft service for speculative decoding; "" = never speculate
+    chat_template: str = ""  # --chat-template FILE|NAME (services/common/models/chat_templates.py); "" = the model's own
     weights: str = default_of("weights")  # linear-layer format: auto, none, bf16, bf16-avx512, fp16, int8 (services/target/model/linear.py)
     draft_timeout_s: float = 0.5  # per-step deadline of a draft call; past it the step decodes normally
     # The target's mesh identity for its calls to the draft service (services/common/tls.py
@@ -44,6 +45,9 @@ class EngineConfig:
     mesh_tls: MeshTls | None = None
     # Prompt bytes and stop sequences, checked before tokenizing (services/common/limits.py).
     limits: RequestLimits = RequestLimits()
+    # Compiled constraint grammars persist here across restarts (services/target/structured/
+    # compiler.py); None = in memory only.
+    grammar_cache_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:

@@ -27,6 +27,10 @@ from services.target.speculation.draft_client import DraftClient
 from services.target.engine.engine_types import (DuplicateRequest, EngineFailed, EngineStats, InvalidRequest,
                                                  Overloaded)
 from services.target.engine.fault_point import FaultPoint
+from services.target.speculation.no_draft_service import NoDraftService
+from services.target.structured.compiler import ConstraintCompiler
+from services.target.structured.grammar_state import GrammarState
+from services.target.structured.hooks import masked_sample_rows, servable_plan
 from services.target.engine.kv_events import KVEventLog
 from services.target.model.model_runner import ModelRunner, load_model
 from services.target.model.model_runner_inputs import StepInput
@@ -72,11 +76,14 @@ class Engine:
         self._failure_callbacks: list[Callable[[EngineFailed], None]] = []
         self.loop_fault = FaultPoint("engine.loop")  # test hook (services/target/engine/fault_point.py)
         self.num_steps = 0  # engine steps run: a heartbeat GetStats reports
-        self.speculator: Speculator | None = None
-        if config.draft_address:
-            client = DraftClient(config.draft_address, config.draft_timeout_s, spec.vocab_size,
-                                 tls=config.mesh_tls)
-            self.speculator = Speculator(client, self.runner.kernels, spec.max_context, self._metrics)
+        # Always a speculator: without a draft service it verifies the target's own drafts
+        # (grammar drafts); every other plan is dropped at submit (`servable_plan`).
+        client = DraftClient(config.draft_address, config.draft_timeout_s, spec.vocab_size,
+                             tls=config.mesh_tls) if config.draft_address else NoDraftService()
+        self.speculator: Speculator | None = Speculator(client, self.runner.kernels, spec.max_context,
+                                                        self._metrics)
+        self.grammars = ConstraintCompiler(tokenizer, spec.vocab_size, spec.eos_token_ids,
+                                           cache_dir=config.grammar_cache_dir)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batched_tokens,
                                    self.speculator.max_draft_nodes if self.speculator else None)
         if self.speculator is not None:
@@ -90,7 +97,7 @@ class Engine:
 
         def build() -> "Engine":
             model, tokenizer, spec = load_model(config.model_dir, config.torch_dtype, config.device,
-                                               config.weights)
+                                               config.weights, chat_template=config.chat_template)
             return cls(config, model, tokenizer, spec, torch_thread)
         return torch_thread.submit(build).result()
 
@@ -151,6 +158,7 @@ class Engine:
         # Joined, not only told to stop: a process that exits while this thread still runs
         # torch aborts at exit ("terminate called without an active exception", status 134).
         self._torch_thread.shutdown(timeout)
+        self.grammars.close()
         if self.speculator is not None:
             self.speculator.client.close()
 
@@ -161,14 +169,15 @@ class Engine:
                emit: Callable[[StepOutput], None], tenant_salt: str = "",
                plan: SpeculationPlan | None = None, bucket: str = "",
                span_context=None, priority: int = 0, report_confidence: bool = False,
-               n: int = 1) -> None:
+               n: int = 1, grammar=None) -> None:
         """Queues a request; raises InvalidRequest or Overloaded without queueing anything.
 
         `plan` asks for speculative decoding; it is ignored when no draft service is configured.
         `priority` orders admission and preemption; `report_confidence` fills the final
         output's `confidence` (services/target/speculation/confidence.py). `n` > 1 samples the
         prompt n times over one prefill (services/target/engine/samples.py); outputs carry
-        their sample's `index`.
+        their sample's `index`. `grammar` is the request's compiled constraint
+        (`self.grammars.compile`), None when unconstrained; each sample keeps its own state.
         """
         n = max(n, 1)
         self.validate(prompt_ids, sampling, n)
@@ -181,13 +190,14 @@ class Engine:
                 IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling.stop,
                                        sampling.skip_special_tokens, sampling.min_tokens),
                 group.emitter(index) if group else emit, extra_key=extra_key(self.name, tenant_salt),
-                plan=plan if self.speculator is not None else None,
+                plan=servable_plan(plan, grammar is not None, bool(self.config.draft_address)),
                 tenant_salt=tenant_salt, bucket=bucket, span_context=span_context if index == 0 else None,
                 priority=priority, confidence=Confidence() if report_confidence else None,
                 group=group, index=index, counted_admission=index > 0,  # the prompt is queued once
                 # each sample's penalties count its own output
                 logits_processor=LogitsProcessor.for_request(sampling, self.spec.eos_token_ids,
-                                                             len(prompt_ids)))
+                                                             len(prompt_ids)),
+                grammar=GrammarState(grammar, self.spec.vocab_size) if grammar is not None else None)
         seq = new_sample(0)
         seq.followers = [new_sample(i) for i in range(1, n)]
         with self._lock:
@@ -410,7 +420,7 @@ class Engine:
             elif item.samples:
                 for sampled_item in (item, *followers_of(item)):  # followers: the same row
                     plain.append(sampled_item)
-                    plain_rows.append(rows)
+                    plain_rows.append(masked_sample_rows(sampled_item.seq, rows))
         sampled, logprobs = sample_rows(
             torch.cat(plain_rows), [i.seq.sampling for i in plain], [i.seq.generator for i in plain],
             [i.seq.logits_processor for i in plain], [i.seq.token_ids for i in plain]) if plain else ([], [])

@@ -22,6 +22,7 @@ from dataclasses import dataclass, field, replace
 
 from services.target.engine.block_manager import BlockManager
 from services.target.engine.sequence import FinishReason, SeqStatus, Sequence
+from services.target.structured.hooks import commit_token
 
 
 @dataclass(frozen=True)
@@ -259,6 +260,7 @@ def _append(seq: Sequence, tokens: list[int], eos_token_ids: frozenset[int]) -> 
     """Appends committed tokens until one finishes the request."""
     committed, text, reason = [], "", None
     for token in tokens:
+        commit_token(seq, token)  # the grammar state follows committed tokens only
         seq.token_ids.append(token)
         committed.append(token)
         if token in eos_token_ids:  # ends the request; never text, even when specials are shown

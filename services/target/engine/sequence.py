@@ -115,6 +115,7 @@ class Sequence:
     group: "SampleGroup | None" = None
     index: int = 0
     followers: list["Sequence"] = field(default_factory=list)
+    grammar: object = None  # services/target/structured/grammar_state.GrammarState, when constrained
     num_prompt_tokens: int = field(init=False)
 
     def __post_init__(self) -> None:

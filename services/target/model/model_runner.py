@@ -150,7 +150,7 @@ def _tree_mask(inputs: list[StepInput]) -> torch.Tensor | None:
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu", weights: str = "none",
-               fuse: bool = True):
+               fuse: bool = True, chat_template: str = ""):
     """Loads any local Hugging Face causal LM with paged attention; returns (model, tokenizer, spec).
 
     `weights` picks how linear layers are stored and multiplied (services/target/model/linear.py).
@@ -162,6 +162,8 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu", weights
     attn = register_paged_attention()
     model, tokenizer = load_causal_lm(model_dir, dtype=dtype, device=device, attn_implementation=attn)
     model.eval()
+    from services.common.models.chat_templates import apply_chat_template_setting
+    log.info("chat template: %s", apply_chat_template_setting(tokenizer, chat_template))  # before the spec's end of turn
     spec = model_spec(model, tokenizer)
     if fuse:
         lean_forward.fuse(model)  # before packing: the fused weights get packed

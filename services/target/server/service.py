@@ -19,8 +19,9 @@ from services.common.metrics_interceptor import status_of
 from services.common.request_checks import BucketLabels, checked_plan, routing_violations
 from services.common.sampling_params import params_violations, sampling_from_proto
 from services.common.telemetry import record_error
-from services.target.server.chat import ChatTemplateError, chat_prompt_ids
+from services.target.server.chat import ChatTemplateError, chat_prompt_ids, tool_texts
 from services.target.server.logprob_chunks import TokenTexts, logprobs_proto
+from services.target.structured.request import compile_constraint
 from services.target.engine.engine import Engine, InvalidRequest, Overloaded
 from services.target.engine.engine_types import DuplicateRequest, EngineFailed
 from services.common.sample_count import sample_count_violations
@@ -69,6 +70,9 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set prompt or messages, not both")
         if not request.prompt and not request.messages:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
+        if request.tools and not request.messages:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tools need messages (a chat request)")
+        grammar = await compile_constraint(self.engine.grammars, request.sampling, context)  # None: unconstrained
         request_id = request.request_id or uuid.uuid4().hex
         loop = asyncio.get_running_loop()
         queue: asyncio.Queue[StepOutput] = asyncio.Queue()
@@ -79,7 +83,8 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
         # Tokenizing a large prompt takes a while: off the event loop, so other calls go on.
         if request.messages:
             try:
-                prompt_ids = await asyncio.to_thread(chat_prompt_ids, self.engine.tokenizer, request.messages)
+                prompt_ids = await asyncio.to_thread(chat_prompt_ids, self.engine.tokenizer, request.messages,
+                                                     request.tools)
             except ChatTemplateError as exc:
                 await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
         else:
@@ -99,7 +104,8 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
                 self.engine.submit(request_id, prompt_ids, sampling, emit, request.tenant_salt,
                                    plan=_plan(request.speculation), bucket=bucket,
                                    span_context=span.get_span_context(), priority=request.priority,
-                                   report_confidence=request.report_confidence, n=request.sampling.n)
+                                   report_confidence=request.report_confidence, n=request.sampling.n,
+                                   grammar=grammar)
                 submitted = True
             except DuplicateRequest as exc:  # the original keeps streaming
                 await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), "DUPLICATE_REQUEST_ID",
@@ -149,7 +155,7 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
     async def _check_sizes(self, request, context) -> None:
         """Prompt bytes and stop sequences within the limits (INVALID_ARGUMENT otherwise)."""
         problems = self.engine.config.limits.violations(
-            [request.prompt, *(m.content for m in request.messages)], request.sampling.stop,
+            [request.prompt, *(m.content for m in request.messages), *tool_texts(request)], request.sampling.stop,
             "messages" if request.messages else "prompt")
         if problems:
             await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "; ".join(v.description for v in problems),

@@ -64,6 +64,7 @@ class DraftClient:
         self._closed = False
         self._connecting = False
         self.connected = False
+        self.available = True  # a real service (speculation/no_draft_service.py: none)
 
     def connect(self) -> None:
         """Starts connecting in the background (the engine calls this when it starts)."""

@@ -22,6 +22,7 @@ from services.target.model.logprobs import token_logprobs
 from services.target.model.sampler import target_probs
 from services.target.engine.scheduler import ScheduledSeq
 from services.target.engine.sequence import Sequence
+from services.target.structured.hooks import draft_service_method, grammar_drafts, masked_verify_rows
 
 log = logging.getLogger(__name__)
 
@@ -61,16 +62,20 @@ class Speculator:
         """One batched draft call for every decoding sequence with a plan; {} on fallback."""
         seqs, requests = [], []
         slots = {item.seq.seq_id: item.num_draft_slots for item in batch}  # budgeted by the scheduler
-        for seq, depth in self._depths(batch):
+        depths = self._depths(batch)
+        forced = grammar_drafts((seq, min(depth, slots[seq.seq_id])) for seq, depth in depths)
+        for seq, depth in depths:
+            if seq.seq_id in forced or not self.client.available:
+                continue  # the grammar forces the next tokens: no draft-service round trip
             full = self.client.needs_resync(seq.seq_id)
             new = seq.token_ids if full else seq.token_ids[seq.draft_synced:]
             seqs.append(seq)
-            requests.append(DraftRequest(seq.seq_id, new, seq.plan.method, depth,
+            requests.append(DraftRequest(seq.seq_id, new, draft_service_method(seq.plan), depth,
                                          min(max(seq.plan.max_nodes, depth), slots[seq.seq_id]),
                                          seq.tenant_salt,
                                          traceparent(seq.span_context) if full else ""))
         if not requests:
-            return {}
+            return forced
         start = time.monotonic()
         result = self.client.propose(requests)
         window = (start, time.monotonic())
@@ -85,7 +90,7 @@ class Speculator:
                 self._metrics.fallback(seq)
             if not fallback:
                 seq.draft_synced = seq.num_tokens
-        return proposals
+        return {**proposals, **forced}
 
     def accept(self, seq: Sequence, rows: torch.Tensor,
                proposal: DraftTree) -> tuple[list[int], int, list | None]:
@@ -96,6 +101,7 @@ class Speculator:
         min_tokens apply to every row along its own root path (logits_processors.tree_paths).
         """
         n = len(proposal.token_ids)
+        rows = masked_verify_rows(seq, rows, proposal)  # each row masked along its node's path
         draft_tokens = torch.tensor([[seq.token_ids[-1], *proposal.token_ids]], dtype=torch.int64)
         parents = torch.tensor([[-1, *(p + 1 for p in proposal.parents)]], dtype=torch.int64)
         num_nodes = torch.tensor([n + 1], dtype=torch.int64)

@@ -22,9 +22,10 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
+from specmesh.proto.v1 import tools_pb2 as specmesh_dot_v1_dot_tools__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/common.proto\x12\x0bspecmesh.v1\"\x8c\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x10\n\x08has_seed\x18\x06 \x01(\x08\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12 \n\x13skip_special_tokens\x18\x08 \x01(\x08H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x12>\n\nlogit_bias\x18\x0c \x03(\x0b\x32*.specmesh.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x10\n\x08logprobs\x18\x0e \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\x05\x12\x14\n\x0craw_logprobs\x18\x10 \x01(\x08\x12\t\n\x01n\x18\x11 \x01(\x05\x12+\n\nconstraint\x18\x12 \x01(\x0b\x32\x17.specmesh.v1.Constraint\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x16\n\x14_skip_special_tokens\"\x91\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x17.specmesh.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12$\n\x03top\x18\x04 \x03(\x0b\x32\x17.specmesh.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\xac\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x17\n\x0fproposed_tokens\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\x05\x12\x17\n\x0frejected_tokens\x18\x06 \x01(\x05\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x07 \x01(\x02\x12\x14\n\x0cmean_logprob\x18\x08 \x01(\x02\x12\x13\n\x0bmin_logprob\x18\t \x01(\x02\x12\x13\n\x0bmean_margin\x18\n \x01(\x02\x12\x15\n\rverify_passes\x18\x0b \x01(\x05\x12\x16\n\x0e\x66\x61llback_steps\x18\x0c \x01(\x05\"\x95\x01\n\x0fSpeculationPlan\x12.\n\x06method\x18\x01 \x01(\x0e\x32\x1e.specmesh.v1.SpeculationMethod\x12\x11\n\tmax_depth\x18\x02 \x01(\x05\x12\x11\n\tmax_nodes\x18\x03 \x01(\x05\x12\x12\n\nload_aware\x18\x04 \x01(\x08\x12\x18\n\x10\x61\x63\x63\x65ptance_prior\x18\x05 \x01(\x02\",\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\"\xc1\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.specmesh.v1.Usage\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\x12\r\n\x05index\x18\x06 \x01(\x05*\x80\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03*\xe1\x01\n\x11SpeculationMethod\x12\"\n\x1eSPECULATION_METHOD_UNSPECIFIED\x10\x00\x12\x1a\n\x16SPECULATION_METHOD_OFF\x10\x01\x12$\n SPECULATION_METHOD_PROMPT_LOOKUP\x10\x02\x12\x1d\n\x19SPECULATION_METHOD_SUFFIX\x10\x03\x12\"\n\x1eSPECULATION_METHOD_DRAFT_MODEL\x10\x04\x12#\n\x1fSPECULATION_METHOD_DYNAMIC_TREE\x10\x05\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x18specmesh/v1/common.proto\x12\x0bspecmesh.v1\x1a\x17specmesh/v1/tools.proto\"\x8c\x04\n\x0eSamplingParams\x12\x12\n\nmax_tokens\x18\x01 \x01(\x05\x12\x13\n\x0btemperature\x18\x02 \x01(\x02\x12\r\n\x05top_k\x18\x03 \x01(\x05\x12\r\n\x05top_p\x18\x04 \x01(\x02\x12\x0c\n\x04seed\x18\x05 \x01(\x04\x12\x10\n\x08has_seed\x18\x06 \x01(\x08\x12\x0c\n\x04stop\x18\x07 \x03(\t\x12 \n\x13skip_special_tokens\x18\x08 \x01(\x08H\x00\x88\x01\x01\x12\x18\n\x10presence_penalty\x18\t \x01(\x02\x12\x19\n\x11\x66requency_penalty\x18\n \x01(\x02\x12\x1a\n\x12repetition_penalty\x18\x0b \x01(\x02\x12>\n\nlogit_bias\x18\x0c \x03(\x0b\x32*.specmesh.v1.SamplingParams.LogitBiasEntry\x12\x12\n\nmin_tokens\x18\r \x01(\x05\x12\x10\n\x08logprobs\x18\x0e \x01(\x08\x12\x14\n\x0ctop_logprobs\x18\x0f \x01(\x05\x12\x14\n\x0craw_logprobs\x18\x10 \x01(\x08\x12\t\n\x01n\x18\x11 \x01(\x05\x12+\n\nconstraint\x18\x12 \x01(\x0b\x32\x17.specmesh.v1.Constraint\x1a\x30\n\x0eLogitBiasEntry\x12\x0b\n\x03key\x18\x01 \x01(\x05\x12\r\n\x05value\x18\x02 \x01(\x02:\x02\x38\x01\x42\x16\n\x14_skip_special_tokens\"\x91\x01\n\nConstraint\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12)\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x17.specmesh.v1.ChoiceListH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x06\n\x04kind\"\x1d\n\nChoiceList\x12\x0f\n\x07\x63hoices\x18\x01 \x03(\t\"f\n\x0cTokenLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\x12$\n\x03top\x18\x04 \x03(\x0b\x32\x17.specmesh.v1.TopLogprob\">\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\r\n\x05token\x18\x02 \x01(\t\x12\x0f\n\x07logprob\x18\x03 \x01(\x02\"\xac\x02\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\x05\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x02 \x01(\x05\x12\x19\n\x11\x63ompletion_tokens\x18\x03 \x01(\x05\x12\x17\n\x0fproposed_tokens\x18\x04 \x01(\x05\x12\x17\n\x0f\x61\x63\x63\x65pted_tokens\x18\x05 \x01(\x05\x12\x17\n\x0frejected_tokens\x18\x06 \x01(\x05\x12\x19\n\x11\x61\x63\x63\x65ptance_length\x18\x07 \x01(\x02\x12\x14\n\x0cmean_logprob\x18\x08 \x01(\x02\x12\x13\n\x0bmin_logprob\x18\t \x01(\x02\x12\x13\n\x0bmean_margin\x18\n \x01(\x02\x12\x15\n\rverify_passes\x18\x0b \x01(\x05\x12\x16\n\x0e\x66\x61llback_steps\x18\x0c \x01(\x05\"\x95\x01\n\x0fSpeculationPlan\x12.\n\x06method\x18\x01 \x01(\x0e\x32\x1e.specmesh.v1.SpeculationMethod\x12\x11\n\tmax_depth\x18\x02 \x01(\x05\x12\x11\n\tmax_nodes\x18\x03 \x01(\x05\x12\x12\n\nload_aware\x18\x04 \x01(\x08\x12\x18\n\x10\x61\x63\x63\x65ptance_prior\x18\x05 \x01(\x02\"{\n\x0b\x43hatMessage\x12\x0c\n\x04role\x18\x01 \x01(\t\x12\x0f\n\x07\x63ontent\x18\x02 \x01(\t\x12)\n\ntool_calls\x18\x03 \x03(\x0b\x32\x15.specmesh.v1.ToolCall\x12\x14\n\x0ctool_call_id\x18\x04 \x01(\t\x12\x0c\n\x04name\x18\x05 \x01(\t\"\xc1\x01\n\rGenerateChunk\x12\x0c\n\x04text\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x30\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x19.specmesh.v1.FinishReason\x12!\n\x05usage\x18\x04 \x01(\x0b\x32\x12.specmesh.v1.Usage\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.specmesh.v1.TokenLogprob\x12\r\n\x05index\x18\x06 \x01(\x05*\x80\x01\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x1f\n\x1b\x46INISH_REASON_STOP_SEQUENCE\x10\x03*\x81\x02\n\x11SpeculationMethod\x12\"\n\x1eSPECULATION_METHOD_UNSPECIFIED\x10\x00\x12\x1a\n\x16SPECULATION_METHOD_OFF\x10\x01\x12$\n SPECULATION_METHOD_PROMPT_LOOKUP\x10\x02\x12\x1d\n\x19SPECULATION_METHOD_SUFFIX\x10\x03\x12\"\n\x1eSPECULATION_METHOD_DRAFT_MODEL\x10\x04\x12#\n\x1fSPECULATION_METHOD_DYNAMIC_TREE\x10\x05\x12\x1e\n\x1aSPECULATION_METHOD_GRAMMAR\x10\x06\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,28 +34,28 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._loaded_options = None
   _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_options = b'8\001'
-  _globals['_FINISHREASON']._serialized_start=1613
-  _globals['_FINISHREASON']._serialized_end=1741
-  _globals['_SPECULATIONMETHOD']._serialized_start=1744
-  _globals['_SPECULATIONMETHOD']._serialized_end=1969
-  _globals['_SAMPLINGPARAMS']._serialized_start=42
-  _globals['_SAMPLINGPARAMS']._serialized_end=566
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=494
-  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=542
-  _globals['_CONSTRAINT']._serialized_start=569
-  _globals['_CONSTRAINT']._serialized_end=714
-  _globals['_CHOICELIST']._serialized_start=716
-  _globals['_CHOICELIST']._serialized_end=745
-  _globals['_TOKENLOGPROB']._serialized_start=747
-  _globals['_TOKENLOGPROB']._serialized_end=849
-  _globals['_TOPLOGPROB']._serialized_start=851
-  _globals['_TOPLOGPROB']._serialized_end=913
-  _globals['_USAGE']._serialized_start=916
-  _globals['_USAGE']._serialized_end=1216
-  _globals['_SPECULATIONPLAN']._serialized_start=1219
-  _globals['_SPECULATIONPLAN']._serialized_end=1368
-  _globals['_CHATMESSAGE']._serialized_start=1370
-  _globals['_CHATMESSAGE']._serialized_end=1414
-  _globals['_GENERATECHUNK']._serialized_start=1417
-  _globals['_GENERATECHUNK']._serialized_end=1610
+  _globals['_FINISHREASON']._serialized_start=1717
+  _globals['_FINISHREASON']._serialized_end=1845
+  _globals['_SPECULATIONMETHOD']._serialized_start=1848
+  _globals['_SPECULATIONMETHOD']._serialized_end=2105
+  _globals['_SAMPLINGPARAMS']._serialized_start=67
+  _globals['_SAMPLINGPARAMS']._serialized_end=591
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_start=519
+  _globals['_SAMPLINGPARAMS_LOGITBIASENTRY']._serialized_end=567
+  _globals['_CONSTRAINT']._serialized_start=594
+  _globals['_CONSTRAINT']._serialized_end=739
+  _globals['_CHOICELIST']._serialized_start=741
+  _globals['_CHOICELIST']._serialized_end=770
+  _globals['_TOKENLOGPROB']._serialized_start=772
+  _globals['_TOKENLOGPROB']._serialized_end=874
+  _globals['_TOPLOGPROB']._serialized_start=876
+  _globals['_TOPLOGPROB']._serialized_end=938
+  _globals['_USAGE']._serialized_start=941
+  _globals['_USAGE']._serialized_end=1241
+  _globals['_SPECULATIONPLAN']._serialized_start=1244
+  _globals['_SPECULATIONPLAN']._serialized_end=1393
+  _globals['_CHATMESSAGE']._serialized_start=1395
+  _globals['_CHATMESSAGE']._serialized_end=1518
+  _globals['_GENERATECHUNK']._serialized_start=1521
+  _globals['_GENERATECHUNK']._serialized_end=1714
 # @@protoc_insertion_point(module_scope)

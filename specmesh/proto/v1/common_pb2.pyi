@@ -1,3 +1,4 @@
+from specmesh.proto.v1 import tools_pb2 as _tools_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
 from google.protobuf import descriptor as _descriptor
@@ -22,6 +23,7 @@ class SpeculationMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SPECULATION_METHOD_SUFFIX: _ClassVar[SpeculationMethod]
     SPECULATION_METHOD_DRAFT_MODEL: _ClassVar[SpeculationMethod]
     SPECULATION_METHOD_DYNAMIC_TREE: _ClassVar[SpeculationMethod]
+    SPECULATION_METHOD_GRAMMAR: _ClassVar[SpeculationMethod]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -32,6 +34,7 @@ SPECULATION_METHOD_PROMPT_LOOKUP: SpeculationMethod
 SPECULATION_METHOD_SUFFIX: SpeculationMethod
 SPECULATION_METHOD_DRAFT_MODEL: SpeculationMethod
 SPECULATION_METHOD_DYNAMIC_TREE: SpeculationMethod
+SPECULATION_METHOD_GRAMMAR: SpeculationMethod
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "has_seed", "stop", "skip_special_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "logprobs", "top_logprobs", "raw_logprobs", "n", "constraint")
@@ -165,12 +168,18 @@ class SpeculationPlan(_message.Message):
     def __init__(self, method: _Optional[_Union[SpeculationMethod, str]] = ..., max_depth: _Optional[int] = ..., max_nodes: _Optional[int] = ..., load_aware: _Optional[bool] = ..., acceptance_prior: _Optional[float] = ...) -> None: ...
 
 class ChatMessage(_message.Message):
-    __slots__ = ("role", "content")
+    __slots__ = ("role", "content", "tool_calls", "tool_call_id", "name")
     ROLE_FIELD_NUMBER: _ClassVar[int]
     CONTENT_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALLS_FIELD_NUMBER: _ClassVar[int]
+    TOOL_CALL_ID_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
     role: str
     content: str
-    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ...) -> None: ...
+    tool_calls: _containers.RepeatedCompositeFieldContainer[_tools_pb2.ToolCall]
+    tool_call_id: str
+    name: str
+    def __init__(self, role: _Optional[str] = ..., content: _Optional[str] = ..., tool_calls: _Optional[_Iterable[_Union[_tools_pb2.ToolCall, _Mapping]]] = ..., tool_call_id: _Optional[str] = ..., name: _Optional[str] = ...) -> None: ...
 
 class GenerateChunk(_message.Message):
     __slots__ = ("text", "token_ids", "finish_reason", "usage", "logprobs", "index")

@@ -24,45 +24,54 @@ _sym_db = _symbol_database.Default()
 
 from specmesh.proto.v1 import cache_service_pb2 as specmesh_dot_v1_dot_cache__service__pb2
 from specmesh.proto.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
+from specmesh.proto.v1 import tools_pb2 as specmesh_dot_v1_dot_tools__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n specmesh/v1/router_service.proto\x12\x0bspecmesh.v1\x1a\x1fspecmesh/v1/cache_service.proto\x1a\x18specmesh/v1/common.proto\"R\n\x16IngestDocumentsRequest\x12\x0e\n\x06\x63orpus\x18\x01 \x01(\t\x12(\n\tdocuments\x18\x02 \x03(\x0b\x32\x15.specmesh.v1.Document\"H\n\x17IngestDocumentsResponse\x12\x16\n\x0e\x63orpus_version\x18\x01 \x01(\x03\x12\x15\n\rnum_documents\x18\x02 \x01(\x05\"5\n\x16RemoveDocumentsRequest\x12\x0e\n\x06\x63orpus\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\t\"B\n\x17RemoveDocumentsResponse\x12\x16\n\x0e\x63orpus_version\x18\x01 \x01(\x03\x12\x0f\n\x07removed\x18\x02 \x01(\x05\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x05pools\x18\x01 \x03(\x0b\x32\x16.specmesh.v1.ModelPool\"k\n\tModelPool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\x05\x12,\n\x08replicas\x18\x04 \x03(\x0b\x32\x1a.specmesh.v1.ReplicaStatus\"\xe2\x01\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x11\n\thas_stats\x18\x03 \x01(\x08\x12\x18\n\x10running_requests\x18\x04 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x05 \x01(\x05\x12\x15\n\rqueued_tokens\x18\x06 \x01(\x03\x12\x12\n\nnum_blocks\x18\x07 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x08 \x01(\x05\x12\x15\n\rcached_blocks\x18\t \x01(\x05\x12\x11\n\tin_flight\x18\n \x01(\x05\"\xba\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\r\n\x05model\x18\x03 \x01(\t\x12-\n\tretrieval\x18\x04 \x01(\x0b\x32\x1a.specmesh.v1.RetrievalSpec\x12*\n\x08messages\x18\x05 \x03(\x0b\x32\x18.specmesh.v1.ChatMessage\"9\n\rRetrievalSpec\x12\x0e\n\x06\x63orpus\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12\t\n\x01k\x18\x03 \x01(\x05\"\x90\x01\n\x0fRetrievalReport\x12\x34\n\tdocuments\x18\x01 \x03(\x0b\x32!.specmesh.v1.RetrievedDocumentRef\x12\x11\n\tcache_hit\x18\x02 \x01(\x08\x12\x16\n\x0e\x63orpus_version\x18\x03 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\x05\"3\n\x14RetrievedDocumentRef\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\x97\x01\n\x10GenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1a.specmesh.v1.GenerateChunk\x12/\n\tretrieval\x18\x02 \x01(\x0b\x32\x1c.specmesh.v1.RetrievalReport\x12\'\n\x05route\x18\x03 \x01(\x0b\x32\x18.specmesh.v1.RouteRecord\"\x84\x02\n\x0bRouteRecord\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x0f\n\x07replica\x18\x03 \x01(\t\x12\x31\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1c.specmesh.v1.SpeculationPlan\x12\x11\n\tescalated\x18\x05 \x01(\x08\x12\x16\n\x0e\x65scalated_from\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12&\n\x05score\x18\x08 \x01(\x0b\x32\x17.specmesh.v1.RouteScore\x12\x1f\n\x17predicted_cached_tokens\x18\t \x01(\x05\x12\x0f\n\x07retried\x18\n \x01(\x08\"[\n\nRouteScore\x12\x0c\n\x04\x63ost\x18\x01 \x01(\x01\x12\x11\n\tlatency_s\x18\x02 \x01(\x01\x12\x0f\n\x07quality\x18\x03 \x01(\x01\x12\x0c\n\x04risk\x18\x04 \x01(\x01\x12\r\n\x05total\x18\x05 \x01(\x01\x32\xe5\x02\n\rRouterService\x12I\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse0\x01\x12M\n\nListModels\x12\x1e.specmesh.v1.ListModelsRequest\x1a\x1f.specmesh.v1.ListModelsResponse\x12\\\n\x0fIngestDocuments\x12#.specmesh.v1.IngestDocumentsRequest\x1a$.specmesh.v1.IngestDocumentsResponse\x12\\\n\x0fRemoveDocuments\x12#.specmesh.v1.RemoveDocumentsRequest\x1a$.specmesh.v1.RemoveDocumentsResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n specmesh/v1/router_service.proto\x12\x0bspecmesh.v1\x1a\x1fspecmesh/v1/cache_service.proto\x1a\x18specmesh/v1/common.proto\x1a\x17specmesh/v1/tools.proto\"g\n\x17LookupToolResultRequest\x12\x0c\n\x04tool\x18\x01 \x01(\t\x12\x14\n\x0ctool_version\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\x12\x10\n\x08lease_ms\x18\x04 \x01(\x05\"\x95\x01\n\x18LookupToolResultResponse\x12/\n\x07outcome\x18\x01 \x01(\x0e\x32\x1e.specmesh.v1.ToolLookupOutcome\x12\r\n\x05value\x18\x02 \x01(\x0c\x12\x10\n\x08is_error\x18\x03 \x01(\x08\x12\x15\n\rerror_message\x18\x04 \x01(\t\x12\x10\n\x08lease_id\x18\x05 \x01(\t\"\xaf\x01\n\x16StoreToolResultRequest\x12\x0c\n\x04tool\x18\x01 \x01(\t\x12\x14\n\x0ctool_version\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x0f\n\x05value\x18\x05 \x01(\x0cH\x00\x12\x17\n\rerror_message\x18\x06 \x01(\tH\x00\x12\x13\n\x0bttl_seconds\x18\x07 \x01(\x05\x42\x08\n\x06result\"\x19\n\x17StoreToolResultResponse\"R\n\x16IngestDocumentsRequest\x12\x0e\n\x06\x63orpus\x18\x01 \x01(\t\x12(\n\tdocuments\x18\x02 \x03(\x0b\x32\x15.specmesh.v1.Document\"H\n\x17IngestDocumentsResponse\x12\x16\n\x0e\x63orpus_version\x18\x01 \x01(\x03\x12\x15\n\rnum_documents\x18\x02 \x01(\x05\"5\n\x16RemoveDocumentsRequest\x12\x0e\n\x06\x63orpus\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\t\"B\n\x17RemoveDocumentsResponse\x12\x16\n\x0e\x63orpus_version\x18\x01 \x01(\x03\x12\x0f\n\x07removed\x18\x02 \x01(\x05\"\x13\n\x11ListModelsRequest\";\n\x12ListModelsResponse\x12%\n\x05pools\x18\x01 \x03(\x0b\x32\x16.specmesh.v1.ModelPool\"k\n\tModelPool\x12\x0c\n\x04name\x18\x01 \x01(\t\x12\r\n\x05model\x18\x02 \x01(\t\x12\x13\n\x0bmax_context\x18\x03 \x01(\x05\x12,\n\x08replicas\x18\x04 \x03(\x0b\x32\x1a.specmesh.v1.ReplicaStatus\"\xe2\x01\n\rReplicaStatus\x12\x0f\n\x07\x61\x64\x64ress\x18\x01 \x01(\t\x12\x0f\n\x07healthy\x18\x02 \x01(\x08\x12\x11\n\thas_stats\x18\x03 \x01(\x08\x12\x18\n\x10running_requests\x18\x04 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x05 \x01(\x05\x12\x15\n\rqueued_tokens\x18\x06 \x01(\x03\x12\x12\n\nnum_blocks\x18\x07 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x08 \x01(\x05\x12\x15\n\rcached_blocks\x18\t \x01(\x05\x12\x11\n\tin_flight\x18\n \x01(\x05\"\xdc\x01\n\x0fGenerateRequest\x12\x0e\n\x06prompt\x18\x01 \x01(\t\x12-\n\x08sampling\x18\x02 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\r\n\x05model\x18\x03 \x01(\t\x12-\n\tretrieval\x18\x04 \x01(\x0b\x32\x1a.specmesh.v1.RetrievalSpec\x12*\n\x08messages\x18\x05 \x03(\x0b\x32\x18.specmesh.v1.ChatMessage\x12 \n\x05tools\x18\x07 \x03(\x0b\x32\x11.specmesh.v1.Tool\"9\n\rRetrievalSpec\x12\x0e\n\x06\x63orpus\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12\t\n\x01k\x18\x03 \x01(\x05\"\x90\x01\n\x0fRetrievalReport\x12\x34\n\tdocuments\x18\x01 \x03(\x0b\x32!.specmesh.v1.RetrievedDocumentRef\x12\x11\n\tcache_hit\x18\x02 \x01(\x08\x12\x16\n\x0e\x63orpus_version\x18\x03 \x01(\x03\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x04 \x01(\x05\"3\n\x14RetrievedDocumentRef\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x03\"\x97\x01\n\x10GenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1a.specmesh.v1.GenerateChunk\x12/\n\tretrieval\x18\x02 \x01(\x0b\x32\x1c.specmesh.v1.RetrievalReport\x12\'\n\x05route\x18\x03 \x01(\x0b\x32\x18.specmesh.v1.RouteRecord\"\x84\x02\n\x0bRouteRecord\x12\x0e\n\x06\x62ucket\x18\x01 \x01(\t\x12\x0c\n\x04pool\x18\x02 \x01(\t\x12\x0f\n\x07replica\x18\x03 \x01(\t\x12\x31\n\x0bspeculation\x18\x04 \x01(\x0b\x32\x1c.specmesh.v1.SpeculationPlan\x12\x11\n\tescalated\x18\x05 \x01(\x08\x12\x16\n\x0e\x65scalated_from\x18\x06 \x01(\t\x12\x0e\n\x06reason\x18\x07 \x01(\t\x12&\n\x05score\x18\x08 \x01(\x0b\x32\x17.specmesh.v1.RouteScore\x12\x1f\n\x17predicted_cached_tokens\x18\t \x01(\x05\x12\x0f\n\x07retried\x18\n \x01(\x08\"[\n\nRouteScore\x12\x0c\n\x04\x63ost\x18\x01 \x01(\x01\x12\x11\n\tlatency_s\x18\x02 \x01(\x01\x12\x0f\n\x07quality\x18\x03 \x01(\x01\x12\x0c\n\x04risk\x18\x04 \x01(\x01\x12\r\n\x05total\x18\x05 \x01(\x01\x32\xa4\x04\n\rRouterService\x12I\n\x08Generate\x12\x1c.specmesh.v1.GenerateRequest\x1a\x1d.specmesh.v1.GenerateResponse0\x01\x12M\n\nListModels\x12\x1e.specmesh.v1.ListModelsRequest\x1a\x1f.specmesh.v1.ListModelsResponse\x12\\\n\x0fIngestDocuments\x12#.specmesh.v1.IngestDocumentsRequest\x1a$.specmesh.v1.IngestDocumentsResponse\x12\\\n\x0fRemoveDocuments\x12#.specmesh.v1.RemoveDocumentsRequest\x1a$.specmesh.v1.RemoveDocumentsResponse\x12_\n\x10LookupToolResult\x12$.specmesh.v1.LookupToolResultRequest\x1a%.specmesh.v1.LookupToolResultResponse\x12\\\n\x0fStoreToolResult\x12#.specmesh.v1.StoreToolResultRequest\x1a$.specmesh.v1.StoreToolResultResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.router_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_INGESTDOCUMENTSREQUEST']._serialized_start=108
-  _globals['_INGESTDOCUMENTSREQUEST']._serialized_end=190
-  _globals['_INGESTDOCUMENTSRESPONSE']._serialized_start=192
-  _globals['_INGESTDOCUMENTSRESPONSE']._serialized_end=264
-  _globals['_REMOVEDOCUMENTSREQUEST']._serialized_start=266
-  _globals['_REMOVEDOCUMENTSREQUEST']._serialized_end=319
-  _globals['_REMOVEDOCUMENTSRESPONSE']._serialized_start=321
-  _globals['_REMOVEDOCUMENTSRESPONSE']._serialized_end=387
-  _globals['_LISTMODELSREQUEST']._serialized_start=389
-  _globals['_LISTMODELSREQUEST']._serialized_end=408
-  _globals['_LISTMODELSRESPONSE']._serialized_start=410
-  _globals['_LISTMODELSRESPONSE']._serialized_end=469
-  _globals['_MODELPOOL']._serialized_start=471
-  _globals['_MODELPOOL']._serialized_end=578
-  _globals['_REPLICASTATUS']._serialized_start=581
-  _globals['_REPLICASTATUS']._serialized_end=807
-  _globals['_GENERATEREQUEST']._serialized_start=810
-  _globals['_GENERATEREQUEST']._serialized_end=996
-  _globals['_RETRIEVALSPEC']._serialized_start=998
-  _globals['_RETRIEVALSPEC']._serialized_end=1055
-  _globals['_RETRIEVALREPORT']._serialized_start=1058
-  _globals['_RETRIEVALREPORT']._serialized_end=1202
-  _globals['_RETRIEVEDDOCUMENTREF']._serialized_start=1204
-  _globals['_RETRIEVEDDOCUMENTREF']._serialized_end=1255
-  _globals['_GENERATERESPONSE']._serialized_start=1258
-  _globals['_GENERATERESPONSE']._serialized_end=1409
-  _globals['_ROUTERECORD']._serialized_start=1412
-  _globals['_ROUTERECORD']._serialized_end=1672
-  _globals['_ROUTESCORE']._serialized_start=1674
-  _globals['_ROUTESCORE']._serialized_end=1765
-  _globals['_ROUTERSERVICE']._serialized_start=1768
-  _globals['_ROUTERSERVICE']._serialized_end=2125
+  _globals['_LOOKUPTOOLRESULTREQUEST']._serialized_start=133
+  _globals['_LOOKUPTOOLRESULTREQUEST']._serialized_end=236
+  _globals['_LOOKUPTOOLRESULTRESPONSE']._serialized_start=239
+  _globals['_LOOKUPTOOLRESULTRESPONSE']._serialized_end=388
+  _globals['_STORETOOLRESULTREQUEST']._serialized_start=391
+  _globals['_STORETOOLRESULTREQUEST']._serialized_end=566
+  _globals['_STORETOOLRESULTRESPONSE']._serialized_start=568
+  _globals['_STORETOOLRESULTRESPONSE']._serialized_end=593
+  _globals['_INGESTDOCUMENTSREQUEST']._serialized_start=595
+  _globals['_INGESTDOCUMENTSREQUEST']._serialized_end=677
+  _globals['_INGESTDOCUMENTSRESPONSE']._serialized_start=679
+  _globals['_INGESTDOCUMENTSRESPONSE']._serialized_end=751
+  _globals['_REMOVEDOCUMENTSREQUEST']._serialized_start=753
+  _globals['_REMOVEDOCUMENTSREQUEST']._serialized_end=806
+  _globals['_REMOVEDOCUMENTSRESPONSE']._serialized_start=808
+  _globals['_REMOVEDOCUMENTSRESPONSE']._serialized_end=874
+  _globals['_LISTMODELSREQUEST']._serialized_start=876
+  _globals['_LISTMODELSREQUEST']._serialized_end=895
+  _globals['_LISTMODELSRESPONSE']._serialized_start=897
+  _globals['_LISTMODELSRESPONSE']._serialized_end=956
+  _globals['_MODELPOOL']._serialized_start=958
+  _globals['_MODELPOOL']._serialized_end=1065
+  _globals['_REPLICASTATUS']._serialized_start=1068
+  _globals['_REPLICASTATUS']._serialized_end=1294
+  _globals['_GENERATEREQUEST']._serialized_start=1297
+  _globals['_GENERATEREQUEST']._serialized_end=1517
+  _globals['_RETRIEVALSPEC']._serialized_start=1519
+  _globals['_RETRIEVALSPEC']._serialized_end=1576
+  _globals['_RETRIEVALREPORT']._serialized_start=1579
+  _globals['_RETRIEVALREPORT']._serialized_end=1723
+  _globals['_RETRIEVEDDOCUMENTREF']._serialized_start=1725
+  _globals['_RETRIEVEDDOCUMENTREF']._serialized_end=1776
+  _globals['_GENERATERESPONSE']._serialized_start=1779
+  _globals['_GENERATERESPONSE']._serialized_end=1930
+  _globals['_ROUTERECORD']._serialized_start=1933
+  _globals['_ROUTERECORD']._serialized_end=2193
+  _globals['_ROUTESCORE']._serialized_start=2195
+  _globals['_ROUTESCORE']._serialized_end=2286
+  _globals['_ROUTERSERVICE']._serialized_start=2289
+  _globals['_ROUTERSERVICE']._serialized_end=2837
 # @@protoc_insertion_point(module_scope)

@@ -1,5 +1,6 @@
 from specmesh.proto.v1 import cache_service_pb2 as _cache_service_pb2
 from specmesh.proto.v1 import common_pb2 as _common_pb2
+from specmesh.proto.v1 import tools_pb2 as _tools_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message
@@ -7,6 +8,54 @@ from collections.abc import Iterable as _Iterable, Mapping as _Mapping
 from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 
 DESCRIPTOR: _descriptor.FileDescriptor
+
+class LookupToolResultRequest(_message.Message):
+    __slots__ = ("tool", "tool_version", "arguments_json", "lease_ms")
+    TOOL_FIELD_NUMBER: _ClassVar[int]
+    TOOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    LEASE_MS_FIELD_NUMBER: _ClassVar[int]
+    tool: str
+    tool_version: str
+    arguments_json: str
+    lease_ms: int
+    def __init__(self, tool: _Optional[str] = ..., tool_version: _Optional[str] = ..., arguments_json: _Optional[str] = ..., lease_ms: _Optional[int] = ...) -> None: ...
+
+class LookupToolResultResponse(_message.Message):
+    __slots__ = ("outcome", "value", "is_error", "error_message", "lease_id")
+    OUTCOME_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    IS_ERROR_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    outcome: _cache_service_pb2.ToolLookupOutcome
+    value: bytes
+    is_error: bool
+    error_message: str
+    lease_id: str
+    def __init__(self, outcome: _Optional[_Union[_cache_service_pb2.ToolLookupOutcome, str]] = ..., value: _Optional[bytes] = ..., is_error: _Optional[bool] = ..., error_message: _Optional[str] = ..., lease_id: _Optional[str] = ...) -> None: ...
+
+class StoreToolResultRequest(_message.Message):
+    __slots__ = ("tool", "tool_version", "arguments_json", "lease_id", "value", "error_message", "ttl_seconds")
+    TOOL_FIELD_NUMBER: _ClassVar[int]
+    TOOL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_JSON_FIELD_NUMBER: _ClassVar[int]
+    LEASE_ID_FIELD_NUMBER: _ClassVar[int]
+    VALUE_FIELD_NUMBER: _ClassVar[int]
+    ERROR_MESSAGE_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    tool: str
+    tool_version: str
+    arguments_json: str
+    lease_id: str
+    value: bytes
+    error_message: str
+    ttl_seconds: int
+    def __init__(self, tool: _Optional[str] = ..., tool_version: _Optional[str] = ..., arguments_json: _Optional[str] = ..., lease_id: _Optional[str] = ..., value: _Optional[bytes] = ..., error_message: _Optional[str] = ..., ttl_seconds: _Optional[int] = ...) -> None: ...
+
+class StoreToolResultResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class IngestDocumentsRequest(_message.Message):
     __slots__ = ("corpus", "documents")
@@ -87,18 +136,20 @@ class ReplicaStatus(_message.Message):
     def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., has_stats: _Optional[bool] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., in_flight: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
-    __slots__ = ("prompt", "sampling", "model", "retrieval", "messages")
+    __slots__ = ("prompt", "sampling", "model", "retrieval", "messages", "tools")
     PROMPT_FIELD_NUMBER: _ClassVar[int]
     SAMPLING_FIELD_NUMBER: _ClassVar[int]
     MODEL_FIELD_NUMBER: _ClassVar[int]
     RETRIEVAL_FIELD_NUMBER: _ClassVar[int]
     MESSAGES_FIELD_NUMBER: _ClassVar[int]
+    TOOLS_FIELD_NUMBER: _ClassVar[int]
     prompt: str
     sampling: _common_pb2.SamplingParams
     model: str
     retrieval: RetrievalSpec
     messages: _containers.RepeatedCompositeFieldContainer[_common_pb2.ChatMessage]
-    def __init__(self, prompt: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., retrieval: _Optional[_Union[RetrievalSpec, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ...) -> None: ...
+    tools: _containers.RepeatedCompositeFieldContainer[_tools_pb2.Tool]
+    def __init__(self, prompt: _Optional[str] = ..., sampling: _Optional[_Union[_common_pb2.SamplingParams, _Mapping]] = ..., model: _Optional[str] = ..., retrieval: _Optional[_Union[RetrievalSpec, _Mapping]] = ..., messages: _Optional[_Iterable[_Union[_common_pb2.ChatMessage, _Mapping]]] = ..., tools: _Optional[_Iterable[_Union[_tools_pb2.Tool, _Mapping]]] = ...) -> None: ...
 
 class RetrievalSpec(_message.Message):
     __slots__ = ("corpus", "query", "k")

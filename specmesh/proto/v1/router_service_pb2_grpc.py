@@ -57,6 +57,16 @@ class RouterServiceStub:
                 request_serializer=specmesh_dot_v1_dot_router__service__pb2.RemoveDocumentsRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_router__service__pb2.RemoveDocumentsResponse.FromString,
                 _registered_method=True)
+        self.LookupToolResult = channel.unary_unary(
+                '/specmesh.v1.RouterService/LookupToolResult',
+                request_serializer=specmesh_dot_v1_dot_router__service__pb2.LookupToolResultRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_router__service__pb2.LookupToolResultResponse.FromString,
+                _registered_method=True)
+        self.StoreToolResult = channel.unary_unary(
+                '/specmesh.v1.RouterService/StoreToolResult',
+                request_serializer=specmesh_dot_v1_dot_router__service__pb2.StoreToolResultRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_router__service__pb2.StoreToolResultResponse.FromString,
+                _registered_method=True)
 
 
 class RouterServiceServicer:
@@ -110,6 +120,32 @@ class RouterServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def LookupToolResult(self, request, context):
+        """Looks up a tool result in the cache service's tool-result cache for the
+        caller's tenant (the key is tenant, tool, version and the canonical JSON
+        of the arguments; the tenant comes from the token). On a miss the first
+        caller gets a lease and must compute and StoreToolResult the result;
+        concurrent callers wait for it (single flight).
+        Errors: UNAUTHENTICATED, INVALID_ARGUMENT (empty or oversized tool or
+        version, arguments not JSON or oversized, lease_ms out of range),
+        DEADLINE_EXCEEDED (still waiting at the caller's deadline),
+        FAILED_PRECONDITION (no cache service configured), UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def StoreToolResult(self, request, context):
+        """Stores the result (a value, or an error cached briefly) of a tool call
+        the caller holds the lease for, and releases the lease.
+        Errors: UNAUTHENTICATED, INVALID_ARGUMENT (as ToolLookup, value or error
+        over the limit, ttl out of range), FAILED_PRECONDITION (another caller
+        holds the lease now, or no cache service configured), UNAVAILABLE.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RouterServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -132,6 +168,16 @@ def add_RouterServiceServicer_to_server(servicer, server):
                     servicer.RemoveDocuments,
                     request_deserializer=specmesh_dot_v1_dot_router__service__pb2.RemoveDocumentsRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_router__service__pb2.RemoveDocumentsResponse.SerializeToString,
+            ),
+            'LookupToolResult': grpc.unary_unary_rpc_method_handler(
+                    servicer.LookupToolResult,
+                    request_deserializer=specmesh_dot_v1_dot_router__service__pb2.LookupToolResultRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_router__service__pb2.LookupToolResultResponse.SerializeToString,
+            ),
+            'StoreToolResult': grpc.unary_unary_rpc_method_handler(
+                    servicer.StoreToolResult,
+                    request_deserializer=specmesh_dot_v1_dot_router__service__pb2.StoreToolResultRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_router__service__pb2.StoreToolResultResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -245,6 +291,60 @@ class RouterService:
             '/specmesh.v1.RouterService/RemoveDocuments',
             specmesh_dot_v1_dot_router__service__pb2.RemoveDocumentsRequest.SerializeToString,
             specmesh_dot_v1_dot_router__service__pb2.RemoveDocumentsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def LookupToolResult(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.RouterService/LookupToolResult',
+            specmesh_dot_v1_dot_router__service__pb2.LookupToolResultRequest.SerializeToString,
+            specmesh_dot_v1_dot_router__service__pb2.LookupToolResultResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def StoreToolResult(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.RouterService/StoreToolResult',
+            specmesh_dot_v1_dot_router__service__pb2.StoreToolResultRequest.SerializeToString,
+            specmesh_dot_v1_dot_router__service__pb2.StoreToolResultResponse.FromString,
             options,
             channel_credentials,
             insecure,

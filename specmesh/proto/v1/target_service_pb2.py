@@ -23,31 +23,32 @@ _sym_db = _symbol_database.Default()
 
 
 from specmesh.proto.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
+from specmesh.proto.v1 import tools_pb2 as specmesh_dot_v1_dot_tools__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n specmesh/v1/target_service.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\xa2\x02\n\x1cTargetServiceGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x13\n\x0btenant_salt\x18\x04 \x01(\t\x12\x31\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1c.specmesh.v1.SpeculationPlan\x12\x0e\n\x06\x62ucket\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x19\n\x11report_confidence\x18\x08 \x01(\x08\x12*\n\x08messages\x18\t \x03(\x0b\x32\x18.specmesh.v1.ChatMessage\"J\n\x1dTargetServiceGenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1a.specmesh.v1.GenerateChunk\"\x11\n\x0fGetStatsRequest\"\xb8\x03\n\x10GetStatsResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\x05\x12\x13\n\x0bused_blocks\x18\x03 \x01(\x05\x12\x15\n\rcached_blocks\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x18\n\x10running_requests\x18\x06 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x07 \x01(\x05\x12\r\n\x05model\x18\x08 \x01(\t\x12\x15\n\rqueued_tokens\x18\t \x01(\x03\x12\x13\n\x0bpreemptions\x18\n \x01(\x03\x12\x11\n\tevictions\x18\x0b \x01(\x03\x12\x1b\n\x13prefix_query_tokens\x18\x0c \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\r \x01(\x03\x12\x10\n\x08kv_bytes\x18\x0e \x01(\x03\x12\x15\n\rfragmentation\x18\x0f \x01(\x02\x12\x16\n\x0e\x63\x61\x63he_model_id\x18\x10 \x01(\t\x12\x14\n\x0c\x65ngine_alive\x18\x14 \x01(\x08\x12\x14\n\x0c\x65ngine_error\x18\x15 \x01(\t\x12\x14\n\x0c\x65ngine_steps\x18\x16 \x01(\x03\"D\n\x18SubscribeKVEventsRequest\x12\x16\n\x0e\x61\x66ter_sequence\x18\x01 \x01(\x04\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\"\x8f\x01\n\x07KVEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12&\n\x04kind\x18\x02 \x01(\x0e\x32\x18.specmesh.v1.KVEventKind\x12\x12\n\nblock_hash\x18\x03 \x01(\x04\x12\x13\n\x0bparent_hash\x18\x04 \x01(\x04\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\r\n\x05scope\x18\x06 \x01(\t\"\xa0\x01\n\x19SubscribeKVEventsResponse\x12$\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x14.specmesh.v1.KVEvent\x12\x13\n\x0bis_snapshot\x18\x02 \x01(\x08\x12\x19\n\x11snapshot_sequence\x18\x03 \x01(\x04\x12-\n\x0fsnapshot_blocks\x18\x04 \x03(\x0b\x32\x14.specmesh.v1.KVEvent*m\n\x0bKVEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aKV_EVENT_KIND_BLOCK_STORED\x10\x01\x12\x1f\n\x1bKV_EVENT_KIND_BLOCK_REMOVED\x10\x02\x32\xa3\x02\n\rTargetService\x12\x63\n\x08Generate\x12).specmesh.v1.TargetServiceGenerateRequest\x1a*.specmesh.v1.TargetServiceGenerateResponse0\x01\x12G\n\x08GetStats\x12\x1c.specmesh.v1.GetStatsRequest\x1a\x1d.specmesh.v1.GetStatsResponse\x12\x64\n\x11SubscribeKVEvents\x12%.specmesh.v1.SubscribeKVEventsRequest\x1a&.specmesh.v1.SubscribeKVEventsResponse0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n specmesh/v1/target_service.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\x1a\x17specmesh/v1/tools.proto\"\xc4\x02\n\x1cTargetServiceGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x06prompt\x18\x02 \x01(\t\x12-\n\x08sampling\x18\x03 \x01(\x0b\x32\x1b.specmesh.v1.SamplingParams\x12\x13\n\x0btenant_salt\x18\x04 \x01(\t\x12\x31\n\x0bspeculation\x18\x05 \x01(\x0b\x32\x1c.specmesh.v1.SpeculationPlan\x12\x0e\n\x06\x62ucket\x18\x06 \x01(\t\x12\x10\n\x08priority\x18\x07 \x01(\x05\x12\x19\n\x11report_confidence\x18\x08 \x01(\x08\x12*\n\x08messages\x18\t \x03(\x0b\x32\x18.specmesh.v1.ChatMessage\x12 \n\x05tools\x18\n \x03(\x0b\x32\x11.specmesh.v1.Tool\"J\n\x1dTargetServiceGenerateResponse\x12)\n\x05\x63hunk\x18\x01 \x01(\x0b\x32\x1a.specmesh.v1.GenerateChunk\"\x11\n\x0fGetStatsRequest\"\xb8\x03\n\x10GetStatsResponse\x12\x12\n\nnum_blocks\x18\x01 \x01(\x05\x12\x13\n\x0b\x66ree_blocks\x18\x02 \x01(\x05\x12\x13\n\x0bused_blocks\x18\x03 \x01(\x05\x12\x15\n\rcached_blocks\x18\x04 \x01(\x05\x12\x12\n\nblock_size\x18\x05 \x01(\x05\x12\x18\n\x10running_requests\x18\x06 \x01(\x05\x12\x18\n\x10waiting_requests\x18\x07 \x01(\x05\x12\r\n\x05model\x18\x08 \x01(\t\x12\x15\n\rqueued_tokens\x18\t \x01(\x03\x12\x13\n\x0bpreemptions\x18\n \x01(\x03\x12\x11\n\tevictions\x18\x0b \x01(\x03\x12\x1b\n\x13prefix_query_tokens\x18\x0c \x01(\x03\x12\x19\n\x11prefix_hit_tokens\x18\r \x01(\x03\x12\x10\n\x08kv_bytes\x18\x0e \x01(\x03\x12\x15\n\rfragmentation\x18\x0f \x01(\x02\x12\x16\n\x0e\x63\x61\x63he_model_id\x18\x10 \x01(\t\x12\x14\n\x0c\x65ngine_alive\x18\x14 \x01(\x08\x12\x14\n\x0c\x65ngine_error\x18\x15 \x01(\t\x12\x14\n\x0c\x65ngine_steps\x18\x16 \x01(\x03\"D\n\x18SubscribeKVEventsRequest\x12\x16\n\x0e\x61\x66ter_sequence\x18\x01 \x01(\x04\x12\x10\n\x08snapshot\x18\x02 \x01(\x08\"\x8f\x01\n\x07KVEvent\x12\x10\n\x08sequence\x18\x01 \x01(\x04\x12&\n\x04kind\x18\x02 \x01(\x0e\x32\x18.specmesh.v1.KVEventKind\x12\x12\n\nblock_hash\x18\x03 \x01(\x04\x12\x13\n\x0bparent_hash\x18\x04 \x01(\x04\x12\x12\n\nnum_tokens\x18\x05 \x01(\x05\x12\r\n\x05scope\x18\x06 \x01(\t\"\xa0\x01\n\x19SubscribeKVEventsResponse\x12$\n\x06\x65vents\x18\x01 \x03(\x0b\x32\x14.specmesh.v1.KVEvent\x12\x13\n\x0bis_snapshot\x18\x02 \x01(\x08\x12\x19\n\x11snapshot_sequence\x18\x03 \x01(\x04\x12-\n\x0fsnapshot_blocks\x18\x04 \x03(\x0b\x32\x14.specmesh.v1.KVEvent*m\n\x0bKVEventKind\x12\x1d\n\x19KV_EVENT_KIND_UNSPECIFIED\x10\x00\x12\x1e\n\x1aKV_EVENT_KIND_BLOCK_STORED\x10\x01\x12\x1f\n\x1bKV_EVENT_KIND_BLOCK_REMOVED\x10\x02\x32\xa3\x02\n\rTargetService\x12\x63\n\x08Generate\x12).specmesh.v1.TargetServiceGenerateRequest\x1a*.specmesh.v1.TargetServiceGenerateResponse0\x01\x12G\n\x08GetStats\x12\x1c.specmesh.v1.GetStatsRequest\x1a\x1d.specmesh.v1.GetStatsResponse\x12\x64\n\x11SubscribeKVEvents\x12%.specmesh.v1.SubscribeKVEventsRequest\x1a&.specmesh.v1.SubscribeKVEventsResponse0\x01\x62\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.target_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_KVEVENTKIND']._serialized_start=1285
-  _globals['_KVEVENTKIND']._serialized_end=1394
-  _globals['_TARGETSERVICEGENERATEREQUEST']._serialized_start=76
-  _globals['_TARGETSERVICEGENERATEREQUEST']._serialized_end=366
-  _globals['_TARGETSERVICEGENERATERESPONSE']._serialized_start=368
-  _globals['_TARGETSERVICEGENERATERESPONSE']._serialized_end=442
-  _globals['_GETSTATSREQUEST']._serialized_start=444
-  _globals['_GETSTATSREQUEST']._serialized_end=461
-  _globals['_GETSTATSRESPONSE']._serialized_start=464
-  _globals['_GETSTATSRESPONSE']._serialized_end=904
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=906
-  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=974
-  _globals['_KVEVENT']._serialized_start=977
-  _globals['_KVEVENT']._serialized_end=1120
-  _globals['_SUBSCRIBEKVEVENTSRESPONSE']._serialized_start=1123
-  _globals['_SUBSCRIBEKVEVENTSRESPONSE']._serialized_end=1283
-  _globals['_TARGETSERVICE']._serialized_start=1397
-  _globals['_TARGETSERVICE']._serialized_end=1688
+  _globals['_KVEVENTKIND']._serialized_start=1344
+  _globals['_KVEVENTKIND']._serialized_end=1453
+  _globals['_TARGETSERVICEGENERATEREQUEST']._serialized_start=101
+  _globals['_TARGETSERVICEGENERATEREQUEST']._serialized_end=425
+  _globals['_TARGETSERVICEGENERATERESPONSE']._serialized_start=427
+  _globals['_TARGETSERVICEGENERATERESPONSE']._serialized_end=501
+  _globals['_GETSTATSREQUEST']._serialized_start=503
+  _globals['_GETSTATSREQUEST']._serialized_end=520
+  _globals['_GETSTATSRESPONSE']._serialized_start=523
+  _globals['_GETSTATSRESPONSE']._serialized_end=963
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_start=965
+  _globals['_SUBSCRIBEKVEVENTSREQUEST']._serialized_end=1033
+  _globals['_KVEVENT']._serialized_start=1036
+  _globals['_KVEVENT']._serialized_end=1179
+  _globals['_SUBSCRIBEKVEVENTSRESPONSE']._serialized_start=1182
+  _globals['_SUBSCRIBEKVEVENTSRESPONSE']._serialized_end=1342
+  _globals['_TARGETSERVICE']._serialized_start=1456
+  _globals['_TARGETSERVICE']._serialized_end=1747
 # @@protoc_insertion_point(module_scope)

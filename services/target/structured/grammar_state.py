@@ -1,0 +1,98 @@
+"""One sequence's grammar state: the only owner of its xgrammar matcher.
+
+The matcher holds the committed output's parse state. It is advanced by committed tokens
+only (`commit`, called where tokens are appended: services/target/engine/scheduler.py);
+everything else reads it or explores from it and returns it as it was:
+- `mask_next(logits)`: the mask of the token after the committed output (a row that samples);
+- `mask_tree(rows, parents, tokens)`: the verify rows of a draft tree, each masked with the
+  state along its own node's path (accept the node's token, recurse, roll back);
+- `forced_tokens(limit)`: the tokens the grammar forces next (grammar drafts).
+
+Masking sets forbidden logits to -inf, so any later softmax renormalises over the allowed
+tokens; stop tokens are allowed only where the grammar accepts the output so far.
+"""
+
+from __future__ import annotations
+
+import torch
+import xgrammar as xgr
+
+
+class GrammarViolation(RuntimeError):
+    """A token the grammar forbids reached commit (a bug upstream; fails that request only)."""
+
+
+class GrammarState:
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+        self.matcher = xgr.GrammarMatcher(compiled)  # unlimited rollback: trees roll back freely
+        self.vocab_size = vocab_size
+        self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(vocab / 32)] int32
+        self.num_committed = 0
+
+    # ---- committed state ---------------------------------------------------
+    def commit(self, token: int) -> None:
+        """Advances the state by one committed token; raises GrammarViolation if forbidden."""
+        if not self.matcher.accept_token(int(token)):
+            raise GrammarViolation(f"token {token} is not allowed by the constraint after "
+                                   f"{self.num_committed} committed tokens")
+        self.num_committed += 1
+
+    @property
+    def terminated(self) -> bool:
+        return self.matcher.is_terminated()
+
+    # ---- reads ------------------------------------------------------------------
+    def mask_next(self, logits: torch.Tensor) -> torch.Tensor:
+        """logits: [n, vocab] -> float32 copy with the LAST row masked (the sampled row)."""
+        out = logits.float().clone()
+        if not self.matcher.is_terminated():
+            self.matcher.fill_next_token_bitmask(self._bitmask)
+            xgr.apply_token_bitmask_inplace(out[-1:], self._bitmask)
+        return out
+
+    def mask_tree(self, rows: torch.Tensor, tokens: list[int], parents: list[int]) -> torch.Tensor:
+        """rows: [1 + num_nodes, vocab] verify logits (row 0 follows the committed output, row
+        1 + i follows draft node i); tokens, parents: the draft tree's nodes (parents[i] in
+        [-1, i)). Returns a float32 copy where each reachable row is masked with the state
+        after its path. A node whose token the grammar forbids can never be accepted (its
+        token is masked in its parent's row); its subtree's rows are left as they are."""
+        out = rows.float().clone()
+        children: list[list[int]] = [[] for _ in range(len(tokens) + 1)]  # by row: 0 = root
+        for i, parent in enumerate(parents):
+            children[parent + 1].append(i + 1)
+        bitmask = xgr.allocate_token_bitmask(len(tokens) + 1, self.vocab_size)  # [1 + n, words]
+        masked: list[int] = []
+        stack: list[tuple[int, int]] = [(0, 0)]  # (row, next child index): depth-first walk
+        self._fill(bitmask, 0, masked)
+        depth = 0
+        while stack:
+            row, k = stack[-1]
+            if k == len(children[row]):
+                stack.pop()
+                if stack:  # leave `row`: back to its parent's state
+                    self.matcher.rollback(1)
+                    depth -= 1
+                continue
+            stack[-1] = (row, k + 1)
+            child = children[row][k]
+            if self.matcher.is_terminated() or not self.matcher.accept_token(int(tokens[child - 1])):
+                continue  # forbidden: never accepted, subtree unreachable
+            depth += 1
+            self._fill(bitmask, child, masked)
+            stack.append((child, 0))
+        assert depth == 0
+        if masked:
+            xgr.apply_token_bitmask_inplace(out, bitmask, indices=masked)
+        return out
+
+    def forced_tokens(self, limit: int) -> list[int]:
+        """Up to `limit` tokens the grammar forces next (one tokenisation of the forced
+        text; the model may prefer another, which verification then rejects)."""
+        if limit <= 0 or self.matcher.is_terminated():
+            return []
+        return self.matcher.find_jump_forward_tokens()[:limit]
+
+    def _fill(self, bitmask: torch.Tensor, row: int, masked: list[int]) -> None:
+        if not self.matcher.is_terminated():  # a terminated path (stop token) samples nothing
+            self.matcher.fill_next_token_bitmask(bitmask, row)
+            masked.append(row)

@@ -1,0 +1,65 @@
+"""Where the engine meets the grammar: the few calls its step makes, one line each there.
+
+- `masked_sample_rows` (engine, rows that sample a token), `masked_verify_rows` (speculator,
+  verify rows of a draft tree) apply the sequence's mask; identity without a constraint.
+- `commit_token` (scheduler, per committed token) advances the grammar state.
+- `grammar_drafts` (speculator) proposes the forced continuations as draft chains.
+- `servable_plan` (engine.submit) keeps a speculation plan the target can serve.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from services.common.draft_tree import DraftTree
+from specmesh.proto.v1 import common_pb2
+
+GRAMMAR = common_pb2.SPECULATION_METHOD_GRAMMAR
+
+
+def masked_sample_rows(seq, rows: torch.Tensor) -> torch.Tensor:
+    """rows: [n, vocab] logits whose last row samples -> the same, masked by the grammar."""
+    return rows if seq.grammar is None else seq.grammar.mask_next(rows)
+
+
+def masked_verify_rows(seq, rows: torch.Tensor, proposal: DraftTree) -> torch.Tensor:
+    """rows: [1 + num_nodes, vocab] verify logits -> each row masked along its node's path."""
+    if seq.grammar is None:
+        return rows
+    return seq.grammar.mask_tree(rows, list(proposal.token_ids), list(proposal.parents))
+
+
+def commit_token(seq, token: int) -> None:
+    if seq.grammar is not None:
+        seq.grammar.commit(token)
+
+
+def grammar_drafts(seqs_and_depths) -> dict[str, DraftTree]:
+    """{seq_id: chain of forced tokens} for the constrained sequences whose grammar forces
+    at least one token now (depth = the most it may propose)."""
+    out = {}
+    for seq, depth in seqs_and_depths:
+        if seq.grammar is not None:
+            forced = seq.grammar.forced_tokens(depth)
+            if forced:
+                out[seq.seq_id] = DraftTree.chain(seq.seq_id, forced)
+    return out
+
+
+def uses_draft_service(seq) -> bool:
+    """Grammar plans send their free parts to the draft service as prompt lookup."""
+    return seq.plan is not None
+
+
+def draft_service_method(plan) -> int:
+    return common_pb2.SPECULATION_METHOD_PROMPT_LOOKUP if plan.method == GRAMMAR else plan.method
+
+
+def servable_plan(plan, has_grammar: bool, has_draft_service: bool):
+    """The plan as the target can serve it: grammar plans need a constraint (else none);
+    other methods need a draft service (then constrained ones add grammar drafts)."""
+    if plan is None:
+        return None
+    if plan.method == GRAMMAR:
+        return plan if has_grammar else None
+    return plan if has_draft_service else None

@@ -1,0 +1,22 @@
+"""The target's request path for constraints: read, check, compile (off the engine thread)."""
+
+from __future__ import annotations
+
+import grpc
+
+from services.common.constraints import constraint_from_proto
+from services.common.errors import Violation, abort
+from services.target.structured.compiler import ConstraintCompiler, ConstraintError
+
+
+async def compile_constraint(compiler: ConstraintCompiler, params, context):
+    """The compiled grammar of the request's constraint, None when it has none; a constraint
+    that cannot be served aborts the call with INVALID_ARGUMENT naming `sampling.<field>`."""
+    spec = constraint_from_proto(params)
+    if spec is None:
+        return None
+    try:
+        return await compiler.compile(spec)
+    except ConstraintError as exc:
+        await abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"sampling.{exc}", "INVALID_CONSTRAINT",
+                    [Violation(f"sampling.{exc.field}", exc.reason)])
