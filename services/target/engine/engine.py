@@ -73,7 +73,9 @@ class Engine:
         self.speculator: Speculator | None = Speculator(client, self.runner.kernels, spec.max_context,
                                                         self._metrics)
         self.grammars = ConstraintCompiler(tokenizer, spec.vocab_size, spec.eos_token_ids,
-                                           cache_dir=config.grammar_cache_dir)
+                                           cache_dir=config.grammar_cache_dir,
+                                           timeout_s=config.grammar_compile_timeout_s,
+                                           max_grammar_bytes=config.grammar_max_bytes)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batched_tokens,
                                    self.speculator.max_draft_nodes if self.speculator else None)
         if self.speculator is not None:
