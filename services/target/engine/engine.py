@@ -142,7 +142,9 @@ class Engine:
                grammar=None) -> None:
         """Queues a request; raises InvalidRequest or Overloaded without queueing anything.
 
-        `plan` asks for speculative decoding; it is ignored when no draft service is configured.
+        `plan` asks for speculative decoding; it is dropped where the target cannot serve it
+        (services/target/structured/hooks.servable_plan: no draft service, or a grammar plan
+        without a constraint).
         `priority` orders admission and preemption; `report_confidence` fills the final
         output's `confidence` (services/target/speculation/confidence.py). `grammar` is the
         request's compiled constraint (`self.grammars.compile`), None when unconstrained.

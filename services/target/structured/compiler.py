@@ -194,6 +194,14 @@ _LOOSE_STRING_CHARS = '[^\\"\\\\\\r\\n]'
 _JSON_STRING_CHARS = '[^\\0-\\x1f\\"\\\\]'
 
 
+def json_schema_ebnf(schema_text: str) -> str:
+    """The EBNF (xgrammar's dialect, rule `root`) of compact JSON valid under a schema, as the
+    target compiles `json_schema` constraints: for grammars built around JSON values (tool
+    calls among free text). Raises RuntimeError for a schema xgrammar cannot convert."""
+    return str(_json_string_chars(xgr.Grammar.from_json_schema(
+        schema_text, any_whitespace=False, strict_mode=True)))
+
+
 def _json_string_chars(grammar: xgr.Grammar) -> xgr.Grammar | str:
     text = str(grammar)
     return text.replace(_LOOSE_STRING_CHARS, _JSON_STRING_CHARS) if _LOOSE_STRING_CHARS in text else grammar
