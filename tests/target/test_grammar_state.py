@@ -117,3 +117,14 @@ def test_a_forbidden_token_cannot_be_committed(compiler):
     assert torch.equal(out[0], torch.zeros(VOCAB))  # only the sampled (last) row is masked
     allowed = set(torch.isfinite(out[1]).nonzero().flatten().tolist())
     assert allowed and all(tok.decode([t]) in ("y", "ye", "yes", "n", "no") for t in allowed)
+
+
+def test_a_fork_advances_independently(compiler):
+    tok, xgr_compiler = compiler
+    state = GrammarState(xgr_compiler.compile_grammar('root ::= "yes" | "no"'), VOCAB)
+    fork = state.fork()
+    fork.commit(tok.convert_tokens_to_ids("n"))
+    assert fork.num_committed == 1 and state.num_committed == 0
+    state.commit(tok.convert_tokens_to_ids("y"))  # the original still allows both answers
+    with pytest.raises(GrammarViolation):
+        fork.commit(tok.convert_tokens_to_ids("e"))
