@@ -98,6 +98,14 @@ COUNTERS: dict[str, tuple[str, str]] = {
                                       "(retrieval: retrieval-augmented requests)"),
 }
 
+# Observable gauges recorded outside the target's KV gauges (services/target/metrics.py):
+# name -> (unit, description)
+DRAFT_OPEN_SEQUENCES = "specmesh.draft.open_sequences"  # services/draft/open_sequences.py
+GAUGES: dict[str, tuple[str, str]] = {
+    DRAFT_OPEN_SEQUENCES: ("{sequence}", "sequences the draft holds state for (a lost Release leaves "
+                                         "one behind; at max_sequences new ones are refused)"),
+}
+
 VIEWS = [View(instrument_name=name, aggregation=ExplicitBucketHistogramAggregation(list(bounds)))
          for name, (_, bounds, _) in HISTOGRAMS.items()]
 
@@ -123,6 +131,8 @@ def prometheus_names(extra: dict[str, tuple[str, str]] | None = None) -> set[str
         names |= {f"{base}_bucket", f"{base}_sum", f"{base}_count"}
     for name, (unit, _) in COUNTERS.items():
         names.add(_prometheus_base(name, unit) + "_total")
+    for name, (unit, _) in GAUGES.items():
+        names.add(_prometheus_base(name, unit))
     for name, (unit, kind) in (extra or {}).items():
         names.add(_prometheus_base(name, unit) + ("_total" if kind == "counter" else ""))
     return names

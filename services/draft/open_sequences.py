@@ -8,9 +8,10 @@ import weakref
 
 from opentelemetry.metrics import CallbackOptions, Observation
 
+from services.common import metrics as m
 from services.common.telemetry import meter
 
-OPEN_SEQUENCES = "specmesh.draft.open_sequences"
+OPEN_SEQUENCES = m.DRAFT_OPEN_SEQUENCES
 _stores: "weakref.WeakSet" = weakref.WeakSet()
 _lock = threading.Lock()
 _created = False
@@ -22,8 +23,9 @@ def observe_open_sequences(store) -> None:
     with _lock:
         _stores.add(store)
         if not _created:
-            meter("draft").create_observable_gauge(OPEN_SEQUENCES, [_observe], unit="{sequence}",
-                                                   description="sequences the draft holds state for")
+            unit, description = m.GAUGES[OPEN_SEQUENCES]
+            meter("draft").create_observable_gauge(OPEN_SEQUENCES, [_observe], unit=unit,
+                                                   description=description)
             _created = True
 
 

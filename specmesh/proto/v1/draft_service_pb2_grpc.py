@@ -71,11 +71,12 @@ class DraftServiceServicer:
 
     def ProposeStream(self, request_iterator, context):
         """Long-lived stream: one ProposeRequest per target scheduler step, one
-        ProposeResponse back for each, in order. Per sequence, not per message:
+        ProposeResponse back for each, in order.
+        Errors: INVALID_ARGUMENT for a message without sequences (ends the stream),
+        UNAVAILABLE (shutting down). Per sequence, not per message:
         a sequence Propose would refuse (out-of-range depth, another tenant's,
         too many open sequences, ...) gets no tree in the answer and the draft
-        keeps nothing new of it; the other sequences get their trees. A message
-        without sequences ends the stream with INVALID_ARGUMENT.
+        keeps nothing new of it; the other sequences get their trees.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
