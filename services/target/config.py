@@ -47,6 +47,8 @@ class EngineConfig:
     # Compiled constraint grammars persist here across restarts (services/target/structured/
     # compiler.py); None = in memory only.
     grammar_cache_dir: Path | None = None
+    grammar_compile_timeout_s: float = 10.0  # a constraint compiling longer is refused (INVALID_ARGUMENT)
+    grammar_max_bytes: int = 64 << 20  # a compiled grammar larger than this is refused
 
     def __post_init__(self) -> None:
         if self.dtype not in _DTYPES:
@@ -63,6 +65,8 @@ class EngineConfig:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
         if not 0 < self.draft_timeout_s <= 60:
             raise ValueError(f"draft_timeout_s must be in (0, 60], got {self.draft_timeout_s}")
+        if not 0 < self.grammar_compile_timeout_s <= 600 or self.grammar_max_bytes <= 0:
+            raise ValueError("grammar_compile_timeout_s must be in (0, 600] and grammar_max_bytes > 0")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
 

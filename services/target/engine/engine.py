@@ -73,7 +73,9 @@ class Engine:
         self.speculator: Speculator | None = Speculator(client, self.runner.kernels, spec.max_context,
                                                         self._metrics)
         self.grammars = ConstraintCompiler(tokenizer, spec.vocab_size, spec.eos_token_ids,
-                                           cache_dir=config.grammar_cache_dir)
+                                           cache_dir=config.grammar_cache_dir,
+                                           timeout_s=config.grammar_compile_timeout_s,
+                                           max_grammar_bytes=config.grammar_max_bytes)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batched_tokens,
                                    self.speculator.max_draft_nodes if self.speculator else None)
         if self.speculator is not None:
@@ -140,7 +142,9 @@ class Engine:
                grammar=None) -> None:
         """Queues a request; raises InvalidRequest or Overloaded without queueing anything.
 
-        `plan` asks for speculative decoding; it is ignored when no draft service is configured.
+        `plan` asks for speculative decoding; it is dropped where the target cannot serve it
+        (services/target/structured/hooks.servable_plan: no draft service, or a grammar plan
+        without a constraint).
         `priority` orders admission and preemption; `report_confidence` fills the final
         output's `confidence` (services/target/speculation/confidence.py). `grammar` is the
         request's compiled constraint (`self.grammars.compile`), None when unconstrained.

@@ -58,7 +58,7 @@ class ConstraintCompiler:
         # xgrammar's cache is off: ours is keyed by tokenizer too, bounded, and persistent.
         self._xgr = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
         self._pool = concurrent.futures.ThreadPoolExecutor(workers, thread_name_prefix="grammar-compile")
-        self._lock = threading.Lock()
+        self._lock = threading.RLock()  # a future done already runs its callback at once
         self._cache: OrderedDict[tuple, xgr.CompiledGrammar] = OrderedDict()
         self._cached_bytes = 0
         self._in_flight: dict[tuple, concurrent.futures.Future] = {}
@@ -130,7 +130,8 @@ class ConstraintCompiler:
         # Compact JSON (no free whitespace): keys, separators and quotes are then forced,
         # which is what grammar drafts propose.
         if spec.kind == "json_schema":
-            return self._xgr.compile_json_schema(spec.text, any_whitespace=False, strict_mode=True)
+            grammar = xgr.Grammar.from_json_schema(spec.text, any_whitespace=False, strict_mode=True)
+            return self._xgr.compile_grammar(_json_string_chars(grammar))
         if spec.kind == "json_object":
             return self._xgr.compile_json_schema('{"type": "object"}', any_whitespace=False,
                                                  strict_mode=False)
@@ -183,6 +184,27 @@ def tokenizer_identity(tokenizer, vocab_size: int, stop_token_ids) -> str:
     vocab = sorted(tokenizer.get_vocab().items(), key=lambda kv: kv[1])
     blob = json.dumps([vocab, vocab_size, sorted(stop_token_ids)], ensure_ascii=False)
     return hashlib.sha256(blob.encode()).hexdigest()[:32]
+
+
+# xgrammar 0.2.9 writes the characters of a length-limited JSON string (minLength /
+# maxLength) as [^"\\\r\n], which admits raw control characters that JSON forbids (and no
+# escapes). They become the characters JSON allows unescaped; escapes stay out (a narrower
+# grammar: still valid JSON).
+_LOOSE_STRING_CHARS = '[^\\"\\\\\\r\\n]'
+_JSON_STRING_CHARS = '[^\\0-\\x1f\\"\\\\]'
+
+
+def json_schema_ebnf(schema_text: str) -> str:
+    """The EBNF (xgrammar's dialect, rule `root`) of compact JSON valid under a schema, as the
+    target compiles `json_schema` constraints: for grammars built around JSON values (tool
+    calls among free text). Raises RuntimeError for a schema xgrammar cannot convert."""
+    return str(_json_string_chars(xgr.Grammar.from_json_schema(
+        schema_text, any_whitespace=False, strict_mode=True)))
+
+
+def _json_string_chars(grammar: xgr.Grammar) -> xgr.Grammar | str:
+    text = str(grammar)
+    return text.replace(_LOOSE_STRING_CHARS, _JSON_STRING_CHARS) if _LOOSE_STRING_CHARS in text else grammar
 
 
 def _admits_output(compiled: xgr.CompiledGrammar, vocab_size: int) -> bool:

@@ -37,6 +37,15 @@ class GrammarState:
                                    f"{self.num_committed} committed tokens")
         self.num_committed += 1
 
+    def fork(self) -> "GrammarState":
+        """An independent copy of the committed state (n samples over one prefill)."""
+        other = object.__new__(GrammarState)
+        other.matcher = self.matcher.fork()
+        other.vocab_size = self.vocab_size
+        other._bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
+        other.num_committed = self.num_committed
+        return other
+
     @property
     def terminated(self) -> bool:
         return self.matcher.is_terminated()

@@ -9,6 +9,8 @@
 
 from __future__ import annotations
 
+import time
+
 import torch
 
 from services.common.draft_tree import DraftTree
@@ -38,20 +40,18 @@ def grammar_drafts(seqs_and_depths) -> dict[str, DraftTree]:
     """{seq_id: chain of forced tokens} for the constrained sequences whose grammar forces
     at least one token now (depth = the most it may propose)."""
     out = {}
+    now = time.monotonic()
     for seq, depth in seqs_and_depths:
         if seq.grammar is not None:
             forced = seq.grammar.forced_tokens(depth)
             if forced:
                 out[seq.seq_id] = DraftTree.chain(seq.seq_id, forced)
+                seq.spec.draft_window = (now, now)  # no draft call: its verify pass shows no draft time
     return out
 
 
-def uses_draft_service(seq) -> bool:
-    """Grammar plans send their free parts to the draft service as prompt lookup."""
-    return seq.plan is not None
-
-
 def draft_service_method(plan) -> int:
+    """The method the draft service runs for a plan's free parts (grammar plans: prompt lookup)."""
     return common_pb2.SPECULATION_METHOD_PROMPT_LOOKUP if plan.method == GRAMMAR else plan.method
 
 

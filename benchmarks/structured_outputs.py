@@ -1,0 +1,181 @@
+"""Structured outputs through the mesh, side by side in one run (issue 24's measurements).
+
+    python benchmarks/structured_outputs.py --tokens 128 --repeats 1
+
+Starts draft (prompt lookup) + target (default model, bf16) + one router per mode on
+loopback and runs a JSON-schema and tool-call workload (several schemas, greedy and
+T=0.8), one request at a time:
+- `free`: the same prompts without a constraint, speculation off (cost per token baseline);
+- `constrained`: with the constraint, speculation off;
+- `constrained+grammar`: with the constraint, the router's `structured` bucket plan
+  (grammar drafts where the grammar forces the text, prompt lookup for the free parts).
+Reports tokens/s, seconds per token, the validity rate (jsonschema), acceptance length, and
+the time spent building and applying masks per engine step. Ratios are what to read: the
+machine is shared and noisy. (vLLM's side, benchmarks/anchors/, is not run here.)
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import grpc
+import jsonschema
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.mesh helpers
+
+from services.common.env import read_settings
+from services.common.models.loading import resolve_model_dir
+from services.common.server import ServerConfig
+from services.router.app import build_router_server
+from services.router.config import RouterConfig
+from services.target.config import EngineConfig
+from services.target.engine import engine as engine_module
+from services.target.engine.engine import Engine
+from services.target.server.app import build_target_server
+from services.target.speculation import speculator as speculator_module
+from specmesh.proto.v1 import common_pb2, router_service_pb2_grpc
+from tests.mesh import AUTH_A, TOKEN_A, collect, request, start_draft  # noqa: E402
+
+SCHEMAS = {
+    "person": {"type": "object", "additionalProperties": False,
+               "required": ["full_name", "age", "email_address", "is_premium_member"],
+               "properties": {"full_name": {"type": "string", "maxLength": 40},
+                              "age": {"type": "integer", "minimum": 0, "maximum": 130},
+                              "email_address": {"type": "string", "maxLength": 60},
+                              "is_premium_member": {"type": "boolean"}}},
+    "order": {"type": "object", "additionalProperties": False,
+              "required": ["customer_account_identifier", "requested_delivery_window", "items"],
+              "properties": {"customer_account_identifier": {"type": "string", "maxLength": 16},
+                             "requested_delivery_window": {"enum": ["morning", "afternoon", "evening"]},
+                             "items": {"type": "array", "maxItems": 3, "items": {
+                                 "type": "object", "additionalProperties": False,
+                                 "required": ["product_sku", "quantity"],
+                                 "properties": {"product_sku": {"type": "string", "maxLength": 12},
+                                                "quantity": {"type": "integer", "minimum": 1,
+                                                             "maximum": 99}}}}}},
+    "tool_call": {"type": "object", "additionalProperties": False, "required": ["name", "arguments"],
+                  "properties": {"name": {"enum": ["get_current_weather", "search_flights"]},
+                                 "arguments": {"type": "object", "additionalProperties": False,
+                                               "required": ["location", "temperature_unit"],
+                                               "properties": {
+                                                   "location": {"type": "string", "maxLength": 40},
+                                                   "temperature_unit": {"enum": ["celsius", "fahrenheit"]}}}}},
+}
+PROMPTS = {
+    "person": "Extract the person as JSON. Text: Maria Gonzalez is 34 years old, her email is "
+              "maria.gonzalez@example.com and she is a premium member.\nJSON: ",
+    "order": "Turn this order into JSON. Customer ACC-99812 wants delivery in the evening: two of "
+             "SKU-1182 and one of SKU-7730.\nJSON: ",
+    "tool_call": "You can call get_current_weather(location, temperature_unit) or search_flights. "
+                 "User: what is the weather in Lisbon, Portugal, in celsius?\nTool call JSON: ",
+}
+MODES = ("free", "constrained", "constrained+grammar")
+
+
+class MaskTimer:
+    """Wraps the engine's mask hooks to sum the time they take per engine step."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.calls = 0
+        for module, name in ((engine_module, "masked_sample_rows"), (speculator_module, "masked_verify_rows")):
+            setattr(module, name, self._timed(getattr(module, name)))
+
+    def _timed(self, fn):
+        def timed(seq, *args):
+            if seq.grammar is None:
+                return fn(seq, *args)
+            start = time.perf_counter()
+            try:
+                return fn(seq, *args)
+            finally:
+                self.seconds += time.perf_counter() - start
+                self.calls += 1
+        return timed
+
+
+async def run(model_dir: Path, tokens: int, repeats: int) -> dict:
+    draft = await start_draft(None)
+    engine = Engine.load(EngineConfig(model_dir=model_dir, dtype="bfloat16", num_blocks=1024,
+                                      draft_address=draft.address))
+    target = build_target_server(ServerConfig(port=0), engine, "default")
+    await target.start()
+    timer = MaskTimer()
+    stats = defaultdict(lambda: defaultdict(float))
+    for mode in MODES:
+        method = "prompt_lookup" if mode == "constrained+grammar" else "off"
+        router = build_router_server(ServerConfig(port=0), RouterConfig(
+            target_address=target.address, tokens={TOKEN_A: "bench"}, speculation_method=method,
+            speculation_depth=8))
+        await router.start()
+        async with grpc.aio.insecure_channel(router.address) as channel:
+            stub = router_service_pb2_grpc.RouterServiceStub(channel)
+            await collect(stub, request("warm up", 4))
+            for name, schema in SCHEMAS.items():
+                constraint = common_pb2.Constraint(json_schema=json.dumps(schema))
+                for temperature in (0.0, 0.8):
+                    for r in range(repeats):
+                        extra = {} if mode == "free" else {"constraint": constraint}
+                        req = request(PROMPTS[name], tokens, temperature=temperature, seed=r,
+                                      has_seed=True, **extra)
+                        mask_before = (timer.seconds, timer.calls)
+                        start = time.perf_counter()
+                        ids, text, last = await collect(stub, req, AUTH_A)
+                        elapsed = time.perf_counter() - start
+                        s = stats[(mode, "greedy" if temperature == 0 else "T=0.8")]
+                        s["tokens"] += len(ids)
+                        s["seconds"] += elapsed
+                        s["requests"] += 1
+                        s["valid"] += mode == "free" or _valid(text, schema)
+                        s["accepted"] += last.usage.accepted_tokens
+                        s["passes"] += last.usage.verify_passes
+                        s["mask_s"] += timer.seconds - mask_before[0]
+                        s["mask_calls"] += timer.calls - mask_before[1]
+        await router.stop(grace=1)
+    await target.stop(grace=1)
+    await draft.stop(grace=1)
+    return stats
+
+
+def _valid(text: str, schema: dict) -> bool:
+    try:
+        jsonschema.validate(json.loads(text), schema)
+    except (ValueError, jsonschema.ValidationError):
+        return False
+    return True
+
+
+def report(stats: dict) -> None:
+    print(f"{'mode':<22}{'sampling':<9}{'tok/s':>8}{'ms/tok':>8}{'valid':>8}{'tau':>6}{'mask ms/step':>14}")
+    for (mode, sampling), s in sorted(stats.items(), key=lambda kv: (MODES.index(kv[0][0]), kv[0][1])):
+        tau = (s["accepted"] + s["passes"]) / s["passes"] if s["passes"] else 1.0
+        mask = 1000 * s["mask_s"] / s["mask_calls"] if s["mask_calls"] else 0.0
+        print(f"{mode:<22}{sampling:<9}{s['tokens'] / s['seconds']:>8.1f}{1000 * s['seconds'] / s['tokens']:>8.1f}"
+              f"{s['valid'] / s['requests']:>8.0%}{tau:>6.2f}{mask:>14.3f}")
+    for sampling in ("greedy", "T=0.8"):
+        free, con, spec = (stats[(m, sampling)] for m in MODES)
+        per_token = lambda s: s["seconds"] / s["tokens"]  # noqa: E731
+        print(f"{sampling}: constrained / free per token {per_token(con) / per_token(free):.2f}x; "
+              f"grammar speculation / constrained tokens/s {per_token(con) / per_token(spec):.2f}x")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--tokens", type=int, default=128)
+    parser.add_argument("--repeats", type=int, default=1)
+    args = parser.parse_args()
+    model_dir = resolve_model_dir(args.model, Path(read_settings().model_cache).expanduser())
+    stats = asyncio.run(run(model_dir, args.tokens, args.repeats))
+    print(f"model={args.model} bf16, max_tokens={args.tokens}, repeats={args.repeats}")
+    report(stats)
+
+
+if __name__ == "__main__":
+    main()
