@@ -6,7 +6,7 @@ ARG VARIANT=cpu
 
 FROM python:3.11-slim AS base-cpu
 ENV TORCH_INDEX_URL=https://download.pytorch.org/whl/cpu
-# g++ builds the AVX-512 bf16 linear kernel (services/target/kernels/cpu_linear.cpp) below.
+# g++ builds specmesh's AVX-512 CPU kernels (services/target/kernels/cpu_kernels.py) below.
 RUN apt-get update && apt-get install -y --no-install-recommends g++ && rm -rf /var/lib/apt/lists/*
 
 FROM nvidia/cuda:12.6.3-cudnn-runtime-ubuntu24.04 AS base-cuda
@@ -46,7 +46,7 @@ RUN specmesh models prepare
 # The CPU linear kernel, compiled once into the image where the build host has AVX-512 (elsewhere
 # the engine compiles it on first use; the CUDA image has no compiler and skips it).
 ENV TORCH_EXTENSIONS_DIR=/opt/specmesh/torch_extensions
-RUN if [ "$VARIANT" = "cpu" ]; then python -m services.target.kernels.cpu_linear; fi
+RUN if [ "$VARIANT" = "cpu" ]; then python -m services.target.kernels.cpu_kernels; fi
 
 EXPOSE 50051 50052 50053 50054 9464
 CMD ["specmesh", "serve", "router", "--host", "0.0.0.0"]

@@ -1,8 +1,10 @@
 """Target-engine kernels: paged attention, KV store (optionally FP8), tree acceptance.
 
-Each kernel has a PyTorch reference (`*_reference`, importable here, no Triton needed)
-and a Triton version with the same signature (`*_triton` in the `*_triton` modules,
-imported lazily). The engine should obtain them through `get_kernels(backend)`.
+Each kernel has a PyTorch reference (`*_reference`, importable here, no Triton needed),
+a Triton version with the same signature (`*_triton` in the `*_triton` modules, imported
+lazily) and, for attention on the CPU, a version that reads blocks in place (C++ where the
+CPU allows). The verbs and their signatures: protocol.py; the engine obtains one backend's
+through `get_kernels(backend)` (select.py), once.
 """
 
 from .kv_store import store_kv_reference

@@ -1,8 +1,8 @@
 // Attention of prefill chunks (many query rows, each seeing one contiguous run of its kv range)
 // over the paged bf16 KV pool, with VDPBF16PS (AVX512-BF16). torch's path for such a piece is a
-// copy of the transposed queries, a bf16 baddbmm, a masked softmax and a bmm: about 0.6 s of a
-// 2,000-token prefill's 2 s on this machine (torch profiler, 2026-11-30), its matmuls at a third
-// of the two cores' VDPBF16PS peak. Here a piece's keys are read in place from the pool.
+// copy of the transposed queries, a bf16 baddbmm, a masked softmax and a bmm, its matmuls far
+// below the cores' VDPBF16PS peak (numbers: docs/kernels.md). Here a piece's keys are read in
+// place from the pool.
 //
 // Work unit: 16 query vectors of one kv head (query heads of that kv head, row after row: with
 // 4 query heads per kv head, 4 rows x 4 heads), attending over the union of their visible runs.
@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "cpu_kernels.h"
 #include "cpu_paged_checks.h"
 #include "cpu_simd.h"
 

@@ -1,8 +1,7 @@
 // Attention of single query rows over the paged bf16 KV pool, read in place: no gather of blocks,
 // no padding, one call for every such row of a layer. Decode rows see every entry of their kv
 // range; rows of draft trees and short chunks see the entries their mask row allows. torch's
-// path spends most of such a layer in dispatch (SDPA ~80 us for one decode row at 200 entries,
-// ~15 ops for a 6-row tree, 2026-11-30); this is a few microseconds a row.
+// path spends most of such a layer in dispatch (docs/kernels.md); this is a few microseconds a row.
 //
 // Precision: that of the bf16 matmul path in paged_attention_cpu.py (and Hugging Face's eager
 // bf16 attention): scores = bf16(scale * q.k) with float32 sums, softmax in float32, bf16
@@ -13,6 +12,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "cpu_kernels.h"
 #include "cpu_paged_checks.h"
 #include "cpu_simd.h"
 

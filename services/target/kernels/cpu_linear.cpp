@@ -11,9 +11,9 @@
 // Either way a row's outputs do not depend on the other rows of the call (batch-invariant):
 // every row runs the same instructions over the same k order whatever M or the tiling.
 //
-// Why: where oneDNN emulates bf16 it was 1.5-7x slower than widen + FMA; where it has
-// AVX512-BF16 its one-row (decode) path streamed the weights at ~2/3 of this kernel's rate
-// (benchmarks/linear_formats.py).
+// Why: where oneDNN emulates bf16 it is several times slower than widen + FMA; where it has
+// AVX512-BF16 its one-row (decode) path streams the weights slower than this kernel
+// (benchmarks/linear_formats.py; numbers: docs/kernels.md).
 //
 // Layout: weights packed once into panels of 32 output columns and pairs of k,
 // [P = ceil(N/32), K2 = ceil(K/2), 64] bf16 (K padded with a zero to even). Within [p, kk]:
@@ -25,6 +25,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "cpu_kernels.h"
 #include "cpu_simd.h"
 
 #include <algorithm>
@@ -213,37 +214,4 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
   if (dot) run<true>(xp, x.element_size(), M, K2, wp, P, N, yp);
   else run<false>(xp, x.element_size(), M, K2, wp, P, N, yp);
   return out;
-}
-
-// cpu_rowops.cpp, built into the same module.
-at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps);
-std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& h, const at::Tensor& a, const at::Tensor& w_a,
-                                                     const at::Tensor& w_next, double eps);
-std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bf16(const at::Tensor& qkv, const at::Tensor& w,
-                                                                 const at::Tensor& cos, const at::Tensor& sin,
-                                                                 int64_t H, int64_t KV, double eps);
-at::Tensor gelu_tanh_mul_bf16(const at::Tensor& gate_up);
-void masked_softmax_bf16_(at::Tensor& scores, const at::Tensor& hidden);
-// cpu_decode_attention.cpp
-void decode_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                           const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& offsets,
-                           const at::Tensor& lens, const at::Tensor& masks, double scale, at::Tensor& out);
-// cpu_chunk_attention.cpp
-void chunk_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
-                          const at::Tensor& pieces, const at::Tensor& tables, const at::Tensor& bounds, double scale,
-                          at::Tensor& out);
-
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.def("pack_bf16_weight", &pack_bf16_weight,
-        "bf16 [N, K] -> [ceil(N/32), ceil(K/2), 64] panels for bf16_linear");
-  m.def("bf16_linear", &bf16_linear,
-        "y = x w^T for bf16 x [M, K] and packed w (float32 sums, bf16 out); dot: VDPBF16PS, else widen + FMA");
-  m.def("rms_norm_bf16", &rms_norm_bf16, "Gemma RMSNorm of bf16 rows with float32 (1 + weight) rows");
-  m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "h + norm(a), then the next norm of it: (h_new, x)");
-  m.def("qk_norm_rope_bf16", &qk_norm_rope_bf16, "q/k norm and RoPE of a fused qkv: (q, k, v)");
-  m.def("gelu_tanh_mul_bf16", &gelu_tanh_mul_bf16, "gelu_tanh(gate) * up of a fused gate|up, bf16");
-  m.def("masked_softmax_bf16_", &masked_softmax_bf16_, "softmax of bf16 scores with a hidden mask, in place");
-  m.def("decode_attention_bf16", &decode_attention_bf16, "decode rows' attention over the paged bf16 pool, in place");
-  m.def("chunk_attention_bf16", &chunk_attention_bf16,
-        "prefill chunks' attention over the paged bf16 pool (VDPBF16PS), each row one visible run, in place");
 }

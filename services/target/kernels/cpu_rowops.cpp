@@ -15,6 +15,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "cpu_kernels.h"
 #include "cpu_simd.h"
 
 #include <algorithm>

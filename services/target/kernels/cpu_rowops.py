@@ -1,6 +1,6 @@
 """Gemma 3's per-row ops between the matmuls for bf16 activations (cpu_rowops.cpp).
 
-Built into the AVX-512 kernel's module (cpu_linear.py builds both); available where it is.
+Part of specmesh's CPU kernel module (cpu_kernels.py builds it); available where it is.
 Each returns what the lean forward's torch ops return, except that a norm's sum of squares is
 added in another order (one bf16 rounding step at most; tests/target/test_cpu_rowops.py).
 """
@@ -9,27 +9,27 @@ from __future__ import annotations
 
 import torch
 
-from services.target.kernels import cpu_linear
+from services.target.kernels.cpu_kernels import module
 
 _NO_MASK = torch.empty(0, dtype=torch.bool)  # "no mask" to the C++ side (once, not per call and layer)
 
 
 def rms_norm(x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
     """x [R, D] bf16, w1 [D] or [W, D] f32 (1 + weight; row r uses w1[r % W]) -> [R, D] bf16."""
-    return cpu_linear._module().rms_norm_bf16(x, w1, eps)
+    return module().rms_norm_bf16(x, w1, eps)
 
 
 def add_rms_norm(h: torch.Tensor, a: torch.Tensor, w_a: torch.Tensor, w_next: torch.Tensor,
                  eps: float) -> tuple[torch.Tensor, torch.Tensor]:
     """h + rms_norm(a, w_a), and rms_norm of that with w_next: ([R, D], [R, D]) bf16."""
-    return cpu_linear._module().add_rms_norm_bf16(h, a, w_a, w_next, eps)
+    return module().add_rms_norm_bf16(h, a, w_a, w_next, eps)
 
 
 def qk_norm_rope(qkv: torch.Tensor, w1: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
                  kv_heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """qkv [T, (H + 2 KV) * D] bf16, w1 [H + KV, D] f32, cos/sin [T, D] bf16 ->
     q [T, H, D], k [T, KV, D] (normed, rotated), v [T, KV, D]: contiguous bf16."""
-    return cpu_linear._module().qk_norm_rope_bf16(qkv, w1, cos, sin, heads, kv_heads, eps)
+    return module().qk_norm_rope_bf16(qkv, w1, cos, sin, heads, kv_heads, eps)
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
@@ -41,7 +41,7 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
     its query row, tables[i] its block ids, entries offsets[i] .. offsets[i] + lens[i] - 1 of
     those blocks laid end to end (int64), of which it sees those masks[i] allows ([n, width]
     bool; None: all). Writes out[rows]; a row that sees nothing gets zeros."""
-    cpu_linear._module().decode_attention_bf16(query, k_cache, v_cache, rows, tables, offsets, lens,
+    module().decode_attention_bf16(query, k_cache, v_cache, rows, tables, offsets, lens,
                                                _NO_MASK if masks is None else masks, scale, out)
 
 
@@ -55,16 +55,16 @@ def chunk_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
     kv_offset .. kv_offset + kv_len - 1 of the blocks tables[P, max_blocks] laid end to end;
     bounds [rows, 2] int64, row by row of the pieces: the run [lo, hi) of that range the row sees.
     Writes the pieces' rows of out; a row that sees nothing gets zeros."""
-    cpu_linear._module().chunk_attention_bf16(query, k_cache, v_cache, pieces, tables, bounds, scale, out)
+    module().chunk_attention_bf16(query, k_cache, v_cache, pieces, tables, bounds, scale, out)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] bf16 (gate | up) -> gelu(gate, approximate="tanh") * up [T, I] bf16."""
-    return cpu_linear._module().gelu_tanh_mul_bf16(gate_up)
+    return module().gelu_tanh_mul_bf16(gate_up)
 
 
 def masked_softmax_(scores: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:
     """scores [B, R, N] bf16 (contiguous), hidden [R, N] bool or None -> the same tensor holding
     softmax(scores.masked_fill(hidden, -inf), -1) in bf16 (float32 inside); rows that see nothing: 0."""
-    cpu_linear._module().masked_softmax_bf16_(scores, _NO_MASK if hidden is None else hidden.contiguous())
+    module().masked_softmax_bf16_(scores, _NO_MASK if hidden is None else hidden.contiguous())
     return scores

@@ -125,7 +125,7 @@ def paged_attention_planned(
     if num_tokens == 0 or plan.empty:
         return out
     num_seqs, max_q = plan.rows.shape
-    # Float32 math (CPU SDPA in bf16 measured 3.6x slower than in f32 here).
+    # Float32 math: CPU SDPA is slower in bf16 (docs/kernels.md).
     q = query[plan.rows].float().transpose(1, 2)  # [num_seqs, num_heads, max_q, head_dim]
     k = _gather_kv(k_cache, k_scale, plan.slots).transpose(1, 2)  # [num_seqs, nkv, max_kv, head_dim] f32
     v = _gather_kv(v_cache, v_scale, plan.slots).transpose(1, 2)  # [num_seqs, nkv, max_kv, head_dim] f32

@@ -2,9 +2,9 @@
 
 Same semantics and signature as `paged_attention_reference` (see paged_attention.py). The
 reference pads every sequence of a step to the longest query and the longest context and
-gathers every kv entry slot by slot for every layer (72% of a mixed 18-request step was
-attention, 35% the gather, measured with py-spy). Here, per step and sliding window, a plan
-records for each sequence only the blocks it can see:
+gathers every kv entry slot by slot for every layer, which dominated a busy step (numbers:
+docs/kernels.md). Here, per step and sliding window, a plan records for each sequence only
+the blocks it can see:
 
   * a sliding window drops whole blocks before the window (Gemma 3: 15 of 18 layers see
     at most 512 positions, however long the prompt);
@@ -21,23 +21,22 @@ Per layer the work is then one attention call per sequence, in one of two precis
     CPU multiplies bf16 natively): scaled scores and outputs are two bf16 matmuls (float32
     accumulation, each result rounded once to bf16) around a softmax computed in float32, the
     precision of Hugging Face's eager bf16 attention. For many rows CPU SDPA is no faster in
-    bf16 than in float32, the matmuls are: a 64-row piece of a 512-window layer took 0.38 ms
-    against SDPA's 0.91 ms, a 512-row chunk over 2,000 entries 6.6 ms against 22 ms (4 heads x
-    256, this machine). A lone decode row (one query, nothing masked) calls SDPA in bf16, which
-    is faster at one query and keeps its scores in float32.
+    bf16 than in float32, the matmuls are (2-3x). A lone decode row (one query, nothing
+    masked) calls SDPA in bf16, which is faster at one query and keeps its scores in float32.
 
 With the C++ row ops (a bf16 model on the AVX-512 kernel, `cpp_attention`), decode rows and
 small trees attend in cpu_decode_attention.cpp, and on CPUs with AVX512-BF16 the prefill
 chunks whose rows each see one run of entries (causal, with or without a sliding window) in
-cpu_chunk_attention.cpp (VDPBF16PS, keys and values read once per piece from the pool): a
-512-row chunk over 2,000 entries took ~11 ms there against ~15-21 ms of torch's matmuls.
+cpu_chunk_attention.cpp (VDPBF16PS, keys and values read once per piece from the pool),
+faster than torch's matmuls.
 
 Decode rows of a busy step are batched: per-sequence calls cost Python and dispatch time per
-sequence per layer (a mixed 18-request step spent 42% in attention, 16% in the per-sequence
-block gathers; py-spy, 2026-11-29). Decode rows without a mask are grouped by kv length (a
+sequence per layer. Decode rows without a mask are grouped by kv length (a
 group's longest is at most twice its shortest, so padding at most doubles the gathered
 entries); each group is one block gather and one SDPA call with a padding mask, the query
 heads of a kv head laid out as that head's query rows (GQA without expanding kv).
+
+The measurements behind each choice: docs/kernels.md.
 """
 
 from __future__ import annotations
@@ -127,7 +126,7 @@ def plan_cpu_attention(
     """One SeqPlan per sequence with new tokens (built once per step and window, read by every layer).
     cut_windows: long chunks of sliding-window layers in pieces of WINDOW_SUBCHUNK rows (for
     torch's matmuls; the C++ chunk kernel limits each row block's keys itself, and one piece
-    packs its keys once: ~0.35 ms a layer less for a 512-row chunk, 2026-11-30)."""
+    packs its keys once, which is faster)."""
     tables = block_tables.tolist()
     ctx_lens = context_lens.tolist()
     starts = query_start_loc.tolist()
@@ -155,8 +154,8 @@ def _row_ranges(q_start: int, q_len: int, sliding_window: int | None,
 
     In a sliding-window layer a long prefill chunk is cut into WINDOW_SUBCHUNK rows: each piece
     reads only its own window (64 + W - 1 entries instead of the chunk's q_len + W - 1) and
-    computes no score it would mask. A 512-row chunk at W = 512: 7.9 ms per layer instead of
-    12.3 ms (SDPA, 4 heads x 256, this machine). Trees are never cut (their rows are not causal).
+    computes no score it would mask (a third less time a layer). Trees are never cut (their
+    rows are not causal).
     """
     if sliding_window is None or q_len <= 2 * WINDOW_SUBCHUNK:
         return [(0, q_len)]
@@ -329,8 +328,8 @@ def _attention_bf16(
         v = _kv_range(v_cache, None, p, torch.bfloat16)
         q = query[p.q_start:p.q_start + p.q_len].transpose(0, 1)  # [num_heads, q_len, D]
         if p.mask is None:
-            # A lone decode row: bf16 SDPA is faster at one query (12 us against 36 at 100
-            # entries; slower only past ~1,500). A kv head's query heads are its query rows.
+            # A lone decode row: bf16 SDPA is faster at one query (up to ~1,500 entries).
+            # A kv head's query heads are its query rows.
             o = F.scaled_dot_product_attention(q.reshape(1, nkv, group, head_dim), k[None], v[None],
                                                scale=scale)  # [1, nkv, group, D]
             out[p.q_start] = o.view(num_heads, head_dim)
@@ -351,8 +350,7 @@ def _attention_bf16(
 
 SMALL_QUERY_ROWS = 16  # rows of a tree or chunk that attend row by row in C++ (cpp_attention)
 SMALL_QUERY_SCORES = 8192  # ... if their rows x visible range stays below this: per-row work
-# grows with the range (no matrix blocking), torch's matmuls do not; a 6-row tree over 300
-# entries took ~0.1 ms a layer in C++ against ~0.4 ms of torch ops (2026-11-30)
+# grows with the range (no matrix blocking), torch's matmuls do not
 
 
 @dataclass(frozen=True)
@@ -440,8 +438,7 @@ def _chunk_pieces(plan: list[SeqPlan], skip: frozenset[int], kernel_runs: bool) 
 
 def _scores(q: torch.Tensor, k_t: torch.Tensor, scale: float) -> torch.Tensor:
     """[B, M, D] @ [B, D, N] * scale in bf16: float32 accumulation, scaled, rounded once to bf16.
-    (Scaling bf16 scores in float32 instead cost a float32 copy of every score: 20 ms against
-    6.6 for a 512-row chunk over 2,000 entries, mostly fresh pages of the 16 MB copy.)"""
+    (Scaling bf16 scores in float32 instead would cost a float32 copy of every score.)"""
     zero = torch.zeros((), dtype=q.dtype).expand(q.shape[0], q.shape[1], k_t.shape[2])
     return torch.baddbmm(zero, q, k_t, beta=0, alpha=scale)  # [B, M, N] bf16
 

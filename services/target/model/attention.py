@@ -15,15 +15,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
-from services.target.kernels.paged_attention_cpu import (
-    chunk_kernel_runs,
-    paged_attention_cpu_planned,
-    plan_cpu_attention,
-)
-from services.target.kernels.paged_attention import (
-    paged_attention_planned,
-    plan_paged_attention,
-)
+from services.target.kernels.select import Kernels
 
 ATTN_IMPLEMENTATION = "specmesh_paged"
 
@@ -59,17 +51,14 @@ class AttentionMetadata:
     """What one forward pass needs to read and write the paged KV pool."""
 
     kv_pool: KVPool
-    kernels: Any  # services.target.kernels.select namespace
+    kernels: Kernels  # picked once by the model runner (services/target/kernels/select.py)
     slot_mapping: torch.Tensor  # [num_tokens] int64
     block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
     context_lens: torch.Tensor  # [num_seqs] int32, KV entries before this step's tokens
     query_start_loc: torch.Tensor  # [num_seqs + 1] int32
     query_positions: torch.Tensor  # [num_tokens] int32
     tree_mask: torch.Tensor | None = None  # [num_tokens, max_q_len] bool (verify passes)
-    plans: dict = field(default_factory=dict)  # sliding window -> AttentionPlan (reference path)
-    # bf16 attention in C++ (cpu backend; row ops' forward): decode rows and small trees
-    # (kernels/cpu_decode_attention.cpp), prefill chunks (cpu_chunk_attention.cpp, AVX512-BF16)
-    cpu_cpp_attention: bool = False
+    plans: dict = field(default_factory=dict)  # sliding window -> the kernels' plan of this step
 
 
 def paged_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
@@ -99,34 +88,17 @@ def paged_attention(meta: AttentionMetadata, layer: int, q: torch.Tensor, k: tor
     Returns [num_tokens, num_heads, head_dim].
     """
     pool = meta.kv_pool
+    k_cache, v_cache = pool.k_caches[layer], pool.v_caches[layer]
     k_scale = pool.k_scales[layer] if pool.k_scales else None
     v_scale = pool.v_scales[layer] if pool.v_scales else None
-    meta.kernels.store_kv(k, v, pool.k_caches[layer], pool.v_caches[layer],
-                          meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
-    if meta.kernels.backend == "cpu":
-        plan = meta.plans.get(sliding_window)  # per-sequence block ranges, shared by the layers
-        if plan is None:
-            whole = chunk_kernel_runs(q.dtype, pool.k_caches[layer].dtype, q.shape[-1], meta.cpu_cpp_attention)
-            plan = meta.plans[sliding_window] = plan_cpu_attention(
-                pool.k_caches[layer].shape[1], meta.block_tables, meta.context_lens,
-                meta.query_start_loc, meta.query_positions, sliding_window, meta.tree_mask,
-                cut_windows=not whole)
-        return paged_attention_cpu_planned(q, pool.k_caches[layer], pool.v_caches[layer], plan, scale,
-                                           k_scale=k_scale, v_scale=v_scale,
-                                           cpp_attention=meta.cpu_cpp_attention)
-    if meta.kernels.backend == "reference":
-        # Index and mask tensors depend only on the step, not the layer: build them once.
-        plan = meta.plans.get(sliding_window)
-        if plan is None:
-            plan = meta.plans[sliding_window] = plan_paged_attention(
-                pool.k_caches[layer].shape[1], meta.block_tables, meta.context_lens,
-                meta.query_start_loc, meta.query_positions, sliding_window, meta.tree_mask)
-        return paged_attention_planned(q, pool.k_caches[layer], pool.v_caches[layer], plan, scale,
-                                       k_scale=k_scale, v_scale=v_scale)
-    return meta.kernels.paged_attention(
-        q, pool.k_caches[layer], pool.v_caches[layer], meta.block_tables, meta.context_lens,
-        meta.query_start_loc, meta.query_positions, scale, sliding_window=sliding_window,
-        tree_mask=meta.tree_mask, k_scale=k_scale, v_scale=v_scale)
+    kernels = meta.kernels
+    kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    plan = meta.plans.get(sliding_window)  # depends on the step and window, not the layer: once
+    if plan is None:
+        plan = meta.plans[sliding_window] = kernels.plan(
+            q, k_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
+            meta.query_positions, sliding_window, meta.tree_mask)
+    return kernels.attend(q, k_cache, v_cache, plan, scale, k_scale=k_scale, v_scale=v_scale)
 
 
 def _no_mask(*args: Any, **kwargs: Any) -> None:

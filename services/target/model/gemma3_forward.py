@@ -3,7 +3,7 @@
 transformers' own forward (which the engine runs for every other model) spends a third of a
 single-stream decode step outside the matmuls: module hooks, output capturing, mask builders,
 kwargs plumbing, and per call the `1 + weight` of every RMSNorm and RoPE's cos/sin per layer
-(py-spy, default model, bf16, 2026-11-29). This forward reads the same modules' weights and
+(docs/kernels.md). This forward reads the same modules' weights and
 runs the same tensor operations in the same order, so its logits equal transformers' bit for
 bit (tests/target/test_gemma3_forward.py, float32 and bf16), minus that machinery:
 
@@ -14,7 +14,7 @@ bit (tests/target/test_gemma3_forward.py, float32 and bf16), minus that machiner
   * q/k/v and gate/up are one matmul each (`fuse_projections`, at load): each output column is
     the same dot product, bit for bit (checked at M = 1, 11 and 512 on the default model's shapes
     for bf16 oneDNN and float32 MKL), and a decode step reads the weights in 36 calls instead of
-    90: 18 layers' q/k/v/gate/up at one row took 2.7 ms fused against 3.9 ms apart.
+    90, which is faster.
 
 Only Gemma 3 text models with default or linear RoPE, no attention soft-capping and causal
 attention qualify (`supports`); anything else keeps transformers' forward.
@@ -94,8 +94,8 @@ def _rms_norm(x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
     """Gemma3RMSNorm: normalised in float32, times (1 + weight) in float32, back to x's dtype.
 
     torch.rms_norm computes xf * rsqrt(mean(xf^2) + eps) * w1 as transformers does, bit for bit
-    (0 of 19.9M bf16 outputs differed on random rows of the model's shapes), in 2 ops instead of 7:
-    on a machine where an op costs ~6 us (2026-11-29, Intel Xeon) one norm took 80 us against 94.
+    (0 of 19.9M bf16 outputs differed on random rows of the model's shapes), in 2 ops instead of 7
+    (at one decode row each op costs its dispatch time).
     A per-head weight [heads, head_dim] (q/k norm) multiplies after, as transformers' does."""
     xf = x.float()
     if w1.dim() == 1:
@@ -133,7 +133,7 @@ class Gemma3PagedForward:
 
     row_ops: the norms, residual adds, q/k norm + RoPE and GELU * up through specmesh's C++ row
     ops (kernels/cpu_rowops.cpp) instead of ~20 torch ops a layer; attention in C++ too
-    (model_runner sets AttentionMetadata.cpu_cpp_attention). They round as torch does but add a
+    (the model runner then picks the cpu kernels with cpp_attention). They round as torch does but add a
     norm's squares in another order, so the logits are no longer transformers' bit for bit. None
     (default): where the linear layers are already specmesh's kernel (`--weights bf16-avx512`),
     which gave up that exactness; the `bf16` (oneDNN) and float32 paths stay exact.

@@ -1,10 +1,9 @@
 """Prepacked linear layers for CPU serving: how the target's weights are stored and multiplied.
 
-Measured on an AVX2 CPU without native bf16 (the project's machine on the morning of
-2026-11-29: AMD EPYC, 1 thread, min of 15 runs): torch's bf16 `F.linear` converts in a slow path — 5 GB/s at one
-token and 8x slower than fbgemm at 18 tokens — so bf16 weights are the wrong format to
-multiply there, although they are the right format to store; with native bf16 they are right
-for both (`bf16` below).
+Without native bf16 (AVX2), torch's bf16 `F.linear` converts in a slow path, so bf16 weights
+are the wrong format to multiply there, although they are the right format to store; with
+native bf16 they are right for both (`bf16` below). The measurements behind each format's
+place: docs/kernels.md.
 
   weights="auto"  bf16 models on an AVX-512 CPU where specmesh's kernel builds: `bf16-avx512`;
                   else, with bf16 dot products in hardware (oneDNN): `bf16`; other bf16/fp16
@@ -14,20 +13,15 @@ for both (`bf16` below).
   weights="bf16"  each weight reordered once into oneDNN's blocked bf16 layout and multiplied by
                   oneDNN (bf16 products, float32 accumulation, bf16 outputs): bit-identical to
                   torch's own bf16 `F.linear`, so a bf16 model's logits are Hugging Face's; and on
-                  an AVX512-BF16 CPU (measured on this project's 2-core AMD EPYC with AVX512-BF16, see
-                  benchmarks/linear_formats.py) 1.5x faster than fbgemm fp16 on the 262k-row
-                  lm_head at one token.
+                  an AVX512-BF16 CPU faster than fbgemm fp16 on the 262k-row lm_head at one token.
   weights="bf16-avx512"  specmesh's kernel (kernels/cpu_linear.cpp): bf16 weights packed once in
                   panels of 32 columns and pairs of k, multiplied with VDPBF16PS where the CPU has
                   AVX512-BF16, else widened to float32 and summed in k order with FMA; float32
                   sums, one rounding to bf16. The same products and precision as torch's bf16
                   linear, in another summation order: an output may differ by one bf16 rounding
-                  step, and a row's outputs never depend on the other rows of the step.
-                  Measured 2026-11-29 on an Intel Xeon with AVX-512 but no AVX512-BF16
-                  (linear_formats.py): 3-4x oneDNN's emulated bf16 at 6-512 rows, 1.14x on the
-                  lm_head at one row. 2026-11-30 on an AMD EPYC with AVX512-BF16: 1.4x
-                  oneDNN's bf16 on the lm_head at one row, 1.3-2.2x at 6-18 rows, 1.0-1.1x at
-                  512-2,000 rows.
+                  step, and a row's outputs never depend on the other rows of the step. Faster
+                  than oneDNN at few rows (much faster where oneDNN emulates bf16), as fast at
+                  many (benchmarks/linear_formats.py).
   weights="fp16"  each weight converted once to fp16 and packed for fbgemm; activations go in
                   as float32 and products accumulate in float32. bf16 values are exact in fp16
                   except the 0.02% of Gemma 3 270M weights below fp16's normal range (< 6.1e-5),
@@ -35,8 +29,8 @@ for both (`bf16` below).
   weights="int8"  int8 weights with one scale per output channel (symmetric, amax / 127) through
                   fbgemm's dynamic-quantized linear: the activations are also quantized per call
                   (uint8, one scale per row: `Int8Linear`), so this trades accuracy for half the bytes; the
-                  accuracy is measured in tests/target/test_quantization.py and README (weight-only int8
-                  kernels in torch measured slower here than fp16 fbgemm, so they do not pay).
+                  accuracy is measured in tests/target/test_quantization.py and README (torch's
+                  weight-only int8 kernels are slower than fp16 fbgemm here, so they do not pay).
 The lm_head keeps float32 outputs (no bf16 rounding of the logits before sampling).
 """
 

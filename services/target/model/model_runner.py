@@ -44,12 +44,22 @@ class ModelRunner:
         self.spec = spec
         self.blocks = block_manager
         self.device = next(model.parameters()).device
-        self.kernels = get_kernels(kernels)
+        self._kernel_backend = kernels
         self.kv_pool = KVPool.allocate(spec.num_layers, block_manager.num_blocks,
                                        block_manager.block_size, spec.num_kv_heads, spec.head_dim,
                                        kv_dtype, self.device)
         # Gemma 3 and the Llama family run a lean forward with transformers' exact ops; other models their own.
         self.lean_forward = lean_forward.build(model)
+
+    @property
+    def lean_forward(self):
+        return self._lean_forward
+
+    @lean_forward.setter
+    def lean_forward(self, forward) -> None:
+        """The kernels are picked here, once per forward: C++ attention where its C++ row ops run."""
+        self._lean_forward = forward
+        self.kernels = get_kernels(self._kernel_backend, cpp_attention=getattr(forward, "row_ops", False))
 
     @torch.inference_mode()
     def forward(self, inputs: list[StepInput]) -> torch.Tensor:
@@ -124,8 +134,6 @@ class ModelRunner:
             query_start_loc=query_start_loc.to(dev),
             query_positions=torch.tensor(positions, dtype=torch.int32, device=dev),
             tree_mask=None if tree_mask is None else tree_mask.to(dev),
-            # with the lean forward's C++ row ops, attention runs in C++ too (same precision class)
-            cpu_cpp_attention=self.lean_forward is not None and self.lean_forward.row_ops,
         )
 
 

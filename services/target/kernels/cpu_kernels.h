@@ -1,0 +1,34 @@
+// The entry points of specmesh's CPU kernel module (specmesh_cpu_kernels): declared once here,
+// defined in the file named above each group, bound to Python in cpu_kernels.cpp. Every file
+// includes this header, so a definition that drifts from its declaration fails to compile.
+// Shapes and semantics: the Python wrappers (cpu_linear.py, cpu_rowops.py).
+#pragma once
+
+#include <torch/extension.h>
+
+#include <cstdint>
+#include <tuple>
+
+// cpu_linear.cpp: bf16 linear layers (AVX-512; VDPBF16PS where the CPU has AVX512-BF16).
+at::Tensor pack_bf16_weight(const at::Tensor& w);  // [N, K] bf16 -> [ceil(N/32), ceil(K/2), 64] panels
+at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, bool dot);  // [M, K] -> [M, N]
+
+// cpu_rowops.cpp: Gemma 3's per-row ops between the matmuls, bf16 activations.
+at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps);
+std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& h, const at::Tensor& a, const at::Tensor& w_a,
+                                                     const at::Tensor& w_next, double eps);
+std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bf16(const at::Tensor& qkv, const at::Tensor& w,
+                                                                 const at::Tensor& cos, const at::Tensor& sin,
+                                                                 int64_t H, int64_t KV, double eps);
+at::Tensor gelu_tanh_mul_bf16(const at::Tensor& gate_up);
+void masked_softmax_bf16_(at::Tensor& scores, const at::Tensor& hidden);
+
+// cpu_decode_attention.cpp: single query rows over the paged bf16 pool, in place.
+void decode_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                           const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& offsets,
+                           const at::Tensor& lens, const at::Tensor& masks, double scale, at::Tensor& out);
+
+// cpu_chunk_attention.cpp: prefill chunks over the paged bf16 pool (AVX512-BF16), in place.
+void chunk_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& pieces, const at::Tensor& tables, const at::Tensor& bounds, double scale,
+                          at::Tensor& out);
