@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import argparse
 import statistics
+import sys
 import threading
 import time
 from pathlib import Path
@@ -96,6 +97,7 @@ def main() -> None:
         for r in range(args.rounds):
             for name, config in configs.items():
                 tpot[name].append(decode_tpot(engine, prompt_ids, config, f"{name}-{r}"))
+                print(f"round {r} {name}: {tpot[name][-1] * 1000:.1f} ms/token", file=sys.stderr, flush=True)
         history = list(range(200, 200 + 2 * args.tokens))  # prompt + output of the row bench
         rows = {name: engine.run_on_engine_thread(row_micros, engine.spec.vocab_size, config, history,
                                                   engine.spec.eos_token_ids, args.row_repeats)

@@ -35,15 +35,20 @@ def token_logprobs(raw: torch.Tensor, processed: torch.Tensor, tokens: list[int]
                    config: SamplingConfig, probs: torch.Tensor | None = None) -> list[TokenLogprob]:
     """raw, processed: [m, vocab] the rows that chose `tokens` ([m]); `probs` ([m, vocab]) the
     sampling probabilities when the caller has them already (sampled requests)."""
-    if config.raw_logprobs:
-        lp = torch.log_softmax(raw.float(), dim=-1)  # [m, vocab]
-    elif config.greedy:
-        lp = torch.log_softmax(processed.float(), dim=-1)
+    # Only the chosen and top-k entries are turned into log-probabilities: the ranking of
+    # logits (and of probabilities) is that of their log-probabilities.
+    if config.raw_logprobs or config.greedy:
+        base = (raw if config.raw_logprobs else processed).float()  # [m, vocab] logits
+        shift = torch.logsumexp(base, dim=-1, keepdim=True)  # [m, 1]
+        to_logprob = lambda values: values - shift  # noqa: E731
     else:
-        lp = torch.log(probs if probs is not None else target_probs(processed, config))
-    chosen = lp.gather(-1, torch.tensor(tokens, dtype=torch.int64)[:, None])[:, 0].tolist()  # [m]
+        base = probs if probs is not None else target_probs(processed, config)  # [m, vocab]
+        to_logprob = torch.log
+    index = torch.tensor(tokens, dtype=torch.int64)[:, None]  # [m, 1]
+    chosen = to_logprob(base.gather(-1, index))[:, 0].tolist()  # [m]
     if not config.top_logprobs:
         return [TokenLogprob(t, c) for t, c in zip(tokens, chosen)]
-    top = torch.topk(lp, min(config.top_logprobs, lp.shape[-1]), dim=-1)  # sorted, most likely first
-    return [TokenLogprob(t, c, tuple(zip(ids, values)))
-            for t, c, ids, values in zip(tokens, chosen, top.indices.tolist(), top.values.tolist())]
+    top = torch.topk(base, min(config.top_logprobs, base.shape[-1]), dim=-1)  # sorted, most likely first
+    values = to_logprob(top.values).tolist()  # [m, k]
+    return [TokenLogprob(t, c, tuple(zip(ids, v)))
+            for t, c, ids, v in zip(tokens, chosen, top.indices.tolist(), values)]
