@@ -136,7 +136,7 @@ class Engine:
         output's `confidence` (services/target/speculation/confidence.py).
         """
         self.validate(prompt_ids, sampling)
-        seq = Sequence(request_id, list(prompt_ids), sampling, make_generator(sampling.seed),
+        seq = Sequence(request_id, list(prompt_ids), sampling, make_generator(sampling.seed, self.runner.device),
                        IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling.stop), emit,
                        extra_key=extra_key(self.name, tenant_salt),
                        plan=plan if self.speculator is not None else None,

@@ -91,9 +91,10 @@ class Speculator:
         Returns (accepted draft node indices along the path, bonus token).
         """
         n = len(proposal.token_ids)
-        draft_tokens = torch.tensor([[seq.token_ids[-1], *proposal.token_ids]], dtype=torch.int64)
-        parents = torch.tensor([[-1, *(p + 1 for p in proposal.parents)]], dtype=torch.int64)
-        num_nodes = torch.tensor([n + 1], dtype=torch.int64)
+        dev = rows.device  # the accept kernels check that every tensor is on the logits' device
+        draft_tokens = torch.tensor([[seq.token_ids[-1], *proposal.token_ids]], dtype=torch.int64, device=dev)
+        parents = torch.tensor([[-1, *(p + 1 for p in proposal.parents)]], dtype=torch.int64, device=dev)
+        num_nodes = torch.tensor([n + 1], dtype=torch.int64, device=dev)
         if seq.sampling.greedy:
             argmax = rows.argmax(dim=-1).unsqueeze(0)  # [1, n + 1]
             nodes, num_accepted, bonus = self.kernels.accept_tree_greedy(
@@ -102,11 +103,11 @@ class Speculator:
             probs = target_probs(rows, seq.sampling).unsqueeze(0).contiguous()  # [1, n + 1, vocab]
             # Proposers here are deterministic: zero draft rows mean q = one-hot(proposed token).
             draft_probs = torch.zeros_like(probs)
-            uniforms = torch.rand(1, n + 2, generator=seq.generator)  # [1, n + 2]
+            uniforms = torch.rand(1, n + 2, generator=seq.generator, device=dev)  # [1, n + 2], the generator's device
             nodes, num_accepted, bonus = self.kernels.accept_tree_sampling(
                 draft_tokens, parents, num_nodes, probs, draft_probs, uniforms)
-        a = int(num_accepted[0])
-        path = [int(x) - 1 for x in nodes[0, 1:1 + a]]  # draft indices
+        a, bonus_token, *walk = torch.cat([num_accepted, bonus, nodes[0, 1:]]).tolist()  # one copy to the host
+        path = [x - 1 for x in walk[:a]]  # draft indices
         seq.spec.proposed += n
         seq.spec.accepted += a
         seq.spec.verify_passes += 1
@@ -114,7 +115,7 @@ class Speculator:
             note = seq.spec.passes[-1]
             note[5] = a
             self._metrics.verify_pass(seq, n, a, note[1] - note[0], note[3] - note[2])
-        return path, int(bonus[0])
+        return path, bonus_token
 
     def release(self, seq: Sequence) -> None:
         if seq.plan is not None:
