@@ -66,7 +66,7 @@ def decode_tpot(engine: Engine, prompt_ids: list[int], config: SamplingConfig, r
 def row_micros(vocab: int, config: SamplingConfig, history: list[int], eos: frozenset[int],
                repeats: int) -> float:
     """Median microseconds of the sampling step on one [1, vocab] row."""
-    gen = make_generator(0)
+    gen = make_generator(0, "cpu")
     logits = torch.randn(1, vocab, generator=torch.Generator().manual_seed(0)) * 4  # [1, vocab]
     processor = LogitsProcessor.for_request(config, eos, len(history) // 2)
     out = []

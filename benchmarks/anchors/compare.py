@@ -3,6 +3,8 @@
     bash benchmarks/anchors/setup_vllm.sh            # once: vLLM in its own venv
     python benchmarks/anchors/compare.py             # 3 rounds, 64 tokens, default model
     python benchmarks/anchors/compare.py --rounds 1 --skip hf
+    python benchmarks/anchors/compare.py --model "$(python benchmarks/llama_family_checkpoints.py qwen2.5-0.5b)"
+        # a random-weight checkpoint of a published Llama-family shape (also llama-3.2-1b, qwen3-0.6b)
 
 Same nine prompts (14 .. 1,508 tokens) for every system, bf16, greedy, systems interleaved
 within each round, medians over rounds:
@@ -271,7 +273,7 @@ async def run(args) -> dict:
         for name in ("router-off", "router-5", "router-10"):
             await wait_grpc(f"127.0.0.1:{PORTS[name]}", procs)
         mesh = {d: Specmesh(PORTS[f"router-{d}" if d else "router-off"]) for d in (0, 5, 10)}
-        phases = [0, 5, 10]
+        phases = [0] if "speculation" in args.skip else [0, 5, 10]
         total = args.rounds * (3 + 2) + args.rounds * 2 * 2
         bar = tqdm(total=total, desc="measurements")
         for depth in phases:
@@ -295,7 +297,8 @@ async def run(args) -> dict:
                             continue
                         note(system, "single", await single(client, prompts, args.tokens))
                         note(system, "batch18", await batch18(client, prompts, args.tokens))
-                        text = tokenizer.decode([1000 + 97 * r + len(system)] + long_ids)  # new per round & system
+                        first = (1000 + 97 * r + len(system)) % len(tokenizer)  # new per round & system
+                        text = tokenizer.decode([first] + long_ids)
                         cold, cached = await prefill(client, text)
                         note(system, "cold_ttft", cold)
                         note(system, "cached_ttft", cached)
@@ -393,7 +396,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=9, help="how many of the nine prompts (single-stream runs)")
     parser.add_argument("--prefill-tokens", type=int, default=2000)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["vllm", "hf"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["vllm", "hf", "speculation"])
     parser.add_argument("--specmesh-weights", default="auto", choices=["auto", "bf16", "bf16-avx512", "int8"],
                         help="specmesh's linear layers (SPECMESH_WEIGHTS); int8 trades accuracy for speed "
                              "(README: greedy agreement and log-prob gap), vLLM and HF stay bf16")

@@ -104,7 +104,7 @@ def generate(config: SamplingConfig, shape: str | None, seed: int) -> list[tuple
     speculator = Speculator(None, get_kernels("reference"), 64, None)
     out = []
     for trial in range(TRIALS):
-        seq = Sequence(f"t{trial}", list(PROMPT), config, make_generator(seed * 100003 + trial), None, None,
+        seq = Sequence(f"t{trial}", list(PROMPT), config, make_generator(seed * 100003 + trial, "cpu"), None, None,
                        logits_processor=LogitsProcessor.for_request(config, frozenset({EOS}), len(PROMPT)))
         while seq.num_output_tokens < LENGTH:
             remaining = LENGTH - seq.num_output_tokens

@@ -116,7 +116,7 @@ def test_overflowing_logits_choose_the_infinite_token():
     logits[2, 4] = 3e38  # finite, but overflows once divided by a small temperature
     configs = [SamplingConfig(4, temperature=0.5, seed=0), SamplingConfig(4),
                SamplingConfig(4, temperature=1e-3, seed=0)]
-    assert sample(logits, configs, [make_generator(0) for _ in configs]) == [7, 2, 4]
+    assert sample(logits, configs, [make_generator(0, logits.device) for _ in configs]) == [7, 2, 4]
 
 
 def test_target_probs_are_a_distribution_at_every_edge():

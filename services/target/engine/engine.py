@@ -190,7 +190,7 @@ class Engine:
         def new_sample(index: int) -> Sequence:
             return Sequence(
                 sample_id(request_id, index), list(prompt_ids), sampling,
-                make_generator(sample_seed(sampling.seed, index)),
+                make_generator(sample_seed(sampling.seed, index), self.runner.device),
                 IncrementalDetokenizer(self.tokenizer, prompt_ids, sampling.stop,
                                        sampling.skip_special_tokens, sampling.min_tokens),
                 group.emitter(index) if group else emit, extra_key=extra_key(self.name, tenant_salt),

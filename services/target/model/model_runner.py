@@ -3,6 +3,7 @@
 
 from __future__ import annotations
 
+import itertools
 import logging
 from dataclasses import dataclass
 from pathlib import Path
@@ -75,7 +76,7 @@ class ModelRunner:
             q_lens.append(n)
             ctx_lens.append(inp.context_len)
             tables.append(self.blocks.block_table(inp.seq_id))
-        meta = self._metadata(slots, positions, q_lens, ctx_lens, tables, _tree_mask(inputs))
+        meta = self._metadata(slots, positions, q_lens, ctx_lens, tables, _tree_mask(inputs, self.device))
         dev = self.device
         if self.lean_forward is not None:
             return self.lean_forward(torch.tensor(ids, dtype=torch.long, device=dev),
@@ -118,43 +119,42 @@ class ModelRunner:
     def _metadata(self, slots: list[int], positions: list[int], q_lens: list[int],
                   ctx_lens: list[int], tables: list[list[int]],
                   tree_mask: torch.Tensor | None) -> AttentionMetadata:
-        dev = self.device
+        dev = self.device  # every tensor is made there from host lists: one copy each, no CPU staging tensors
         width = max(len(t) for t in tables)
-        block_tables = torch.full((len(tables), width), -1, dtype=torch.int32)
-        for i, table in enumerate(tables):
-            block_tables[i, :len(table)] = torch.tensor(table, dtype=torch.int32)
-        query_start_loc = torch.zeros(len(q_lens) + 1, dtype=torch.int32)
-        query_start_loc[1:] = torch.cumsum(torch.tensor(q_lens), 0)
+        padded = [[*table, *[-1] * (width - len(table))] for table in tables]  # [num_seqs, max_blocks]
+        block_tables = torch.tensor(padded, dtype=torch.int32, device=dev)
+        query_start_loc = torch.tensor([0, *itertools.accumulate(q_lens)], dtype=torch.int32, device=dev)
         return AttentionMetadata(
             kv_pool=self.kv_pool,
             kernels=self.kernels,
             slot_mapping=torch.tensor(slots, dtype=torch.long, device=dev),
-            block_tables=block_tables.to(dev),
+            block_tables=block_tables,
             context_lens=torch.tensor(ctx_lens, dtype=torch.int32, device=dev),
-            query_start_loc=query_start_loc.to(dev),
+            query_start_loc=query_start_loc,
             query_positions=torch.tensor(positions, dtype=torch.int32, device=dev),
             tree_mask=None if tree_mask is None else tree_mask.to(dev),
         )
 
 
-def _tree_mask(inputs: list[StepInput]) -> torch.Tensor | None:
-    """[num_tokens, max_q_len] bool: ancestors-and-self for tree rows, causal for the rest."""
+def _tree_mask(inputs: list[StepInput], device: torch.device) -> torch.Tensor | None:
+    """[num_tokens, max_q_len] bool on `device`: ancestors-and-self for tree rows, causal for the
+    rest (built as host lists, then copied once)."""
     if not any(inp.parents is not None for inp in inputs):
         return None
     width = max(len(inp.token_ids) for inp in inputs)
-    rows = []
+    rows: list[list[bool]] = []
     for inp in inputs:
         n = len(inp.token_ids)
         if inp.parents is None:
-            mask = torch.ones(n, n, dtype=torch.bool).tril()
+            mask = [[j <= i for j in range(n)] for i in range(n)]
         else:
-            mask = torch.zeros(n, n, dtype=torch.bool)
+            mask = []
             for i, parent in enumerate(inp.parents):
-                if parent >= 0:
-                    mask[i] = mask[parent]
-                mask[i, i] = True
-        rows.append(torch.nn.functional.pad(mask, (0, width - n)))
-    return torch.cat(rows)
+                row = list(mask[parent]) if parent >= 0 else [False] * n
+                row[i] = True
+                mask.append(row)
+        rows.extend(row + [False] * (width - n) for row in mask)
+    return torch.tensor(rows, dtype=torch.bool, device=device)
 
 
 def load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu", weights: str = "none",

@@ -20,8 +20,10 @@ class SamplingError(RuntimeError):
     """One sequence's logits admit no token (e.g. all NaN); fails that request only."""
 
 
-def make_generator(seed: int | None) -> torch.Generator:
-    gen = torch.Generator(device="cpu")
+def make_generator(seed: int | None, device: torch.device | str) -> torch.Generator:
+    """A request's generator, on the device of the probabilities it will sample (the model's):
+    torch draws from a generator only on its own device."""
+    gen = torch.Generator(device=device)
     if seed is None:
         gen.seed()
     else:

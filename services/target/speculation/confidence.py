@@ -57,7 +57,7 @@ def token_confidence(logits: torch.Tensor, tokens: list[int]) -> tuple[list[floa
     """
     rows = logits.float()  # [n, vocab]
     lse = torch.logsumexp(rows, dim=-1)  # [n]
-    chosen = rows.gather(-1, torch.tensor(tokens, dtype=torch.int64).unsqueeze(-1)).squeeze(-1)  # [n]
+    chosen = rows.gather(-1, torch.tensor(tokens, dtype=torch.int64, device=rows.device).unsqueeze(-1)).squeeze(-1)  # [n]
     top2 = torch.topk(rows, min(2, rows.shape[-1]), dim=-1).values  # [n, 2]
     margin = top2[:, 0] - top2[:, -1]  # [n]; log-softmax shifts both by lse
     out_lp, out_margin = [], []

@@ -102,9 +102,10 @@ class Speculator:
         """
         n = len(proposal.token_ids)
         rows = masked_verify_rows(seq, rows, proposal)  # each row masked along its node's path
-        draft_tokens = torch.tensor([[seq.token_ids[-1], *proposal.token_ids]], dtype=torch.int64)
-        parents = torch.tensor([[-1, *(p + 1 for p in proposal.parents)]], dtype=torch.int64)
-        num_nodes = torch.tensor([n + 1], dtype=torch.int64)
+        dev = rows.device  # the accept kernels check that every tensor is on the logits' device
+        draft_tokens = torch.tensor([[seq.token_ids[-1], *proposal.token_ids]], dtype=torch.int64, device=dev)
+        parents = torch.tensor([[-1, *(p + 1 for p in proposal.parents)]], dtype=torch.int64, device=dev)
+        num_nodes = torch.tensor([n + 1], dtype=torch.int64, device=dev)
         processed = rows if seq.logits_processor is None else seq.logits_processor.apply(
             rows, seq.token_ids, tree_paths(proposal.token_ids, proposal.parents))  # [n + 1, vocab]
         probs = None
@@ -116,11 +117,11 @@ class Speculator:
             probs = target_probs(processed, seq.sampling).unsqueeze(0).contiguous()  # [1, n + 1, vocab]
             # Proposers here are deterministic: zero draft rows mean q = one-hot(proposed token).
             draft_probs = torch.zeros_like(probs)
-            uniforms = torch.rand(1, n + 2, generator=seq.generator)  # [1, n + 2]
+            uniforms = torch.rand(1, n + 2, generator=seq.generator, device=dev)  # [1, n + 2], the generator's device
             nodes, num_accepted, bonus = self.kernels.accept_tree_sampling(
                 draft_tokens, parents, num_nodes, probs, draft_probs, uniforms)
-        a = int(num_accepted[0])
-        path = [int(x) - 1 for x in nodes[0, 1:1 + a]]  # draft indices
+        a, bonus_token, *walk = torch.cat([num_accepted, bonus, nodes[0, 1:]]).tolist()  # one copy to the host
+        path = [x - 1 for x in walk[:a]]  # draft indices
         seq.spec.proposed += n
         seq.spec.accepted += a
         seq.spec.verify_passes += 1
@@ -132,9 +133,9 @@ class Speculator:
         if seq.sampling.logprobs:  # row of the root, then of each accepted node: they chose the tokens
             chooser = [0, *(node + 1 for node in path)]
             logprobs = token_logprobs(rows[chooser], processed[chooser],
-                                      [*(proposal.token_ids[node] for node in path), int(bonus[0])],
+                                      [*(proposal.token_ids[node] for node in path), bonus_token],
                                       seq.sampling, None if probs is None else probs[0, chooser])
-        return path, int(bonus[0]), logprobs
+        return path, bonus_token, logprobs
 
     def release(self, seq: Sequence) -> None:
         if seq.plan is not None:
