@@ -169,3 +169,22 @@ async def test_samples_under_block_pressure_are_preempted_and_recomputed_exactly
         assert mesh.engine.stats().used_blocks == 0
     finally:
         await mesh.stop()
+
+
+async def test_admission_counts_the_samples(tiny_llama_dir):
+    mesh = await start_mesh(tiny_llama_dir, max_num_seqs=4, max_queued_requests=0)
+    try:
+        call = mesh.router_stub.Generate(request(PROMPT, 200, temperature=1.0, n=4), metadata=AUTH_A)
+        await call.read()  # admitted and streaming: its 4 samples fill the 4 places
+        with pytest.raises(grpc.aio.AioRpcError) as exc:
+            await collect(mesh.router_stub, request(PROMPT, 4))
+        assert exc.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+        call.cancel()
+        for _ in range(200):
+            if not mesh.engine.live_request_ids():
+                break
+            await asyncio.sleep(0.05)
+        ids, _, _ = await collect(mesh.router_stub, request(PROMPT, 4))  # room again
+        assert len(ids) == 4
+    finally:
+        await mesh.stop()
