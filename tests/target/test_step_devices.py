@@ -100,6 +100,8 @@ class _Seq:
         self.sampling = sampling
         self.generator = make_generator(sampling.seed, device)
         self.spec = SpeculationStats()
+        self.grammar = None  # unconstrained, no penalties or bias
+        self.logits_processor = None
 
 
 @pytest.mark.parametrize("device", DEVICES)
@@ -114,6 +116,6 @@ def test_verify_walk_builds_its_tensors_on_the_logits_device(device, temperature
     seq = _Seq(SamplingConfig(max_tokens=8, temperature=temperature, seed=4), rows.device)
     guard = DeviceNamingGuard()
     with guard:
-        path, bonus = speculator.accept(seq, rows, proposal)
+        path, bonus, _ = speculator.accept(seq, rows, proposal)
     assert guard.violations == [] and guard.calls > 0
     assert path == [0, 1] and 0 <= bonus < 20
