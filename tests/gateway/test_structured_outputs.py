@@ -10,11 +10,8 @@ import json
 import jsonschema
 import openai
 import pytest
-import pytest_asyncio
 
 from services.common.models.tiny import build_tiny_model
-from services.gateway.app import Gateway, GatewayConfig
-from tests.mesh import TOKEN_A, start_mesh
 
 pytestmark = pytest.mark.asyncio(loop_scope="module")
 QUESTION = [{"role": "user", "content": "What is the weather in Paris?"}]
@@ -36,20 +33,6 @@ ANSWER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Lyon"]}, 
 def chat_dir(tmp_path_factory):
     return build_tiny_model(tmp_path_factory.mktemp("tiny-chat"), arch="llama", seed=3, chat=True,
                             max_position_embeddings=2048)  # room for the tool listing (byte-level tokens)
-
-
-@pytest_asyncio.fixture(scope="module", loop_scope="module")
-async def client(chat_dir):
-    mesh = await start_mesh(chat_dir)
-    gateway = Gateway(GatewayConfig(port=0, router_address=mesh.router.address))
-    await gateway.start()
-    client = openai.AsyncOpenAI(base_url=f"http://{gateway.address}/v1", api_key=TOKEN_A, max_retries=0)
-    try:
-        yield client
-    finally:
-        await client.close()
-        await gateway.stop()
-        await mesh.stop()
 
 
 def _valid_calls(calls, names=None):
