@@ -59,7 +59,9 @@ async def test_step_path_names_the_device_of_every_tensor_and_generator(
                             draft_address=draft.address if draft else "", kernels="reference")
     try:
         greedy = await asyncio.gather(*(collect(mesh.router_stub, request(p, 16)) for p in PROMPTS))
-        sampled = await collect(mesh.router_stub, request(PROMPTS[1], 16, temperature=0.8, top_p=0.9, seed=5))
+        # min_tokens: a seeded sample may draw the end-of-sequence token early on another CPU
+        sampled = await collect(mesh.router_stub, request(PROMPTS[1], 16, temperature=0.8, top_p=0.9,
+                                                          seed=5, min_tokens=16))
     finally:
         await mesh.stop()
         if draft:
