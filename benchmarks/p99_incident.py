@@ -33,6 +33,7 @@ import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from services.bench.foreign_cpu import ForeignCpu  # noqa: E402
 from services.bench.report import ALL, Slo, summarize  # noqa: E402
 from services.bench.runner import run_schedule  # noqa: E402
 from services.bench.schedule import poisson_schedule  # noqa: E402
@@ -43,6 +44,8 @@ from services.router.config import RouterConfig  # noqa: E402
 from services.target.server.app import build_target_server  # noqa: E402
 from services.target.config import EngineConfig  # noqa: E402
 from services.target.engine.engine import Engine  # noqa: E402
+from services.target.engine.step_log import first_token_breakdown  # noqa: E402
+from services.bench.foreign_cpu import VOID_SHARE  # noqa: E402
 from tests.mesh import TOKEN_A, start_draft  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -85,16 +88,61 @@ async def main() -> None:
     while not engine.speculator.client.connected:
         await asyncio.sleep(0.05)
     items = workload()
+    cpu = ForeignCpu()  # this process holds the whole mesh: everything else is foreign
     try:
-        qps = args.qps or await calibrate(target.address, items, args)
-        arms = {arm: plan for arm, plan in ARMS.items() if not args.arms or arm in args.arms}
-        results = await run_rounds(target.address, items, arms, qps, args)
+        with cpu:
+            qps = args.qps or await calibrate(target.address, items, args)
+            arms = {arm: plan for arm, plan in ARMS.items() if not args.arms or arm in args.arms}
+            results = await run_rounds(target.address, items, arms, qps, args, cpu)
+            if not args.qps:  # the machine must be the one calibrated: capacity again, after
+                args.capacity_before = args.capacity
+                await calibrate(target.address, items, args)
+                args.capacity_after = args.capacity
+        attach_breakdowns(results, engine)
         for arm, result in results.items():
             print(_line(arm, result), flush=True)
     finally:
         await target.stop(grace=1)
         await draft.stop(grace=0)
-    write(results, qps, args)
+    args.foreign_cpu = cpu.share()
+    verdict = validity(args)
+    write(results, qps, args, verdict)
+    if verdict:
+        print(f"VOID: {verdict}", flush=True)
+        sys.exit(3)
+
+
+DRIFT = 0.15  # capacity after the arms may differ this much from before
+
+
+def validity(args) -> str:
+    """Why the run is void ("" when it is not): foreign CPU above the bound, or capacity
+    measured after the arms off by more than DRIFT from before (the load offered was then
+    not the fraction of capacity the run says)."""
+    problems = []
+    if args.foreign_cpu["void"]:
+        problems.append(f"median foreign CPU {args.foreign_cpu['median']:.1%} of the machine "
+                        f"(bound {VOID_SHARE:.0%})")
+    before, after = getattr(args, "capacity_before", None), getattr(args, "capacity_after", None)
+    if before and after and abs(after / before - 1) > DRIFT:
+        problems.append(f"capacity drifted from {before:.2f} to {after:.2f} req/s during the run")
+    return "; ".join(problems)
+
+
+def attach_breakdowns(results: dict, engine) -> None:
+    """Joins each request with the engine's step log (same process, same monotonic clock):
+    where its first-token time went — the router on the way in, queue, the steps it waited
+    through and what they carried, the way back out (services/target/engine/step_log.py)."""
+    steps, firsts = engine.step_log.snapshot()
+    by_id = {f.request_id: f for f in firsts}
+    for result in results.values():
+        for record in result["requests"]:
+            first = by_id.get(record.get("request_id"))
+            if first is None or record.get("first_token_monotonic") is None:
+                continue
+            record.update(first_token_breakdown(first, steps),
+                          router_in_s=first.arrival - record["sent_monotonic"],
+                          out_s=record["first_token_monotonic"] - first.first_token)
 
 
 async def calibrate(address: str, items, args, bursts: int = 3) -> float:
@@ -112,11 +160,11 @@ async def calibrate(address: str, items, args, bursts: int = 3) -> float:
     capacity = sorted(capacities)[len(capacities) // 2]
     print(f"capacity without speculation ~{capacity:.2f} req/s (median of "
           f"{', '.join(f'{c:.2f}' for c in capacities)}); offering {args.load:.0%} of it", flush=True)
-    args.capacities = capacities
+    args.capacities, args.capacity = capacities, capacity
     return capacity * args.load
 
 
-async def run_rounds(address: str, items, arms: dict, qps: float, args) -> dict:
+async def run_rounds(address: str, items, arms: dict, qps: float, args, cpu: ForeignCpu) -> dict:
     """Each arm's router serves a warm-up schedule, then the measured requests in `--rounds`
     parts, the arms taking turns per part (off, fixed, adaptive, off, ...): a change in the
     machine's load during the run then hits every arm alike. Part r is the same Poisson
@@ -127,6 +175,7 @@ async def run_rounds(address: str, items, arms: dict, qps: float, args) -> dict:
     else:
         sizes = [args.num_requests // args.rounds + (r < args.num_requests % args.rounds) for r in range(args.rounds)]
     routers, records, durations, walls = {}, {a: [] for a in arms}, dict.fromkeys(arms, 0.0), dict.fromkeys(arms, 0.0)
+    windows = {a: [] for a in arms}  # (start, end) monotonic of each of the arm's rounds
     try:
         for arm, plan in arms.items():
             routers[arm] = await _start_router(address, plan, args)
@@ -141,8 +190,9 @@ async def run_rounds(address: str, items, arms: dict, qps: float, args) -> dict:
                 break
             schedule = poisson_schedule(qps, args.seed + 1000 * r, len(items), num_requests=size)
             for arm in arms:
-                start = time.perf_counter()
+                start, window_start = time.perf_counter(), time.monotonic()
                 part = await _send(routers[arm], items, schedule)
+                windows[arm].append((window_start, time.monotonic()))
                 walls[arm] += time.perf_counter() - start
                 durations[arm] += max(x.sent_s + (x.e2e_s or 0) for x in part)
                 records[arm] += [(r, x) for x in part]
@@ -154,8 +204,10 @@ async def run_rounds(address: str, items, arms: dict, qps: float, args) -> dict:
     results = {}
     for arm, plan in arms.items():
         requests = [x.to_json() | {"round": r} for r, x in records[arm]]
+        foreign = [v for t, v in cpu.samples if any(a <= t <= b for a, b in windows[arm])]
         results[arm] = {"plan": plan, "qps": qps, "duration_s": durations[arm], "wall_s": walls[arm],
-                        "requests": requests, "summary": summarize(requests, durations[arm], Slo())}
+                        "requests": requests, "summary": summarize(requests, durations[arm], Slo()),
+                        "foreign_cpu": sorted(foreign)[len(foreign) // 2] if foreign else None}
     return results
 
 
@@ -180,21 +232,27 @@ async def _serve(address: str, items, plan: dict, schedule, args):
         await router.stop(grace=1)
 
 
-def write(results: dict, qps: float, args) -> None:
+def write(results: dict, qps: float, args, verdict: str = "") -> None:
     docs = ROOT / "docs"
     docs.mkdir(exist_ok=True)
     name = f"p99_incident{args.tag}"
     arms = {a: {k: v for k, v in r.items() if k != "requests"} | {"records": _records(r["requests"])}
             for a, r in results.items()}
     (docs / f"{name}.json").write_text(json.dumps(
-        {"qps": qps, "args": vars(args), "code": _code_state(), "arms": arms}, indent=1))
-    (docs / f"{name}.md").write_text(markdown(results, qps, args))
+        {"qps": qps, "args": vars(args), "code": _code_state(), "void": verdict, "arms": arms}, indent=1))
+    (docs / f"{name}.md").write_text(markdown(results, qps, args, verdict))
     if "off" in results:
         plot(results, docs / f"{name}.png", qps, args)
     print(f"wrote {docs / name}.md")
 
 
-RECORD_FIELDS = ("round", "bucket", "sent_s", "ttft_s", "tpot_s", "e2e_s", "completion_tokens", "rejected_tokens")
+RECORD_FIELDS = ("round", "bucket", "sent_s", "ttft_s", "tpot_s", "e2e_s", "completion_tokens", "rejected_tokens",
+                 # where the first token's time went (attach_breakdowns)
+                 "router_in_s", "queue_s", "engine_s", "out_s", "steps", "steps_with_prefill",
+                 "steps_with_verify", "verify_step_s", "draft_call_s", "draft_nodes", "max_waiting")
+# The tail table: mean of these over each arm's slowest first tokens.
+TAIL_FIELDS = ("ttft_s", "router_in_s", "queue_s", "engine_s", "out_s", "steps", "steps_with_verify",
+               "verify_step_s", "draft_call_s", "draft_nodes", "max_waiting")
 
 
 def _records(requests: list[dict]) -> dict:
@@ -227,12 +285,14 @@ def p99_ratio_interval(arm: list[float], off: list[float], draws: int = 2000, se
     return float(low), float(high)
 
 
-def markdown(results: dict, qps: float, args) -> str:
+def markdown(results: dict, qps: float, args, verdict: str = "") -> str:
     off = results["off"]["summary"] if "off" in results else next(iter(results.values()))["summary"]
     load = f"{args.load:.0%} of measured capacity" if args.qps is None else "given with --qps"
     lines = [f"# P99 incident: model `{args.model}`, {qps:.3f} req/s ({load}), "
              f"{len(next(iter(results.values()))['requests'])} requests per arm after {args.warmup} warm-up, "
              f"in rounds (arms taking turns), seed {args.seed}", "",
+             *([f"**VOID: {verdict}.** No ratio below may be quoted.", ""] if verdict else []),
+             *calibration(results, args), "",
              "P99 in ms; in brackets the ratio to no speculation (> 1.05 = more than 5% worse).", "",
              "| bucket | arm | TTFT P99 | TPOT P99 | TPOT mean | e2e P99 | accept. length | rejected tok |",
              "|---|---|---:|---:|---:|---:|---:|---:|"]
@@ -249,8 +309,46 @@ def markdown(results: dict, qps: float, args) -> str:
         tokens = result["summary"][ALL]["completion_tokens"]
         lines.append(f"- {arm}: {tokens / result['duration_s']:.1f} tok/s, mean TPOT "
                      f"{_ms(result['summary'][ALL]['tpot_s']['mean'])} ms")
-    lines += ["", *goal(results)]
+    lines += ["", *goal(results), "", *tail_table(results)]
     return "\n".join(lines) + "\n"
+
+
+def calibration(results: dict, args) -> list[str]:
+    """The load calibration and the foreign CPU share, as the run measured them."""
+    lines = []
+    if getattr(args, "capacities", None):
+        before = getattr(args, "capacity_before", args.capacity)
+        after = getattr(args, "capacity_after", None)
+        lines.append(f"Capacity without speculation: {before:.2f} req/s before the arms"
+                     + (f", {after:.2f} after ({after / before - 1:+.0%}; void beyond ±{DRIFT:.0%})" if after else ""))
+    share = getattr(args, "foreign_cpu", None) or {}
+    if share.get("samples"):
+        per_arm = ", ".join(f"{a} {r['foreign_cpu']:.1%}" for a, r in results.items() if r.get("foreign_cpu") is not None)
+        lines.append(f"Foreign CPU (processes outside this one, share of the machine): median {share['median']:.1%}, "
+                     f"max {share['max']:.1%} over {share['samples']} one-second samples; per arm (median) {per_arm}")
+    return lines
+
+
+def tail_table(results: dict, tail: float = 0.05) -> list[str]:
+    """Where the slowest first tokens' time went: for each bucket's slowest `tail` of first
+    tokens (at least 2 requests), the mean of each part, per arm (ms, steps, nodes)."""
+    lines = [f"Where the slowest {tail:.0%} first tokens of each bucket waited (means over those requests; "
+             "ms unless a count):", "",
+             "| arm | " + " | ".join(TAIL_FIELDS) + " |", "|---|" + "---:|" * len(TAIL_FIELDS)]
+    for arm, result in results.items():
+        rows = []
+        for bucket in {x["bucket"] for x in result["requests"]}:
+            mine = sorted((x for x in result["requests"] if x["bucket"] == bucket and x.get("ttft_s") is not None
+                           and x.get("engine_s") is not None), key=lambda x: x["ttft_s"])
+            rows += mine[-max(2, round(len(mine) * tail)):] if mine else []
+        if not rows:
+            continue
+        cells = []
+        for f in TAIL_FIELDS:
+            mean = sum(x[f] for x in rows) / len(rows)
+            cells.append(f"{mean * 1000:.1f}" if f.endswith("_s") else f"{mean:.1f}")
+        lines.append(f"| {arm} | " + " | ".join(cells) + " |")
+    return lines
 
 
 def goal(results: dict) -> list[str]:

@@ -39,6 +39,9 @@ class RequestRecord:
     verify_passes: int = 0
     fallback_steps: int = 0
     route: dict = field(default_factory=dict)
+    request_id: str = ""  # the id the answering target knew it by (RouteRecord.request_id)
+    sent_monotonic: float = 0.0  # time.monotonic() at send and at the first token: the clock
+    first_token_monotonic: float | None = None  # an in-process engine's step log uses
 
     def to_json(self) -> dict:
         return asdict(self)
@@ -65,6 +68,7 @@ async def _send(stub, item: WorkloadItem, record: RequestRecord, token: str, tim
     metadata = (("authorization", f"Bearer {item.token or token}"),)
     sent = time.perf_counter()
     record.sent_s = sent - run_start
+    record.sent_monotonic = time.monotonic()
     first = last = None
     tokens = 0
     try:
@@ -72,12 +76,14 @@ async def _send(stub, item: WorkloadItem, record: RequestRecord, token: str, tim
             chunk = response.chunk
             if chunk.token_ids:
                 last = time.perf_counter()
-                first = first or last
+                if first is None:
+                    first, record.first_token_monotonic = last, time.monotonic()
                 tokens += len(chunk.token_ids)
             if chunk.HasField("usage"):
                 _usage(record, chunk.usage)
             if response.HasField("route"):
                 record.route = MessageToDict(response.route, preserving_proto_field_name=True)
+                record.request_id = response.route.request_id
         end = time.perf_counter()
         record.e2e_s = end - sent
         record.completion_tokens = record.completion_tokens or tokens

@@ -90,6 +90,7 @@ class _Attempt:
     predicted_cached: int = 0
     held: list = field(default_factory=list)
     final: common_pb2.GenerateChunk | None = None
+    request_id: str = ""  # the id the replica knew this attempt by
 
 
 class Routing:
@@ -236,7 +237,7 @@ class Routing:
         tenant = self.mesh.tenant(req.tenant)
         target_request = target_service_pb2.TargetServiceGenerateRequest()
         target_request.CopyFrom(req.target)
-        target_request.request_id = uuid.uuid4().hex  # a retry is a new request to the target
+        target_request.request_id = attempt.request_id = uuid.uuid4().hex  # a retry is a new request
         target_request.priority = tenant.priority if tenant else 0
         target_request.report_confidence = hold
         # Load this request puts on the replica: its uncached prompt until the first token
@@ -298,7 +299,8 @@ class Routing:
             reason=decision.choice.reason,
             score=router_service_pb2.RouteScore(cost=score.cost, latency_s=score.latency_s,
                                                 quality=score.quality, risk=score.risk, total=score.total),
-            predicted_cached_tokens=attempt.predicted_cached, retried=attempt.retried)
+            predicted_cached_tokens=attempt.predicted_cached, retried=attempt.retried,
+            request_id=attempt.request_id)
         route_metrics.add(route_metrics.ROUTES, {"specmesh.bucket": req.bucket, "specmesh.pool": pool.name,
                                                  "specmesh.replica": attempt.replica, "specmesh.route.reason": route.reason})
         return router_service_pb2.GenerateResponse(chunk=attempt.final, route=route)

@@ -40,6 +40,7 @@ from services.target.model.sampler import make_generator
 from services.common.sample_count import sample_count_violations
 from services.target.engine.samples import SampleGroup, sample_id, sample_seed
 from services.target.engine.scheduler import ScheduledSeq, Scheduler, SeqUpdate, StepResult
+from services.target.engine.step_log import FirstToken, StepLog, StepRecord
 from services.target.engine.sequence import FinishReason, Sequence, SpeculationPlan, StepOutput
 from services.target.speculation.speculator import Speculator, verify_span
 from services.target.engine.torch_thread import TorchThread, run_task
@@ -76,6 +77,7 @@ class Engine:
         self._failure_callbacks: list[Callable[[EngineFailed], None]] = []
         self.loop_fault = FaultPoint("engine.loop")  # test hook (services/target/engine/fault_point.py)
         self.num_steps = 0  # engine steps run: a heartbeat GetStats reports
+        self.step_log = StepLog()  # what each step carried, what each first token waited for
         # Always a speculator: without a draft service it verifies the target's own drafts
         # (grammar drafts); every other plan is dropped at submit (`servable_plan`).
         client = DraftClient(config.draft_address, config.draft_timeout_s, spec.vocab_size,
@@ -311,8 +313,10 @@ class Engine:
                 batch = self.scheduler.schedule()
                 self.loop_fault.check()  # a test's fault here: mid-bookkeeping, state untrusted
                 batch = self._count_admissions(batch)
+                waiting = len(self.scheduler.waiting)
             if batch:
                 self.num_steps += 1
+                started = time.monotonic()
                 try:
                     self._metrics.step(batch)
                 except Exception:  # metrics only: nothing else depends on them
@@ -324,6 +328,15 @@ class Engine:
                     with self._lock:
                         for item in batch:
                             self._finish(item.seq, error=exc)
+                self._log_step(batch, started, waiting)
+
+    def _log_step(self, batch: list[ScheduledSeq], started: float, waiting: int) -> None:
+        draft_s, nodes, trees = self.speculator.last_step if self.speculator else (0.0, 0, 0)
+        decoding = sum(1 for item in batch if item.samples and item.num_tokens == 1)
+        self.step_log.steps.append(StepRecord(
+            self.num_steps, started, time.monotonic(), draft_s,
+            prefill_tokens=sum(item.num_tokens for item in batch) - decoding, decode_rows=decoding,
+            draft_nodes=nodes, trees=trees, waiting=waiting))
 
     def _count_admissions(self, batch: list[ScheduledSeq]) -> list[ScheduledSeq]:
         """Admission bookkeeping (lock held); a request whose admission metrics fail ends with
@@ -470,6 +483,9 @@ class Engine:
         if seq.first_token_time is None:
             seq.first_token_time = now
             self._metrics.first_token(seq, now)
+            self.step_log.first_tokens.append(FirstToken(
+                seq.request_id, seq.bucket, seq.arrival, seq.admitted_time or now, now,
+                seq.num_cached_prompt, seq.num_prompt_tokens))
         elif seq.last_token_time is not None:
             self._metrics.next_tokens(seq, now, len(update.token_ids))
         seq.last_token_time = now

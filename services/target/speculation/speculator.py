@@ -42,6 +42,7 @@ def verify_span(trees: dict, batch, speculator: "Speculator | None" = None):
         tokens = sum(i.num_tokens for i in batch) + nodes
         rows = sum(1 for i in batch if i.samples) + nodes  # logit rows: sampled positions, tree nodes
         speculator.load.cost.observe(tokens, end - start, rows, len(trees))
+        speculator.last_step = (speculator.last_step[0], nodes, len(trees))
     for item in batch:
         tree = trees.get(item.seq.seq_id)
         if tree is not None:
@@ -57,10 +58,13 @@ class Speculator:
         self._metrics = metrics  # services/target/metrics.TargetMetrics
         self.load = LoadAwareDepth()  # measured step and draft times -> depth per step
         self.arrival_rate: Callable[[], float] = lambda: 0.0  # the scheduler's, set by the engine
+        # The last step's (draft call seconds, draft nodes verified, trees) for the step log.
+        self.last_step: tuple[float, int, int] = (0.0, 0, 0)
 
     def propose(self, batch: list[ScheduledSeq]) -> dict[str, DraftTree]:
         """One batched draft call for every decoding sequence with a plan; {} on fallback."""
         seqs, requests = [], []
+        self.last_step = (0.0, 0, 0)
         slots = {item.seq.seq_id: item.num_draft_slots for item in batch}  # budgeted by the scheduler
         depths = self._depths(batch)
         forced = grammar_drafts((seq, min(depth, slots[seq.seq_id])) for seq, depth in depths)
@@ -80,6 +84,7 @@ class Speculator:
         result = self.client.propose(requests)
         window = (start, time.monotonic())
         fallback = result is None
+        self.last_step = (window[1] - window[0], 0, 0)
         if not fallback:
             self.load.observe_draft(window[1] - window[0])
         proposals = {} if fallback else {k: v for k, v in result.items() if v is not None and v.token_ids}

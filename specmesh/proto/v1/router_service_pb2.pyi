@@ -192,7 +192,7 @@ class GenerateResponse(_message.Message):
     def __init__(self, chunk: _Optional[_Union[_common_pb2.GenerateChunk, _Mapping]] = ..., retrieval: _Optional[_Union[RetrievalReport, _Mapping]] = ..., route: _Optional[_Union[RouteRecord, _Mapping]] = ...) -> None: ...
 
 class RouteRecord(_message.Message):
-    __slots__ = ("bucket", "pool", "replica", "speculation", "escalated", "escalated_from", "reason", "score", "predicted_cached_tokens", "retried")
+    __slots__ = ("bucket", "pool", "replica", "speculation", "escalated", "escalated_from", "reason", "score", "predicted_cached_tokens", "retried", "request_id")
     BUCKET_FIELD_NUMBER: _ClassVar[int]
     POOL_FIELD_NUMBER: _ClassVar[int]
     REPLICA_FIELD_NUMBER: _ClassVar[int]
@@ -203,6 +203,7 @@ class RouteRecord(_message.Message):
     SCORE_FIELD_NUMBER: _ClassVar[int]
     PREDICTED_CACHED_TOKENS_FIELD_NUMBER: _ClassVar[int]
     RETRIED_FIELD_NUMBER: _ClassVar[int]
+    REQUEST_ID_FIELD_NUMBER: _ClassVar[int]
     bucket: str
     pool: str
     replica: str
@@ -213,7 +214,8 @@ class RouteRecord(_message.Message):
     score: RouteScore
     predicted_cached_tokens: int
     retried: bool
-    def __init__(self, bucket: _Optional[str] = ..., pool: _Optional[str] = ..., replica: _Optional[str] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPlan, _Mapping]] = ..., escalated: _Optional[bool] = ..., escalated_from: _Optional[str] = ..., reason: _Optional[str] = ..., score: _Optional[_Union[RouteScore, _Mapping]] = ..., predicted_cached_tokens: _Optional[int] = ..., retried: _Optional[bool] = ...) -> None: ...
+    request_id: str
+    def __init__(self, bucket: _Optional[str] = ..., pool: _Optional[str] = ..., replica: _Optional[str] = ..., speculation: _Optional[_Union[_common_pb2.SpeculationPlan, _Mapping]] = ..., escalated: _Optional[bool] = ..., escalated_from: _Optional[str] = ..., reason: _Optional[str] = ..., score: _Optional[_Union[RouteScore, _Mapping]] = ..., predicted_cached_tokens: _Optional[int] = ..., retried: _Optional[bool] = ..., request_id: _Optional[str] = ...) -> None: ...
 
 class RouteScore(_message.Message):
     __slots__ = ("cost", "latency_s", "quality", "risk", "total")
