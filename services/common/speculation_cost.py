@@ -117,15 +117,20 @@ class LoadAwareDepth:
       (fixed plans);
     - alphas / max_depths: each speculation candidate's acceptance estimate and plan limit;
     - prefill_tokens: of plain_tokens, those of requests still waiting for their first token;
+    - waiting: requests queued now that this step does not start (no seat, budget or blocks
+      left): each waits for the whole step;
     - arrival_rate: new requests per second lately (the scheduler's measure).
     Returns one depth for every candidate (0 = decode normally this step).
 
     TTFT bound: the first-token delay a step adds by speculating, (t_spec - t_plain), times
     the chance that some request's first token waits for this step, stays within `ttft_slack`
-    of the plain step. That chance is 1 when the step prefills a request, else the chance that
-    a request arrives while it runs, 1 - exp(-λ·t_spec). A request's TTFT holds at least one
-    plain step (its prefill), so each step it waits behind adds at most `ttft_slack` to its
-    expected TTFT; the plain step it would wait for anyway is not counted against speculation.
+    of the plain step. That chance is 1 when a request is known to wait for the step — it
+    prefills one, or one is queued — else the chance that a request arrives while it runs,
+    1 - exp(-λ·t_spec). So a request that queues (the tail of the first-token times near
+    saturation) waits through steps each at most `ttft_slack` longer than plain: its TTFT at
+    most that much longer, whatever the number of steps; the discount by chance applies only
+    to steps no known request waits for. The plain step a request would wait for anyway is
+    not counted against speculation.
     """
 
     def __init__(self, cost: StepCostModel | None = None, ewma: float = 0.2, min_alpha: float = 0.05,
@@ -143,19 +148,20 @@ class LoadAwareDepth:
 
     def choose(self, plain_tokens: int, plain_outputs: int, alphas: list[float],
                max_depths: list[int], prefill_tokens: int = 0, plain_logits: int | None = None,
-               arrival_rate: float = 0.0, plain_trees: int = 0) -> int:
+               arrival_rate: float = 0.0, plain_trees: int = 0, waiting: int = 0) -> int:
         """The common depth for all candidates (each still capped by its own max depth)."""
         if not alphas:
             return 0
         if not self.cost.ready:
-            # Not measured yet: the plan as asked, except beside a prefill (its TTFT would pay).
-            return 0 if prefill_tokens else max(max_depths)
+            # Not measured yet: the plan as asked, except when a first token waits (its TTFT would pay).
+            return 0 if prefill_tokens or waiting else max(max_depths)
         n = len(alphas)
         rows = (plain_outputs if plain_logits is None else plain_logits) + n  # logit rows without speculation
         plain_time = self.cost.predict(plain_tokens + n, rows, plain_trees)
-        # A step holding a waiting request's prefill is that request's TTFT, and a request that
-        # arrives meanwhile waits for it: speculation (the draft call and every verified draft
-        # token) may add at most `ttft_slack` of the plain step to a first token, in expectation.
+        # A step holding a request's prefill, or with requests queued behind it, is part of their
+        # TTFT, and a request that arrives meanwhile waits for it too: speculation (the draft
+        # call and every verified draft token) may add at most `ttft_slack` of the plain step to
+        # a known waiting first token, and that much in expectation to one that may arrive.
         slack = self.ttft_slack * plain_time
         best_depth, best_rate = 0, (plain_outputs + n) / max(plain_time, 1e-9)
         draft = self.draft_seconds or 0.0
@@ -164,7 +170,8 @@ class LoadAwareDepth:
             extra = sum(depths)  # draft nodes: each a token and a logit row of the verify pass
             trees = plain_trees + sum(1 for k in depths if k)
             step_time = self.cost.predict(plain_tokens + n + extra, rows + extra, trees) + draft
-            pending = 1.0 if prefill_tokens else 1.0 - math.exp(-max(arrival_rate, 0.0) * step_time)
+            known = prefill_tokens or waiting
+            pending = 1.0 if known else 1.0 - math.exp(-max(arrival_rate, 0.0) * step_time)
             if pending * (step_time - plain_time) > slack:
                 break  # deeper only costs more
             committed = plain_outputs + sum(expected_tokens(a, k) if k else 1.0 for a, k in zip(alphas, depths))

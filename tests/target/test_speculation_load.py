@@ -193,3 +193,52 @@ async def test_adaptive_mesh_sends_the_prior_in_the_plan(tiny_llama_dir):
     finally:
         await mesh.stop()
         await draft.stop(grace=0.5)
+
+
+def test_a_queued_request_bounds_the_step_like_a_prefill():
+    # Memory-bound as above: two sequences at α = 0.8 would draft 8 deep when nobody waits.
+    idle = _chooser(a=0.030, b=0.00005, draft_s=0.001)
+    assert idle.choose(0, 0, [0.8, 0.8], [8, 8]) == 8
+    # A request queued behind the step (no seat for it) waits for all of it, whatever the
+    # arrival rate: the same bound as a prefill in the step. Plain: 30.2 ms, 5% = 1.51 ms;
+    # depth d adds the 1 ms draft call and 0.2·d ms, so at most 2.
+    assert idle.choose(0, 0, [0.8, 0.8], [8, 8], waiting=1) == 2
+    assert LoadAwareDepth().choose(0, 0, [0.5], [5], waiting=1) == 0  # unmeasured: not beside a queue
+
+
+def test_verify_rows_never_push_a_queued_first_token_past_the_bound(tiny_llama_dir):
+    """The scheduler and the speculator together, on a deterministic step-cost model: two
+    seats, both decoding with load-aware plans, a third request queued for a seat. Every step
+    it waits through may be at most 5% longer than plain (its first token at most 5% later);
+    once nobody waits, the plans draft at full depth."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    speculator = Speculator(None, None, max_context=1024, metrics=None)
+    speculator.load = _chooser(a=0.030, b=0.00005, draft_s=0.001)  # the test's clock
+    scheduler = Scheduler(BlockManager(64, 16, enable_prefix_caching=False), max_num_seqs=2,
+                          max_batched_tokens=64, draft_limit=speculator.max_draft_nodes)
+    speculator.queue_length = lambda: len(scheduler.waiting)
+    plan = SpeculationPlan(common_pb2.SPECULATION_METHOD_PROMPT_LOOKUP, max_depth=8, max_nodes=8,
+                           load_aware=True, acceptance=0.8)
+    running = [_seq(tokenizer, f"run{i}", plan) for i in range(2)]
+    queued = _seq(tokenizer, "queued", None)
+    for seq in (*running, queued):
+        scheduler.add(seq)
+    for item in scheduler.schedule():  # both prefilled; the third has no seat
+        item.seq.num_computed = item.seq.num_tokens
+        item.seq.token_ids.append(7)
+    cost = speculator.load.cost
+
+    def step_time(batch, depths) -> float:
+        nodes = sum(depths.values())
+        return cost.predict(len(batch) + nodes, len(batch) + nodes, sum(1 for d in depths.values() if d)) + \
+            (speculator.load.draft_seconds if nodes else 0.0)
+
+    batch = scheduler.schedule()
+    assert [i.seq.seq_id for i in batch] == ["run0", "run1"] and list(scheduler.waiting) == [queued]
+    assert all(i.num_draft_slots == 8 for i in batch)  # the budget left room for full trees
+    depths = {s.seq_id: d for s, d in speculator._depths(batch)}
+    plain = step_time(batch, {})
+    assert depths and step_time(batch, depths) <= 1.05 * plain  # it speculates, within the bound
+    scheduler.remove(queued)  # nobody waits any more
+    depths = {s.seq_id: d for s, d in speculator._depths(batch)}
+    assert depths == {"run0": 8, "run1": 8}

@@ -92,6 +92,7 @@ class Engine:
                                    self.speculator.max_draft_nodes if self.speculator else None)
         if self.speculator is not None:
             self.speculator.arrival_rate = self.scheduler.arrival_rate  # arrivals wait for the step
+            self.speculator.queue_length = self._queue_length  # so do requests already queued
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
@@ -329,6 +330,12 @@ class Engine:
                         for item in batch:
                             self._finish(item.seq, error=exc)
                 self._log_step(batch, started, waiting)
+
+    def _queue_length(self) -> int:
+        """Requests that wait for the running step before they can start: queued in the
+        scheduler, or submitted since it scheduled (engine thread; a racy read of the
+        incoming list is fine: a request arriving a moment later waits as well)."""
+        return len(self.scheduler.waiting) + len(self._incoming)
 
     def _log_step(self, batch: list[ScheduledSeq], started: float, waiting: int) -> None:
         draft_s, nodes, trees = self.speculator.last_step if self.speculator else (0.0, 0, 0)

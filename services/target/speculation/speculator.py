@@ -58,6 +58,7 @@ class Speculator:
         self._metrics = metrics  # services/target/metrics.TargetMetrics
         self.load = LoadAwareDepth()  # measured step and draft times -> depth per step
         self.arrival_rate: Callable[[], float] = lambda: 0.0  # the scheduler's, set by the engine
+        self.queue_length: Callable[[], int] = lambda: 0  # requests waiting for the step, set by the engine
         # The last step's (draft call seconds, draft nodes verified, trees) for the step log.
         self.last_step: tuple[float, int, int] = (0.0, 0, 0)
 
@@ -149,15 +150,15 @@ class Speculator:
     def _depths(self, batch: list[ScheduledSeq]) -> list[tuple[Sequence, int]]:
         """(sequence, depth >= 1) for the sequences that speculate this step. Load-aware plans
         take the depth that maximises the batch's committed tokens per second, at most what
-        keeps the first-token delay of a request prefilled in the step, or arriving while it
-        runs (the scheduler's arrival rate), within the TTFT slack
+        keeps the first-token delay of a request prefilled in the step, queued behind it, or
+        arriving while it runs (the scheduler's arrival rate), within the TTFT slack
         (services/common/speculation_cost.LoadAwareDepth); 0 = decode normally."""
         fixed, aware = [], []
         plain_tokens = plain_outputs = plain_logits = prefill_tokens = 0
         for item in batch:
             seq = item.seq
             depth = min(self._depth(seq), item.num_draft_slots)
-            if item.num_tokens != 1 or not item.samples:
+            if item.num_tokens != 1 or not item.samples or seq.num_output_tokens == 0:
                 prefill_tokens += item.num_tokens  # a prompt chunk: its request waits for its first token
             if seq.plan is None or not item.samples or item.num_tokens != 1 or depth < 1:
                 plain_tokens += item.num_tokens
@@ -175,7 +176,8 @@ class Speculator:
             plain_logits += 1 + depth
             plain_outputs += expected_tokens(self.alpha(seq), depth)
         cap = self.load.choose(plain_tokens, int(plain_outputs), alphas, [d for _, d in aware],
-                               prefill_tokens, plain_logits, self.arrival_rate(), len(fixed))
+                               prefill_tokens, plain_logits, self.arrival_rate(), len(fixed),
+                               waiting=self.queue_length())
         capped = [(seq, min(depth, cap)) for (seq, depth), alpha in zip(aware, alphas)
                   if cap and alpha >= self.load.min_alpha]
         return fixed + capped
