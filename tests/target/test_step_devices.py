@@ -62,6 +62,10 @@ async def test_step_path_names_the_device_of_every_tensor_and_generator(
         # min_tokens: a seeded sample may draw the end-of-sequence token early on another CPU
         sampled = await collect(mesh.router_stub, request(PROMPTS[1], 16, temperature=0.8, top_p=0.9,
                                                           seed=5, min_tokens=16))
+        # Penalties, bias, min_tokens and log-probabilities make tensors of their own each step.
+        processed = await collect(mesh.router_stub, request(
+            PROMPTS[0], 8, temperature=0.7, seed=3, presence_penalty=0.5, frequency_penalty=0.3,
+            repetition_penalty=1.2, logit_bias={5: 2.0}, min_tokens=8, logprobs=True, top_logprobs=2))
     finally:
         await mesh.stop()
         if draft:
@@ -72,6 +76,7 @@ async def test_step_path_names_the_device_of_every_tensor_and_generator(
     for prompt, (ids, _, _) in zip(PROMPTS, greedy):
         assert ids == hf_greedy(tiny_llama_dir, prompt, 16)
     assert len(sampled[0]) == 16
+    assert len(processed[0]) == 8
 
 
 @pytest.mark.parametrize("device", DEVICES)

@@ -42,8 +42,8 @@ class LogitsProcessor:
         self.presence = config.presence_penalty
         self.frequency = config.frequency_penalty
         self.penalizes = self.repetition != 1.0 or bool(self.presence or self.frequency)
-        self._bias_ids = torch.tensor([t for t, _ in config.logit_bias], dtype=torch.int64)  # [num_bias]
-        self._bias = torch.tensor([b for _, b in config.logit_bias], dtype=torch.float32)  # [num_bias]
+        self._bias_ids: torch.Tensor | None = None  # [num_bias], made on the logits' device
+        self._bias: torch.Tensor | None = None  # [num_bias] f32
         self._counts: torch.Tensor | None = None  # [vocab] f32: generated-token counts
         self._seen: torch.Tensor | None = None  # [vocab] bool: prompt + generated tokens
         self._counted = 0  # leading token_ids already in _counts / _seen
@@ -63,17 +63,22 @@ class LogitsProcessor:
         """
         x = logits.float().clone()  # [n, vocab]
         n, vocab = x.shape
+        dev = x.device  # every tensor below is made there: the logits may live on a GPU
         extras = extras if extras is not None else [()] * n
-        if self._bias_ids.numel():
+        if self.config.logit_bias:
+            if self._bias_ids is None:
+                self._bias_ids = torch.tensor([t for t, _ in self.config.logit_bias], dtype=torch.int64, device=dev)
+                self._bias = torch.tensor([b for _, b in self.config.logit_bias], dtype=torch.float32, device=dev)
             x[:, self._bias_ids] += self._bias
         if self.config.min_tokens:
             generated = len(token_ids) - self.num_prompt_tokens
             early = [i for i in range(n) if generated + len(extras[i]) < self.config.min_tokens]
             if early and self.eos_ids:
-                x[torch.tensor(early)[:, None], torch.tensor(self.eos_ids)[None, :]] = float("-inf")
+                x[torch.tensor(early, device=dev)[:, None],
+                  torch.tensor(self.eos_ids, device=dev)[None, :]] = float("-inf")
         if self.penalizes:
-            self._catch_up(token_ids, vocab)
-            rows, cols, added = _path_pairs(extras)
+            self._catch_up(token_ids, vocab, dev)
+            rows, cols, added = _path_pairs(extras, dev)
             before = x[rows, cols] if rows.numel() else None  # [num_pairs] values before penalties
             self._penalize_dense(x)
             if before is not None:
@@ -81,18 +86,19 @@ class LogitsProcessor:
         return x
 
     # ---- helpers ------------------------------------------------------------
-    def _catch_up(self, token_ids: list[int], vocab: int) -> None:
+    def _catch_up(self, token_ids: list[int], vocab: int, device: torch.device) -> None:
         """Adds committed tokens not yet counted (token_ids only grows)."""
         if self._counts is None:
-            self._counts = torch.zeros(vocab, dtype=torch.float32)
-            self._seen = torch.zeros(vocab, dtype=torch.bool)
+            self._counts = torch.zeros(vocab, dtype=torch.float32, device=device)
+            self._seen = torch.zeros(vocab, dtype=torch.bool, device=device)
         if self._counted == len(token_ids):
             return
-        new = torch.tensor(token_ids[self._counted:], dtype=torch.int64)  # [num_new]
+        new = torch.tensor(token_ids[self._counted:], dtype=torch.int64, device=device)  # [num_new]
         self._seen[new] = True
         first_output = max(self.num_prompt_tokens - self._counted, 0)
         if first_output < new.numel():
-            self._counts.index_add_(0, new[first_output:], torch.ones(new.numel() - first_output))
+            self._counts.index_add_(0, new[first_output:],
+                                    torch.ones(new.numel() - first_output, device=device))
         self._counted = len(token_ids)
 
     def _penalize_dense(self, x: torch.Tensor) -> None:
@@ -112,7 +118,7 @@ class LogitsProcessor:
         return out - self.frequency * count - self.presence * (count > 0).float()
 
 
-def _path_pairs(extras: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _path_pairs(extras: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """(rows [p], tokens [p], occurrences [p]): each distinct draft token of each row's path."""
     rows, cols, added = [], [], []
     for i, path in enumerate(extras):
@@ -120,8 +126,9 @@ def _path_pairs(extras: Sequence[Sequence[int]]) -> tuple[torch.Tensor, torch.Te
             rows.append(i)
             cols.append(token)
             added.append(k)
-    return (torch.tensor(rows, dtype=torch.int64), torch.tensor(cols, dtype=torch.int64),
-            torch.tensor(added, dtype=torch.float32))
+    return (torch.tensor(rows, dtype=torch.int64, device=device),
+            torch.tensor(cols, dtype=torch.int64, device=device),
+            torch.tensor(added, dtype=torch.float32, device=device))
 
 
 def tree_paths(token_ids: Sequence[int], parents: Sequence[int]) -> list[tuple[int, ...]]:

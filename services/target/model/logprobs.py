@@ -44,7 +44,7 @@ def token_logprobs(raw: torch.Tensor, processed: torch.Tensor, tokens: list[int]
     else:
         base = probs if probs is not None else target_probs(processed, config)  # [m, vocab]
         to_logprob = torch.log
-    index = torch.tensor(tokens, dtype=torch.int64)[:, None]  # [m, 1]
+    index = torch.tensor(tokens, dtype=torch.int64, device=base.device)[:, None]  # [m, 1]
     chosen = to_logprob(base.gather(-1, index))[:, 0].tolist()  # [m]
     if not config.top_logprobs:
         return [TokenLogprob(t, c) for t, c in zip(tokens, chosen)]
