@@ -18,7 +18,9 @@ its OpenAI server with Intel OpenMP preloaded (one server per speculation settin
 turn). vLLM's worker busy-polls about a second after each request, so every measurement is
 preceded by a pause. Writes JSON, markdown and a plot of specmesh's speed relative to vLLM
 (each round's ratio, since both systems ran minutes apart within a round) to benchmarks/results/,
-and prints the table.
+and prints the table. Every measurement records the CPU share used by processes outside the
+systems under test (services/bench/foreign_cpu.py); a round above 5% is void: left out of
+the medians and the ratios, and a row with no clean round says "void" instead of a ratio.
 """
 
 from __future__ import annotations
@@ -40,6 +42,7 @@ from tqdm import tqdm
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
+from services.bench.foreign_cpu import VOID_SHARE, ForeignCpu  # noqa: E402
 from services.common.env import DEV_TOKEN  # noqa: E402
 from specmesh.proto.v1 import common_pb2, router_service_pb2, router_service_pb2_grpc  # noqa: E402
 
@@ -263,12 +266,26 @@ async def run(args) -> dict:
     log_dir = ROOT / "benchmarks" / "results" / "logs"
     log_dir.mkdir(parents=True, exist_ok=True)
     res: dict[str, dict[str, list[float]]] = {}
-
-    def note(system: str, metric: str, value: float) -> None:
-        res.setdefault(metric, {}).setdefault(system, []).append(value)
+    foreign: dict[str, dict[str, list[float]]] = {}  # metric -> system -> each measurement's foreign CPU share
 
     procs = start_specmesh(args.model, log_dir, args.specmesh_weights)
+    vllm_proc = None
+    # The systems under test: this process (HF runs in it, and the clients), the mesh's
+    # services, the vLLM server; every other process's CPU is foreign.
+    cpu = ForeignCpu(lambda: [os.getpid(), *(p.pid for p in procs), *([vllm_proc.pid] if vllm_proc else [])],
+                     interval_s=0.5)
+
+    async def measure(system: str, metric: str, run_it):
+        start = time.monotonic()
+        value = await run_it
+        # Padded by one sample: a measurement shorter than the interval still gets one.
+        share = cpu.share(start - cpu.interval_s, time.monotonic() + cpu.interval_s)["median"]
+        res.setdefault(metric, {}).setdefault(system, []).append(value)
+        foreign.setdefault(metric, {}).setdefault(system, []).append(share if share is not None else 0.0)
+        return value
+
     hf = HF(model_dir) if "hf" not in args.skip else None
+    cpu.__enter__()
     try:
         for name in ("router-off", "router-5", "router-10"):
             await wait_grpc(f"127.0.0.1:{PORTS[name]}", procs)
@@ -292,16 +309,19 @@ async def run(args) -> dict:
                         if client is None:
                             continue
                         if depth:
-                            note(system, f"spec{depth}", await single(client, prompts, args.tokens))
+                            await measure(system, f"spec{depth}", single(client, prompts, args.tokens))
                             bar.update(1)
                             continue
-                        note(system, "single", await single(client, prompts, args.tokens))
-                        note(system, "batch18", await batch18(client, prompts, args.tokens))
+                        await measure(system, "single", single(client, prompts, args.tokens))
+                        await measure(system, "batch18", batch18(client, prompts, args.tokens))
                         first = (1000 + 97 * r + len(system)) % len(tokenizer)  # new per round & system
                         text = tokenizer.decode([first] + long_ids)
-                        cold, cached = await prefill(client, text)
-                        note(system, "cold_ttft", cold)
-                        note(system, "cached_ttft", cached)
+                        cold, cached = await measure(system, "prefill", prefill(client, text))
+                        res["prefill"].pop(system)
+                        for metric, value in (("cold_ttft", cold), ("cached_ttft", cached)):
+                            res.setdefault(metric, {}).setdefault(system, []).append(value)
+                            foreign.setdefault(metric, {}).setdefault(system, []).append(
+                                foreign["prefill"][system][-1])
                         bar.update(1)
             finally:
                 if vllm_proc:
@@ -310,14 +330,30 @@ async def run(args) -> dict:
             (log_dir / "partial.json").write_text(json.dumps(res, indent=1))  # survives an interrupted run
         bar.close()
     finally:
+        cpu.__exit__(None, None, None)
         stop(procs)
-    return summarize(res)
+    res.pop("prefill", None)
+    foreign.pop("prefill", None)
+    return summarize(res, foreign)
 
 
-def summarize(res: dict[str, dict[str, list[float]]]) -> dict:
-    """metric -> system -> median over rounds, plus "_all": every round's value per system."""
-    return {metric: {s: statistics.median(v) for s, v in by.items()} | {"_all": by}
-            for metric, by in res.items()}
+def summarize(res: dict[str, dict[str, list[float]]], foreign: dict | None = None) -> dict:
+    """metric -> system -> median over its clean rounds (foreign CPU share at most VOID_SHARE),
+    plus "_all": every round's value per system, "_foreign": every round's foreign share,
+    "_void": systems with no clean round (their median is over all rounds, and no ratio is
+    stated from them)."""
+    foreign = foreign or {}
+    out = {}
+    for metric, by in res.items():
+        shares = foreign.get(metric, {})
+        medians, void = {}, []
+        for system, values in by.items():
+            clean = [v for v, f in zip(values, shares.get(system, [0.0] * len(values))) if f <= VOID_SHARE]
+            if not clean:
+                void.append(system)
+            medians[system] = statistics.median(clean or values)
+        out[metric] = medians | {"_all": by, "_foreign": shares, "_void": sorted(void)}
+    return out
 
 
 ROWS = [("single", "single-stream decode, tok/s", True), ("batch18", "18 concurrent requests, tok/s in all", True),
@@ -337,23 +373,32 @@ def round_ratios(result: dict, key: str, higher: bool) -> list[float]:
     minutes apart within a round, so a round's ratio drifts less with the host's load than the
     ratio of medians taken over the whole run."""
     runs = result.get(key, {}).get("_all", {})
-    pairs = zip(runs.get("vLLM", []), runs.get("specmesh", []))
-    return [s / v if higher else v / s for v, s in pairs if v and s]
+    shares = result.get(key, {}).get("_foreign", {})
+    pairs = zip(runs.get("vLLM", []), runs.get("specmesh", []),
+                shares.get("vLLM", [0.0] * 99), shares.get("specmesh", [0.0] * 99))
+    # A round where either system shared the machine with more than VOID_SHARE is void.
+    return [s / v if higher else v / s for v, s, fv, fs in pairs if v and s and max(fv, fs) <= VOID_SHARE]
 
 
 def table(result: dict) -> str:
-    lines = ["| | vLLM | specmesh (through the mesh) | per round | HF `generate` |", "|---|---|---|---|---|"]
+    lines = ["| | vLLM | specmesh (through the mesh) | per round | HF `generate` | foreign CPU (median: vLLM / specmesh / HF) |",
+             "|---|---|---|---|---|---|"]
     for key, label, higher in ROWS:
         m = result.get(key, {})
         v, s, h = m.get("vLLM"), m.get("specmesh"), m.get("HF")
         ratio = ""
+        void = m.get("_void", [])
         if v and s:
-            ratio = f" ({s / v:.2f}x)" if higher else f" ({v / s:.2f}x vLLM's speed)"
+            ratio = (" (void: foreign CPU)" if {"vLLM", "specmesh"} & set(void)
+                     else f" ({s / v:.2f}x)" if higher else f" ({v / s:.2f}x vLLM's speed)")
+        shares = m.get("_foreign", {})
+        share = " / ".join(f"{statistics.median(shares[x]):.1%}" if shares.get(x) else "—"
+                           for x in ("vLLM", "specmesh", "HF"))
         per_round = round_ratios(result, key, higher)
         band = (f"{min(per_round):.2f}–{max(per_round):.2f}x" if len(per_round) > 1
                 else f"{per_round[0]:.2f}x" if per_round else "—")
         fmt = (lambda x: "—" if x is None else (f"{x:.1f}" if higher else f"{x:.3f}"))
-        lines.append(f"| {label} | {fmt(v)} | {fmt(s)}{ratio} | {band} | {fmt(h)} |")
+        lines.append(f"| {label} | {fmt(v)} | {fmt(s)}{ratio} | {band} | {fmt(h)} | {share} |")
     return "\n".join(lines)
 
 

@@ -43,3 +43,19 @@ def test_the_process_tree_holds_descendants():
     finally:
         subprocess.run(["pkill", "-P", str(parent.pid)])
         parent.kill()
+
+
+def test_the_side_by_side_report_states_no_ratio_from_void_measurements():
+    from benchmarks.anchors.compare import round_ratios, summarize, table
+    values = {"single": {"vLLM": [60.0, 60.0], "specmesh": [66.0, 30.0]},
+              "batch18": {"vLLM": [300.0], "specmesh": [330.0]}}
+    # Round 2 of single-stream ran beside a hog (40% foreign); batch18 was contaminated throughout.
+    shares = {"single": {"vLLM": [0.01, 0.02], "specmesh": [0.01, 0.40]},
+              "batch18": {"vLLM": [0.30], "specmesh": [0.30]}}
+    result = summarize(values, shares)
+    assert round_ratios(result, "single", True) == [1.1]  # the void round is left out
+    assert result["single"]["specmesh"] == 66.0 and result["single"]["_void"] == []  # ... of the medians too
+    assert result["batch18"]["_void"] == ["specmesh", "vLLM"] and round_ratios(result, "batch18", True) == []
+    rows = {line.split(" | ")[0]: line for line in table(result).splitlines()}
+    assert "void: foreign CPU" in rows["| 18 concurrent requests, tok/s in all"]
+    assert "30.0% / 30.0%" in rows["| 18 concurrent requests, tok/s in all"]
