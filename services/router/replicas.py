@@ -28,10 +28,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.mesh_config import DNS_PREFIX
+from services.router.settings import REPLICA_POLICIES as POLICIES
 from specmesh.proto.v1 import target_service_pb2, target_service_pb2_grpc
 
 log = logging.getLogger(__name__)
-POLICIES = ("kv_aware", "least_loaded", "round_robin")
 CHECK_TIMEOUT_S = 2.0  # a busy replica answers health and stats slowly, not never
 EJECT_AFTER_SLOW_CHECKS = 3  # consecutive timed-out checks before a replica is ejected
 

@@ -1,6 +1,7 @@
 """One declaration per setting: every setting is reachable by flag, SPECMESH_* variable and
-config file, with precedence flags > environment > config file > defaults; bad values name
-the setting and what is allowed."""
+config file under its flat name, wherever it sits in the settings tree, with precedence
+flags > environment > config file > defaults; bad values name the setting, where it came
+from and what its owner allows; the composition root passes each service its group."""
 
 from __future__ import annotations
 
@@ -11,14 +12,16 @@ import pytest
 import yaml
 
 from services.cli import _flag_values, _parser
-from services.common.env import Settings, read_settings
+from services.common import env
+from services.common.env import setting_fields
+from services.settings import Settings, read_settings, setting_names, setting_value
 
-NAMES = [n for n in Settings.model_fields if n != "config"]  # `config` names the file itself
+NAMES = [n for n in setting_names() if n != "config"]  # `config` names the file itself
 
 
 def two_values(name: str) -> tuple[object, object]:
     """Two distinct valid values for a setting; the first differs from the default."""
-    field = Settings.model_fields[name]
+    field = setting_fields(Settings)[name][1]
     default = field.default
     if get_origin(field.annotation) is Literal:
         options = [o for o in get_args(field.annotation) if o != default]
@@ -59,7 +62,7 @@ def write_config(tmp_path, values: dict) -> str:
 def test_flag_beats_environment(name, command):
     a, b = two_values(name)
     settings = from_cli(command + flag_args(name, a), {f"SPECMESH_{name.upper()}": env_text(b)})
-    assert getattr(settings, name) == a
+    assert setting_value(settings, name) == a
 
 
 @pytest.mark.parametrize("name", NAMES)
@@ -67,23 +70,23 @@ def test_environment_beats_config_file(name, tmp_path):
     a, b = two_values(name)
     path = write_config(tmp_path, {name: b})
     settings = read_settings({"SPECMESH_CONFIG": path, f"SPECMESH_{name.upper()}": env_text(a)})
-    assert getattr(settings, name) == a
+    assert setting_value(settings, name) == a
 
 
 @pytest.mark.parametrize("name", NAMES)
 def test_config_file_beats_default(name, tmp_path):
     a, _ = two_values(name)
     settings = from_cli(["serve", "router", "--config", write_config(tmp_path, {name: a})], {})
-    assert getattr(settings, name) == a
-    assert getattr(read_settings({}), name) == Settings.model_fields[name].default
+    assert setting_value(settings, name) == a
+    assert setting_value(read_settings({}), name) == setting_fields(Settings)[name][1].default
 
 
 def test_every_setting_has_help_and_a_flag_on_up_and_serve():
-    for name, field in Settings.model_fields.items():
+    for name, (_, field) in setting_fields(Settings).items():
         assert field.description, name
     for command in (["serve", "router"], ["up"]):
         args = _parser().parse_args(command)
-        assert set(Settings.model_fields) <= set(vars(args)), command
+        assert set(setting_names()) <= set(vars(args)), command
 
 
 def test_invalid_values_name_the_setting_and_the_allowed_values(tmp_path):
