@@ -106,7 +106,8 @@ class ReplicaSet:
     """One pool's replicas; owns their channels and the poll task."""
 
     def __init__(self, addresses: tuple[str, ...], channel_factory: Callable[[str], grpc.aio.Channel],
-                 policy: str = "kv_aware", poll_interval_s: float = 1.0, load_weight: float = 1.0) -> None:
+                 policy: str, poll_interval_s: float, load_weight: float = 1.0) -> None:
+        # policy and poll interval: the settings' (services/router/settings.py), no defaults here
         if policy not in POLICIES:
             raise ValueError(f"replica policy must be one of {POLICIES}, got {policy!r}")
         self.entries = addresses
