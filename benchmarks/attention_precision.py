@@ -21,7 +21,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-from services.common.env import read_settings
+from services.settings import read_settings
 from services.common.models.loading import resolve_model_dir
 from services.target.engine.block_manager import PrefixMatch
 from services.target.config import EngineConfig

@@ -21,7 +21,7 @@ from pathlib import Path
 
 import torch
 
-from services.common.env import read_settings
+from services.settings import read_settings
 from services.common.models.loading import resolve_model_dir
 from services.target.config import EngineConfig
 from services.target.engine.engine import Engine

@@ -21,7 +21,7 @@ import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.common.env import read_settings
+from services.settings import read_settings
 from services.common.models.loading import resolve_model_dir
 from services.common.sampling_params import SamplingConfig
 from services.target.config import EngineConfig

@@ -23,7 +23,7 @@ from transformers import AutoModelForCausalLM, AutoTokenizer
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.anchors.compare import make_prompts  # noqa: E402
-from services.common.env import read_settings  # noqa: E402
+from services.settings import read_settings  # noqa: E402
 from services.common.models.loading import resolve_model_dir  # noqa: E402
 from services.common.sampling_params import SamplingConfig  # noqa: E402
 from services.target.config import EngineConfig  # noqa: E402

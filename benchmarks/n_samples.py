@@ -16,7 +16,7 @@ import threading
 import time
 from pathlib import Path
 
-from services.common.env import read_settings
+from services.settings import read_settings
 from services.common.models.loading import resolve_model_dir
 from services.common.sampling_params import SamplingConfig
 from services.target.config import EngineConfig

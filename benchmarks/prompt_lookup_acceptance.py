@@ -28,7 +28,7 @@ from pathlib import Path
 from tqdm import tqdm
 
 from benchmarks.anchors.compare import make_prompts
-from services.common.env import read_settings
+from services.settings import read_settings
 from services.common.models.loading import resolve_model_dir
 from services.common.sampling_params import SamplingConfig
 from services.draft.proposers.prompt_lookup import PromptLookupProposer

@@ -23,7 +23,7 @@ import grpc
 from services.cache.app import build_cache_server
 from services.cache.config import CacheConfig
 from services.cache.identity import caller_metadata
-from services.common.env import read_settings
+from services.settings import read_settings
 from services.common.models.loading import resolve_model_dir
 from specmesh.proto.v1 import cache_service_pb2 as cpb
 from specmesh.proto.v1 import (

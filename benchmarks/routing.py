@@ -33,7 +33,7 @@ import grpc
 
 from services.cache.app import build_cache_server
 from services.cache.config import CacheConfig
-from services.common.env import read_settings
+from services.settings import read_settings
 from services.common.mesh_config import MeshConfig, PoolConfig, TenantConfig
 from services.common.models.loading import resolve_model_dir
 from specmesh.proto.v1 import common_pb2, router_service_pb2, router_service_pb2_grpc

@@ -30,7 +30,7 @@ import jsonschema
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.mesh helpers
 
-from services.common.env import read_settings
+from services.settings import read_settings
 from services.common.models.loading import resolve_model_dir
 from services.common.server import ServerConfig
 from services.router.app import build_router_server

@@ -1,4 +1,5 @@
-"""Builds each service's validated config and server from Settings (used by the CLI)."""
+"""Builds each service's validated config and server from Settings (used by the CLI): each
+service gets its group of the settings tree (services/settings.py) as it is."""
 
 from __future__ import annotations
 
@@ -10,10 +11,11 @@ import tempfile
 from dataclasses import replace
 from pathlib import Path
 
-from services.common.env import DEFAULT_PORTS, DEV_SALT_SECRET, DEV_TOKEN, Settings
+from services.common.env import DEFAULT_PORTS, DEV_SALT_SECRET, DEV_TOKEN
 from services.common.server import GrpcServer, ServerConfig, check_port_free, run_until_signal
 from services.common.telemetry import TelemetryConfig, serve_metrics, setup_telemetry
 from services.common.tls import MeshTls, PublicTls, ServerTls, load_mesh_tls, make_dev_certs
+from services.settings import Settings
 
 log = logging.getLogger(__name__)
 INTERNAL_SERVICES = ("target", "draft", "cache")  # serve only mutual TLS (unless dev plaintext)
@@ -40,41 +42,46 @@ def mesh_tls(settings: Settings, identity: str) -> MeshTls | None:
 def check_salt_secret(settings: Settings, allow_dev_token: bool = False) -> None:
     """The router refuses the public default salt secret and the public dev token outside dev mode
     (`specmesh up`, a loopback run, accepts the dev token: `allow_dev_token`)."""
-    if settings.salt_secret == DEV_SALT_SECRET and not settings.dev:
+    if settings.router.salt_secret == DEV_SALT_SECRET and not settings.dev:
         raise ValueError("salt_secret is the public default: set SPECMESH_SALT_SECRET to a random "
                          "value (e.g. `openssl rand -hex 32`), or pass --dev on a development machine")
     from services.router.config import parse_tokens
-    if (not settings.config and DEV_TOKEN in parse_tokens(settings.tokens) and not settings.dev
+    if (not settings.config and DEV_TOKEN in parse_tokens(settings.router.tokens) and not settings.dev
             and not allow_dev_token):
         raise ValueError(f"tokens accept the public dev token {DEV_TOKEN!r}: set SPECMESH_TOKENS to "
                          "your own TOKEN=TENANT,... pairs, or pass --dev on a development machine")
 
 
-def resolve_model(settings: Settings) -> Path:
+def resolve_model(settings: Settings, model: str = "") -> Path:
+    """The directory of `model` (default: the target's, `settings.model`) in the model cache."""
     from services.common.models.loading import resolve_model_dir
-    return resolve_model_dir(settings.model, Path(settings.model_cache).expanduser())
+    return resolve_model_dir(model or settings.model, Path(settings.model_cache).expanduser())
 
 
 def engine_config(settings: Settings, model_dir: Path):
     from services.target.config import EngineConfig
-    return EngineConfig(model_dir=model_dir, dtype=settings.dtype, kv_dtype=settings.kv_dtype,
-                        device=settings.device, block_size=settings.block_size,
-                        num_blocks=settings.num_blocks, max_num_seqs=settings.max_num_seqs,
-                        max_batched_tokens=settings.max_batched_tokens,
-                        max_queued_requests=settings.max_queued_requests,
-                        max_queued_tokens=settings.max_queued_tokens,
-                        max_tokens_limit=settings.max_tokens_limit, max_samples=settings.max_samples,
-                        kernels=settings.kernels,
-                        weights=settings.weights, chat_template=settings.chat_template,
-                        draft_address="" if settings.speculation_method == "off" else settings.draft_address,
-                        draft_timeout_s=settings.draft_timeout_ms / 1000, limits=request_limits(settings))
+    speculates = settings.router.speculation_method != "off"  # the plan the router makes
+    return EngineConfig(model_dir=model_dir, dtype=settings.dtype, max_tokens_limit=settings.max_tokens_limit,
+                        max_samples=settings.max_samples, limits=settings.limits,
+                        draft_address=settings.draft_address if speculates else "",
+                        draft_timeout_s=settings.target.draft_timeout_ms / 1000,
+                        **settings.target.engine_fields())
 
 
-def request_limits(settings: Settings):
-    from services.common.limits import RequestLimits
-    return RequestLimits(max_prompt_bytes=settings.max_prompt_bytes,
-                         max_stop_sequences=settings.max_stop_sequences,
-                         max_stop_bytes=settings.max_stop_bytes)
+def router_config(settings: Settings, mesh: MeshTls | None = None):
+    from services.router.config import RouterConfig, parse_tokens
+    return RouterConfig(mesh_tls=mesh, target_address=settings.target_address,
+                        tokens=parse_tokens(settings.router.tokens), max_tokens_limit=settings.max_tokens_limit,
+                        max_samples=settings.max_samples, limits=settings.limits,
+                        cache_address=settings.cache_address, mesh=routing_mesh(settings),
+                        model_cache=settings.model_cache, **settings.router.config_fields())
+
+
+def cache_config(settings: Settings, server: ServerConfig | None = None, mesh: MeshTls | None = None):
+    from services.cache.config import CacheConfig
+    return CacheConfig(server=server or server_config(settings, "cache"), mesh_tls=mesh,
+                       replicas=cache_replicas(settings), max_memory_bytes=settings.cache.max_memory_mb << 20,
+                       **settings.cache.config_fields())
 
 
 def build_server(service: str, settings: Settings, config: ServerConfig | None = None,
@@ -87,18 +94,8 @@ def build_server(service: str, settings: Settings, config: ServerConfig | None =
     config = default if config is None else replace(config, tls=default.tls)
     if service == "router":
         from services.router.app import build_router_server
-        from services.router.config import RouterConfig, parse_tokens
         check_salt_secret(settings, allow_dev_token)
-        return build_router_server(config, RouterConfig(
-            mesh_tls=mesh,
-            target_address=settings.target_address, tokens=parse_tokens(settings.tokens),
-            salt_secret=settings.salt_secret, max_tokens_limit=settings.max_tokens_limit,
-            max_samples=settings.max_samples,
-            limits=request_limits(settings),
-            speculation_method=settings.speculation_method, speculation_depth=settings.speculation_depth,
-            speculation_nodes=settings.speculation_nodes,
-            speculation_policy=settings.speculation_policy, cache_address=settings.cache_address,
-            **routing_settings(settings)))
+        return build_router_server(config, router_config(settings, mesh))
     if service == "target":
         from services.target.server.app import build_target_server, load_engine
         model_dir = resolve_model(settings)
@@ -107,42 +104,30 @@ def build_server(service: str, settings: Settings, config: ServerConfig | None =
     if service == "draft":
         from services.draft.app import build_draft_server
         from services.draft.config import DraftConfig
-        draft_dir = None
-        if settings.draft_model:
-            from services.common.models.loading import resolve_model_dir
-            draft_dir = resolve_model_dir(settings.draft_model, Path(settings.model_cache).expanduser())
+        draft_model = settings.draft.draft_model
+        draft_dir = resolve_model(settings, draft_model) if draft_model else None
         return build_draft_server(DraftConfig(server=config, draft_model_dir=draft_dir,
                                               draft_model_dtype=settings.dtype))
     if service == "cache":
         from services.cache.app import build_cache_server
-        from services.cache.config import CacheConfig
-        return build_cache_server(CacheConfig(server=config, backend=settings.cache_backend,
-                                              redis_url=settings.redis_url or None,
-                                              replicas=cache_replicas(settings), mesh_tls=mesh,
-                                              max_memory_bytes=settings.cache_max_memory_mb << 20,
-                                              retrieval_mode=settings.retrieval_mode,
-                                              embedding_model=settings.embedding_model))
+        return build_cache_server(cache_config(settings, config, mesh))
     raise ValueError(f"unknown service {service!r}; expected router, target, draft or cache")
 
 
-def routing_settings(settings: Settings) -> dict:
-    """The router's pools (mesh config file, else one pool `default` over target_address) and
-    replica policy, as RouterConfig fields."""
+def routing_mesh(settings: Settings):
+    """The router's pools: the mesh config file's, else one pool `default` over target_address."""
     from services.common.mesh_config import default_mesh_config, load_mesh_config
     from services.router.config import parse_tokens
     if settings.config:
-        mesh = load_mesh_config(settings.config)
-    else:
-        addresses = [a.strip() for a in settings.target_address.split(",") if a.strip()]
-        mesh = default_mesh_config(addresses, parse_tokens(settings.tokens), model=settings.model)
-    return dict(mesh=mesh, replica_policy=settings.replica_policy,
-                poll_interval_s=settings.replica_poll_seconds, model_cache=settings.model_cache)
+        return load_mesh_config(settings.config)
+    addresses = [a.strip() for a in settings.target_address.split(",") if a.strip()]
+    return default_mesh_config(addresses, parse_tokens(settings.router.tokens), model=settings.model)
 
 
 def cache_replicas(settings: Settings) -> tuple[str, ...]:
     """Targets the cache's prefix index follows: `cache_replicas`, else every pool replica of
     the mesh config file, else `target_address` (comma-separated)."""
-    listed = settings.cache_replicas
+    listed = settings.cache.replicas
     if not listed and settings.config:
         from services.common.mesh_config import load_mesh_config
         mesh = load_mesh_config(settings.config)
@@ -198,7 +183,7 @@ async def run_one(service: str, settings: Settings) -> int:
     if service != "target":
         await run_until_signal([server])
         return 0
-    if settings.fault_injection:
+    if settings.target.fault_injection:
         arm_fault_on_sigusr1(lambda: server)
     failed = await wait_for_signal_or_failure([server])
     if failed:
@@ -249,8 +234,8 @@ async def run_all(settings: Settings) -> int:
                 or settings.dev):
             settings.tls_dir = str(make_dev_certs(certs, hosts=[settings.host]))
             print(f"mesh certificates for this run in {certs} (removed at exit)", flush=True)
-        if settings.salt_secret == DEV_SALT_SECRET:
-            settings.salt_secret = secrets.token_hex(32)
+        if settings.router.salt_secret == DEV_SALT_SECRET:
+            settings.router.salt_secret = secrets.token_hex(32)
         return await _run_all(settings)
 
 
@@ -295,7 +280,7 @@ async def _run_all(settings: Settings) -> int:
             await server.stop(0)
         raise
     print(f"ready: specmesh generate \"Hello\" --address {servers['router'].address}", flush=True)
-    if settings.fault_injection:
+    if settings.target.fault_injection:
         arm_fault_on_sigusr1(lambda: servers["target"])
     targets = ("target", *(f"target-{i}" for i in range(2, settings.replicas + 1)))
     while failed := await wait_for_signal_or_failure([servers[name] for name in targets]):

@@ -9,7 +9,8 @@ import sys
 from pathlib import Path
 from typing import Literal, get_args, get_origin
 
-from services.common.env import Settings, read_settings, setting_help
+from services.common.env import setting_fields
+from services.settings import Settings, read_settings, setting_help
 
 SERVICES = ("router", "target", "draft", "cache", "gateway")
 
@@ -110,11 +111,13 @@ _FLAG_ALIASES = {"port": ("--base-port",), "speculation_method": ("--speculation
 
 
 def _setting_flags(p: argparse.ArgumentParser, names=None) -> None:
-    """One flag per setting, generated from its declaration in services/common/env.py.
+    """One flag per setting (flat name), generated from its declaration in its group of the
+    settings tree (services/settings.py).
 
     Defaults stay None so that an absent flag leaves the environment and config file in force."""
-    for name in names or Settings.model_fields:
-        field = Settings.model_fields[name]
+    fields = setting_fields(Settings)
+    for name in names or fields:
+        field = fields[name][1]
         kind, choices = field.annotation, None
         if get_origin(kind) is Literal:
             kind, choices = type(get_args(kind)[0]), get_args(kind)
@@ -130,7 +133,8 @@ def _setting_flags(p: argparse.ArgumentParser, names=None) -> None:
 
 
 def _flag_values(args: argparse.Namespace) -> dict:
-    return {k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None}
+    fields = setting_fields(Settings)
+    return {k: v for k, v in vars(args).items() if k in fields and v is not None}
 
 
 # ---- commands ---------------------------------------------------------------

@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.env import Settings
+from services.settings import Settings
 from specmesh.client import Client, RetryPolicy
 from specmesh.proto.v1 import router_service_pb2
 

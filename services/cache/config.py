@@ -6,11 +6,15 @@ import math
 from dataclasses import dataclass, field
 from urllib.parse import unquote, urlsplit
 
+from services.cache.settings import CacheSettings
+from services.common.env import check_declared
 from services.common.server import ServerConfig
 from services.common.tls import MeshTls
 
-BACKENDS = ("memory", "redis")
-RETRIEVAL_MODES = ("bm25", "dense", "hybrid")
+# Defaults and allowed values of the fields that are settings are declared once, in the
+# cache's settings group (services/cache/settings.py).
+_CACHE = CacheSettings()
+_CHECKED_FIELDS = ("backend", "retrieval_mode", "embedding_model")
 
 
 @dataclass(frozen=True)
@@ -44,8 +48,8 @@ class RedisEndpoint:
 @dataclass(frozen=True)
 class CacheConfig:
     server: ServerConfig = field(default_factory=ServerConfig)
-    backend: str = "memory"  # "memory" (one process) or "redis" (shared by all cache replicas)
-    redis_url: str | None = None  # required for backend "redis"
+    backend: str = _CACHE.backend  # "memory" (one process) or "redis" (shared by all cache replicas)
+    redis_url: str | None = None  # required for backend "redis" ("" = None)
     # Prefix of every key, so several deployments (or test runs) can share one Redis.
     namespace: str = "specmesh"
     max_ttl_seconds: int = 86400
@@ -55,7 +59,7 @@ class CacheConfig:
     backend_timeout_seconds: float = 2.0
     # Memory backend: bytes of results (keys + values) kept before the least recently
     # used are evicted. Corpora are not counted: they are bounded per corpus below.
-    max_memory_bytes: int = 256 * 1024 * 1024
+    max_memory_bytes: int = _CACHE.max_memory_mb << 20
     # Prefix index: target replica addresses whose KV events are followed.
     replicas: tuple[str, ...] = ()
     # The cache's own mesh identity for calling the targets (None = plaintext, dev mode).
@@ -69,8 +73,8 @@ class CacheConfig:
     max_wait_seconds: float = 60.0  # a waiter without a deadline waits at most this long
     max_arguments_bytes: int = 64 * 1024
     # Retrieval.
-    retrieval_mode: str = "bm25"  # bm25 | dense | hybrid (reciprocal rank fusion of both)
-    embedding_model: str = ""  # dense / hybrid: model directory; "" = the `dense` extra's MiniLM
+    retrieval_mode: str = _CACHE.retrieval_mode  # bm25 | dense | hybrid (reciprocal rank fusion of both)
+    embedding_model: str = _CACHE.embedding_model  # dense / hybrid: model directory; "" = the `dense` extra's MiniLM
     retrieval_cache: bool = True  # cache results per (tenant, corpus version, labels, query, k)
     retrieval_ttl_seconds: int = 300
     max_documents_per_corpus: int = 100_000
@@ -79,8 +83,7 @@ class CacheConfig:
     max_k: int = 50
 
     def __post_init__(self) -> None:
-        if self.backend not in BACKENDS:
-            raise ValueError(f"backend must be one of {BACKENDS}, got {self.backend!r}")
+        check_declared(CacheSettings, self, _CHECKED_FIELDS)
         if self.backend == "redis":
             if not self.redis_url:
                 raise ValueError("backend 'redis' needs redis_url (e.g. redis://127.0.0.1:6379/0)")
@@ -102,8 +105,6 @@ class CacheConfig:
             raise ValueError(f"backend_timeout_seconds must be > 0, got {self.backend_timeout_seconds}")
         if not (math.isfinite(self.max_wait_seconds) and self.max_wait_seconds > 0):
             raise ValueError(f"max_wait_seconds must be > 0, got {self.max_wait_seconds}")
-        if self.retrieval_mode not in RETRIEVAL_MODES:
-            raise ValueError(f"retrieval_mode must be one of {RETRIEVAL_MODES}, got {self.retrieval_mode!r}")
         if self.tool_lease_ms > self.max_lease_ms:
             raise ValueError(f"tool_lease_ms {self.tool_lease_ms} is above max_lease_ms {self.max_lease_ms}")
 

@@ -30,7 +30,7 @@ def main(argv: list[str]) -> int:
             return 2
         from services.common.env import read_settings
         from services.common.tls import load_mesh_tls
-        tls = load_mesh_tls(read_settings(), argv[at + 1])
+        tls = load_mesh_tls(read_settings(others_ok=True), argv[at + 1])  # the mesh-wide settings
         argv = argv[:at] + argv[at + 2:]
     if not argv:
         print(__doc__, file=sys.stderr)

@@ -8,25 +8,29 @@ Defaults follow what public serving APIs accept: a prompt of at most 1 MiB of UT
 from __future__ import annotations
 
 from collections.abc import Iterable
-from dataclasses import dataclass
+
+from pydantic import ConfigDict, Field
 
 from services.common.errors import Violation
+from services.common.settings_group import SettingsGroup
 
 DEFAULT_MAX_PROMPT_BYTES = 1 << 20
 DEFAULT_MAX_STOP_SEQUENCES = 16
 DEFAULT_MAX_STOP_BYTES = 256
 
 
-@dataclass(frozen=True)
-class RequestLimits:
-    max_prompt_bytes: int = DEFAULT_MAX_PROMPT_BYTES  # prompt (or all chat message contents), UTF-8
-    max_stop_sequences: int = DEFAULT_MAX_STOP_SEQUENCES
-    max_stop_bytes: int = DEFAULT_MAX_STOP_BYTES  # each stop sequence, UTF-8
+class RequestLimits(SettingsGroup):
+    """The limits as settings (`settings.limits`, flat names max_prompt_bytes, ...); frozen, so
+    the router's and the target's configs can hold one as a default."""
 
-    def __post_init__(self) -> None:
-        for name in ("max_prompt_bytes", "max_stop_sequences", "max_stop_bytes"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+    model_config = ConfigDict(frozen=True)
+
+    max_prompt_bytes: int = Field(DEFAULT_MAX_PROMPT_BYTES, gt=0, description="largest prompt (or sum "
+                                  "of chat message contents) in UTF-8 bytes; router and target refuse "
+                                  "more before tokenizing")
+    max_stop_sequences: int = Field(DEFAULT_MAX_STOP_SEQUENCES, gt=0,
+                                    description="most stop sequences a request may give")
+    max_stop_bytes: int = Field(DEFAULT_MAX_STOP_BYTES, gt=0, description="longest stop sequence in UTF-8 bytes")
 
     def violations(self, prompt_parts: Iterable[str], stop: Iterable[str],
                    prompt_field: str = "prompt") -> list[Violation]:

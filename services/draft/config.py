@@ -5,10 +5,9 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from services.common.env import MODEL_DTYPES, MeshSettings
 from services.common.server import ServerConfig
 from services.common.speculation_plan import MAX_DEPTH, MAX_NODES
-
-DRAFT_MODEL_DTYPES = ("float32", "bfloat16", "float16")
 
 
 @dataclass(frozen=True)
@@ -38,7 +37,7 @@ class DraftConfig:
     # directory that shares the target's tokenizer; None = those methods answer
     # FAILED_PRECONDITION. Loaded once when the service is built.
     draft_model_dir: Path | None = None
-    draft_model_dtype: str = "bfloat16"
+    draft_model_dtype: str = MeshSettings.model_fields["dtype"].default  # the mesh's `dtype`
     draft_model_device: str = "cpu"
     draft_model_prefill_chunk: int = 512  # prompt tokens per draft forward pass
     # Dynamic trees: children per expanded node, and nodes expanded per depth.
@@ -47,8 +46,8 @@ class DraftConfig:
     def __post_init__(self) -> None:
         if self.draft_model_dir is not None:
             object.__setattr__(self, "draft_model_dir", Path(self.draft_model_dir).expanduser())
-        if self.draft_model_dtype not in DRAFT_MODEL_DTYPES:
-            raise ValueError(f"draft_model_dtype must be one of {DRAFT_MODEL_DTYPES}, "
+        if self.draft_model_dtype not in MODEL_DTYPES:
+            raise ValueError(f"draft_model_dtype must be one of {MODEL_DTYPES}, "
                              f"got {self.draft_model_dtype!r}")
         for name in ("max_depth_limit", "max_nodes_limit", "max_history_tokens", "max_sequences",
                      "suffix_max_match", "suffix_tenant_max_tokens", "suffix_max_tenants",

@@ -4,13 +4,18 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from services.common.env import default_of
+from services.common.env import MeshSettings, check_declared
 from services.common.limits import RequestLimits
 from services.common.mesh_config import MeshConfig, default_mesh_config
-from services.common.speculation_plan import MAX_DEPTH, MAX_NODES, POLICY_MODES, SPECULATION_METHODS
 from services.common.tls import MeshTls
-from services.router.replicas import POLICIES
+from services.router.settings import RouterSettings
 
+# Defaults, limits and allowed values of the fields that are settings are declared once, in
+# the router's settings group (services/router/settings.py; request limits: the mesh's).
+_ROUTER = RouterSettings()
+_MESH = MeshSettings()
+_ROUTER_FIELDS = tuple(_ROUTER.config_fields())
+_MESH_FIELDS = ("max_tokens_limit", "max_samples", "model_cache")
 
 
 @dataclass(frozen=True)
@@ -19,29 +24,29 @@ class RouterConfig:
     # Bearer token -> tenant. The tenant of a call comes only from here.
     tokens: dict[str, str] = field(default_factory=dict)
     # Secret mixed into tenant salts (HMAC); replicas of one deployment must share it.
-    salt_secret: str = "specmesh-dev-secret"
-    max_tokens_limit: int = default_of("max_tokens_limit")
-    max_samples: int = default_of("max_samples")  # largest n (samples of one prompt) a request may ask for
+    salt_secret: str = _ROUTER.salt_secret
+    max_tokens_limit: int = _MESH.max_tokens_limit
+    max_samples: int = _MESH.max_samples  # largest n (samples of one prompt) a request may ask for
     # Prompt bytes and stop sequences, checked before any work (services/common/limits.py).
     limits: RequestLimits = RequestLimits()
     default_timeout_s: float = 300.0  # used when the caller sets no deadline
-    # Speculation plan for every bucket for now: method name (see SPECULATION_METHODS) and limits.
-    speculation_method: str = default_of("speculation_method")
-    speculation_depth: int = default_of("speculation_depth")
-    speculation_nodes: int = default_of("speculation_nodes")  # 0 = a chain of `speculation_depth` nodes
+    # Speculation plan for every bucket for now: method name and limits (services/common/speculation_plan.py).
+    speculation_method: str = _ROUTER.speculation_method
+    speculation_depth: int = _ROUTER.speculation_depth
+    speculation_nodes: int = _ROUTER.speculation_nodes  # 0 = a chain of `speculation_depth` nodes
     # "fixed": every bucket gets the plan above; "adaptive": depth per bucket from measured
     # acceptance, off where it does not pay (services/router/speculation_policy.py).
-    speculation_policy: str = default_of("speculation_policy")
+    speculation_policy: str = _ROUTER.speculation_policy
     # The router's mesh identity for its calls to targets and the cache (services/common/tls.py
     # MeshTls); None = plaintext (dev mode, tests).
     mesh_tls: MeshTls | None = None
     # Routing (services/router/routing.py): pools, tenants, classes, risk rules. None = one pool
     # "default" over `target_address` (comma-separated replicas) with the `tokens` tenants.
     mesh: MeshConfig | None = None
-    replica_policy: str = default_of("replica_policy")  # kv_aware | least_loaded | round_robin
+    replica_policy: str = _ROUTER.replica_policy  # kv_aware | least_loaded | round_robin
     cache_address: str = ""  # the cache service (prefix index); "" = replica choice by load only
-    poll_interval_s: float = default_of("replica_poll_seconds")  # replica health checks and stats
-    model_cache: str = "~/.cache/specmesh/models"  # where pool model "default" (its tokenizer) lives
+    poll_interval_s: float = _ROUTER.poll_interval_s  # replica health checks and stats
+    model_cache: str = _MESH.model_cache  # where pool model "default" (its tokenizer) lives
 
     def __post_init__(self) -> None:
         if self.mesh is None:
@@ -51,28 +56,13 @@ class RouterConfig:
             object.__setattr__(self, "mesh", default_mesh_config(addresses, self.tokens))
         else:  # the mesh config's tenants join the token list
             object.__setattr__(self, "tokens", {**self.tokens, **self.mesh.tokens()})
-        if self.replica_policy not in POLICIES:
-            raise ValueError(f"replica_policy must be one of {POLICIES}, got {self.replica_policy!r}")
-        if not 0 < self.poll_interval_s <= 60:
-            raise ValueError(f"poll_interval_s must be in (0, 60], got {self.poll_interval_s}")
+        check_declared(RouterSettings, self, _ROUTER_FIELDS)
+        check_declared(MeshSettings, self, _MESH_FIELDS)
         if not self.tokens:
             raise ValueError("at least one bearer token must be configured (token=tenant)")
         for token, tenant in self.tokens.items():
             if not token or not tenant:
                 raise ValueError("tokens and tenants must be non-empty strings")
-        if self.max_samples <= 0:
-            raise ValueError(f"max_samples must be > 0, got {self.max_samples}")
-        if self.max_tokens_limit <= 0:
-            raise ValueError(f"max_tokens_limit must be > 0, got {self.max_tokens_limit}")
-        if self.speculation_method not in SPECULATION_METHODS:
-            raise ValueError(f"speculation_method must be one of {sorted(SPECULATION_METHODS)}, "
-                             f"got {self.speculation_method!r}")
-        if not 1 <= self.speculation_depth <= MAX_DEPTH:
-            raise ValueError(f"speculation_depth must be in [1, {MAX_DEPTH}], got {self.speculation_depth}")
-        if not 0 <= self.speculation_nodes <= MAX_NODES:
-            raise ValueError(f"speculation_nodes must be in [0, {MAX_NODES}], got {self.speculation_nodes}")
-        if self.speculation_policy not in POLICY_MODES:
-            raise ValueError(f"speculation_policy must be one of {POLICY_MODES}, got {self.speculation_policy!r}")
         if self.default_timeout_s <= 0:
             raise ValueError(f"default_timeout_s must be > 0, got {self.default_timeout_s}")
 

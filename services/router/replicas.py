@@ -28,10 +28,10 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.mesh_config import DNS_PREFIX
+from services.router.settings import REPLICA_POLICIES as POLICIES
 from specmesh.proto.v1 import target_service_pb2, target_service_pb2_grpc
 
 log = logging.getLogger(__name__)
-POLICIES = ("kv_aware", "least_loaded", "round_robin")
 CHECK_TIMEOUT_S = 2.0  # a busy replica answers health and stats slowly, not never
 EJECT_AFTER_SLOW_CHECKS = 3  # consecutive timed-out checks before a replica is ejected
 
@@ -106,7 +106,8 @@ class ReplicaSet:
     """One pool's replicas; owns their channels and the poll task."""
 
     def __init__(self, addresses: tuple[str, ...], channel_factory: Callable[[str], grpc.aio.Channel],
-                 policy: str = "kv_aware", poll_interval_s: float = 1.0, load_weight: float = 1.0) -> None:
+                 policy: str, poll_interval_s: float, load_weight: float = 1.0) -> None:
+        # policy and poll interval: the settings' (services/router/settings.py), no defaults here
         if policy not in POLICIES:
             raise ValueError(f"replica policy must be one of {POLICIES}, got {policy!r}")
         self.entries = addresses

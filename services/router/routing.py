@@ -95,8 +95,8 @@ class _Attempt:
 
 class Routing:
     def __init__(self, mesh: MeshConfig, channel_factory: Callable[[str], grpc.aio.Channel],
-                 cache_channel: grpc.aio.Channel | None, policy: str = "kv_aware",
-                 poll_interval_s: float = 1.0, model_cache: Path | str = "~/.cache/specmesh/models") -> None:
+                 cache_channel: grpc.aio.Channel | None, policy: str, poll_interval_s: float,
+                 model_cache: Path | str) -> None:  # the router's settings (services/router/settings.py)
         self.mesh = mesh
         self.policy = policy
         self.pools = build_pools(mesh.pools, channel_factory, policy, poll_interval_s,

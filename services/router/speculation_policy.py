@@ -32,7 +32,7 @@ SHORT_OUTPUT_TOKENS = 8  # requests asking for at most this many tokens do not s
 
 @dataclass(frozen=True)
 class PolicyConfig:
-    mode: str = "fixed"  # "fixed" | "adaptive"
+    mode: str  # "fixed" | "adaptive"; no default here: the setting's (services/router/settings.py)
     max_depth: int = 10
     ewma: float = 0.3  # weight of the newest request in the acceptance estimate
     min_proposed: int = 8  # requests proposing fewer draft tokens say too little to count

@@ -7,39 +7,42 @@ from pathlib import Path
 
 import torch
 
-from services.common.env import allowed_values, default_of
+from services.common.env import MODEL_DTYPES, MeshSettings, check_declared
 from services.common.limits import RequestLimits
 from services.common.tls import MeshTls
-from services.target.model.linear import WEIGHT_FORMATS
+from services.target.settings import MAX_DRAFT_TIMEOUT_MS, TargetSettings
 
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-_KV_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn}
-_KERNELS = allowed_values("kernels")
-_WEIGHTS = WEIGHT_FORMATS
+_DTYPES = {name: getattr(torch, name) for name in MODEL_DTYPES}
+_KV_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn}  # and "auto" (services/target/settings.py KV_DTYPES)
+# Defaults, limits and allowed values of the fields that are settings are declared once, in
+# their settings group (services/target/settings.py; dtype and request limits: the mesh's).
+_TARGET = TargetSettings()
+_MESH = MeshSettings()
+_TARGET_FIELDS = tuple(_TARGET.engine_fields())
+_MESH_FIELDS = ("dtype", "max_tokens_limit", "max_samples")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model_dir: Path
-    # Defaults and help of these are the settings' (services/common/env.py).
-    dtype: str = default_of("dtype")
-    kv_dtype: str = default_of("kv_dtype")
-    device: str = default_of("device")
-    block_size: int = default_of("block_size")
-    num_blocks: int = default_of("num_blocks")
-    max_num_seqs: int = default_of("max_num_seqs")
-    max_batched_tokens: int = default_of("max_batched_tokens")
-    max_queued_requests: int = default_of("max_queued_requests")
-    max_tokens_limit: int = default_of("max_tokens_limit")
-    max_queued_tokens: int = default_of("max_queued_tokens")
-    max_samples: int = default_of("max_samples")  # largest n (samples of one prompt) a request may ask for
+    dtype: str = _MESH.dtype
+    kv_dtype: str = _TARGET.kv_dtype
+    device: str = _TARGET.device
+    block_size: int = _TARGET.block_size
+    num_blocks: int = _TARGET.num_blocks
+    max_num_seqs: int = _TARGET.max_num_seqs
+    max_batched_tokens: int = _TARGET.max_batched_tokens
+    max_queued_requests: int = _TARGET.max_queued_requests
+    max_tokens_limit: int = _MESH.max_tokens_limit
+    max_queued_tokens: int = _TARGET.max_queued_tokens
+    max_samples: int = _MESH.max_samples  # largest n (samples of one prompt) a request may ask for
     enable_prefix_caching: bool = True
-    kernels: str = default_of("kernels")
+    kernels: str = _TARGET.kernels
     name: str = ""  # model id in prefix-cache keys and metrics; "" = the model directory's name
     draft_address: str = ""  # draft service for speculative decoding; "" = never speculate
-    chat_template: str = ""  # --chat-template FILE|NAME (services/common/models/chat_templates.py); "" = the model's own
-    weights: str = default_of("weights")  # linear-layer format: auto, none, bf16, bf16-avx512, fp16, int8 (services/target/model/linear.py)
-    draft_timeout_s: float = 0.5  # per-step deadline of a draft call; past it the step decodes normally
+    chat_template: str = _TARGET.chat_template  # --chat-template FILE|NAME (services/common/models/chat_templates.py); "" = the model's own
+    weights: str = _TARGET.weights  # linear-layer format (services/target/model/linear.py)
+    draft_timeout_s: float = _TARGET.draft_timeout_ms / 1000  # per-step deadline of a draft call; past it the step decodes normally
     # The target's mesh identity for its calls to the draft service (services/common/tls.py
     # MeshTls); None = plaintext (dev mode, tests).
     mesh_tls: MeshTls | None = None
@@ -52,24 +55,13 @@ class EngineConfig:
     grammar_max_bytes: int = 64 << 20  # a compiled grammar larger than this is refused
 
     def __post_init__(self) -> None:
-        if self.dtype not in _DTYPES:
-            raise ValueError(f"dtype must be one of {sorted(_DTYPES)}, got {self.dtype!r}")
-        if self.kv_dtype != "auto" and self.kv_dtype not in _KV_DTYPES:
-            raise ValueError(f"kv_dtype must be 'auto' or one of {sorted(_KV_DTYPES)}, got {self.kv_dtype!r}")
-        if self.weights not in _WEIGHTS:
-            raise ValueError(f"weights must be one of {_WEIGHTS}, got {self.weights!r}")
-        if self.kernels not in _KERNELS:
-            raise ValueError(f"kernels must be one of {_KERNELS}, got {self.kernels!r}")
-        for name in ("block_size", "num_blocks", "max_num_seqs", "max_batched_tokens", "max_tokens_limit",
-                     "max_queued_tokens", "max_samples"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
-        if not 0 < self.draft_timeout_s <= 60:
-            raise ValueError(f"draft_timeout_s must be in (0, 60], got {self.draft_timeout_s}")
+        check_declared(TargetSettings, self, _TARGET_FIELDS)
+        check_declared(MeshSettings, self, _MESH_FIELDS)
+        if not 0 < self.draft_timeout_s <= MAX_DRAFT_TIMEOUT_MS / 1000:
+            raise ValueError(f"draft_timeout_s must be in (0, {MAX_DRAFT_TIMEOUT_MS / 1000:g}], "
+                             f"got {self.draft_timeout_s}")
         if not 0 < self.grammar_compile_timeout_s <= 600 or self.grammar_max_bytes <= 0:
             raise ValueError("grammar_compile_timeout_s must be in (0, 600] and grammar_max_bytes > 0")
-        if self.max_queued_requests < 0:
-            raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

@@ -28,7 +28,7 @@ from specmesh.proto.v1 import (
 )
 from services.cli import main
 from services.builders import build_server
-from services.common.env import read_settings
+from services.settings import read_settings
 from services.common.healthcheck import check
 from services.common.server import GrpcServer, ServerConfig
 from services.common.tls import (

@@ -12,7 +12,7 @@ import openai
 import pytest
 import pytest_asyncio
 
-from services.common.env import read_settings
+from services.settings import read_settings
 from services.common.models.prepare import prepare_default_model
 from services.gateway.app import Gateway, GatewayConfig
 from tests.mesh import TOKEN_A, start_mesh

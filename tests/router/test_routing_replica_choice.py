@@ -10,7 +10,7 @@ ADDRESSES = ("r0:1", "r1:1", "r2:1")
 
 
 def _set(policy: str, queued=(0, 0, 0), cached_blocks=(0, 0, 0)) -> ReplicaSet:
-    replicas = ReplicaSet(ADDRESSES, lambda a: grpc.aio.insecure_channel(a), policy)
+    replicas = ReplicaSet(ADDRESSES, lambda a: grpc.aio.insecure_channel(a), policy, poll_interval_s=1.0)
     for r, q, c in zip(replicas.replicas, queued, cached_blocks):
         r.stats = ReplicaStats(queued_tokens=q, num_blocks=100, free_blocks=100, cached_blocks=c)
     return replicas

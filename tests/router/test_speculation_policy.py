@@ -14,7 +14,7 @@ ADAPTIVE = PolicyConfig(mode="adaptive")
 
 
 def test_fixed_mode_always_returns_the_configured_depth():
-    policy = SpeculationPolicy(PolicyConfig(), default_depth=5)
+    policy = SpeculationPolicy(PolicyConfig(mode="fixed"), default_depth=5)
     policy.observe("b", proposed=100, accepted=0)
     assert [policy.depth("b") for _ in range(20)] == [5] * 20
 
@@ -48,7 +48,7 @@ def test_bad_config_is_rejected():
     with pytest.raises(ValueError):
         PolicyConfig(mode="sometimes")
     with pytest.raises(ValueError):
-        PolicyConfig(max_depth=0)
+        PolicyConfig(mode="fixed", max_depth=0)
 
 
 # ---- prediction from task / temperature / length, and the target's load-aware depth ----------
@@ -66,7 +66,7 @@ def test_prediction_sets_the_first_depth_and_short_requests_do_not_speculate():
     assert policy.depth("rewrite-short-greedy", max_tokens=8, temperature=0.0) == 0  # tool-call sized
     creative = [policy.depth("chat-short-sampled", 64, 1.0) for _ in range(8)]
     assert creative == [0] * 7 + [1]  # predicted off; probes every 8th request
-    assert policy.load_aware and not SpeculationPolicy(PolicyConfig(), 5).load_aware
+    assert policy.load_aware and not SpeculationPolicy(PolicyConfig(mode="fixed"), 5).load_aware
 
 
 def test_measurement_outweighs_the_prediction_as_it_accumulates():

@@ -173,11 +173,3 @@ def test_the_kernel_is_refused_where_it_cannot_run(monkeypatch):
     with pytest.raises(ValueError, match="no AVX-512.*use --weights bf16 or auto"):
         linear.prepack_linears(nn.Sequential(nn.Linear(8, 8, bias=False)), "bf16-avx512")
 
-
-def test_every_entry_point_accepts_the_same_weight_formats():
-    import typing
-
-    from services.common.env import Settings
-    from services.target import config
-    assert typing.get_args(Settings.model_fields["weights"].annotation) == linear.WEIGHT_FORMATS
-    assert config._WEIGHTS == linear.WEIGHT_FORMATS

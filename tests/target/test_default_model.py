@@ -12,7 +12,7 @@ import pytest
 import torch
 from transformers import AutoModelForCausalLM, AutoTokenizer
 
-from services.common.env import read_settings
+from services.settings import read_settings
 from services.common.models.prepare import prepare_default_model
 from services.common.sampling_params import SamplingConfig
 from services.target.config import EngineConfig

@@ -95,7 +95,7 @@ def test_a_stop_sequence_spanning_a_control_token_matches(gguf_like_tokenizer):
 def test_the_default_models_control_tokens_are_skipped_and_its_text_tokens_kept():
     from pathlib import Path
 
-    from services.common.env import read_settings
+    from services.settings import read_settings
     from services.common.models.prepare import prepare_default_model
     from services.target.output.special_tokens import control_token_ids
 

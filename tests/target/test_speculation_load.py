@@ -164,7 +164,7 @@ def test_router_plan_carries_the_predicted_acceptance_to_the_target():
     depth, alpha = policy.plan("rewrite-short-greedy", max_tokens=64, temperature=0.0)
     assert alpha == acceptance_prior("rewrite-short-greedy", 0.0) == 0.75 and depth >= 1
     assert policy.plan("rewrite-short-greedy", max_tokens=8, temperature=0.0) == (0, None)
-    assert SpeculationPolicy(PolicyConfig(), default_depth=5).plan("rewrite-short-greedy") == (5, None)
+    assert SpeculationPolicy(PolicyConfig(mode="fixed"), default_depth=5).plan("rewrite-short-greedy") == (5, None)
     message = common_pb2.SpeculationPlan(method=common_pb2.SPECULATION_METHOD_PROMPT_LOOKUP, max_depth=3,
                                          load_aware=True, acceptance_prior=0.75)
     assert _plan(message).acceptance == pytest.approx(0.75)

@@ -12,7 +12,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from services.common.env import read_settings
+from services.settings import read_settings
 from services.common.healthcheck import check
 from services.common.models.prepare import prepare_default_model
 from tests.processes import free_port_run, wait_until_serving

@@ -161,7 +161,7 @@ def test_the_router_salt_secret_has_no_public_default():
 
 def test_the_gateway_listens_on_the_port_its_compose_command_names():
     from services.builders import gateway_config
-    from services.common.env import read_settings
+    from services.settings import read_settings
 
     command = _compose()["services"]["gateway"]["command"]
     args = _parser().parse_args(command[1:])

@@ -71,7 +71,7 @@ def test_pool_replicas_are_the_statefulset_pods_dns_names():
 
 def test_container_commands_parse_through_the_cli(tmp_path):
     from services.cli import _parser
-    from services.common.env import read_settings
+    from services.settings import read_settings
     docs = _documents()
     config = tmp_path / "mesh.yaml"
     config.write_text(_config_text(docs))

@@ -34,7 +34,7 @@ from .paged_attention_cpu import chunk_kernel_runs, paged_attention_cpu, paged_a
 from .protocol import AcceptTreeGreedy, AcceptTreeSampling, Attend, PagedAttention, PlanAttention, StoreKV
 from .tree_accept import accept_tree_greedy_reference, accept_tree_sampling_reference
 
-BACKENDS = ("auto", "triton", "cpu", "reference")
+from services.target.settings import KERNEL_BACKENDS as BACKENDS  # noqa: E402  (declared once, for the settings too)
 
 
 @dataclass(frozen=True)

@@ -43,7 +43,7 @@ from torch import nn
 
 from services.target.kernels import cpu_linear
 
-WEIGHT_FORMATS = ("auto", "none", "bf16", "bf16-avx512", "fp16", "int8")
+from services.target.settings import WEIGHT_FORMATS  # noqa: E402,F401  (declared once, for the settings too)
 
 
 class PackedLinearFP16(nn.Module):

@@ -1,0 +1,54 @@
+"""The router's settings (`settings.router`), and the replica policies it chooses among.
+
+Field names are RouterConfig's (`poll_interval_s` keeps its flat setting name
+`replica_poll_seconds` as its alias), so the composition root passes the group through, and a
+RouterConfig built without the settings (tests, benchmarks) is checked against these same
+declarations. The speculation plan's methods, modes and limits are declared in
+services/common/speculation_plan.py, shared with the target and the draft service.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from pydantic import Field
+
+from services.common.env import DEV_SALT_SECRET, DEV_TOKEN
+from services.common.settings_group import SettingsGroup
+from services.common.speculation_plan import (
+    MAX_DEPTH,
+    MAX_NODES,
+    SpeculationMethodName,
+    SpeculationPolicyMode,
+)
+
+# Longest cached prefix (the cache service's prefix index) against load, least loaded, or in
+# turn (services/router/replicas.py).
+ReplicaPolicy = Literal["kv_aware", "least_loaded", "round_robin"]
+REPLICA_POLICIES: tuple[str, ...] = get_args(ReplicaPolicy)
+MAX_POLL_SECONDS = 60.0
+
+
+class RouterSettings(SettingsGroup):
+    tokens: str = Field(f"{DEV_TOKEN}=default",
+                        description="bearer tokens the router accepts: TOKEN=TENANT,...")
+    salt_secret: str = Field(DEV_SALT_SECRET,
+                             description="secret the router derives per-tenant prefix-cache salts from")
+    speculation_method: SpeculationMethodName = Field(
+        "prompt_lookup", description="speculative decoding method the router plans (requests with a "
+        "constraint get grammar drafts unless 'off'; 'grammar' = only they speculate)")
+    speculation_depth: int = Field(5, gt=0, le=MAX_DEPTH, description="draft tokens per verify pass (chain depth)")
+    speculation_nodes: int = Field(0, ge=0, le=MAX_NODES, description="draft tree node budget; 0 = a chain")
+    speculation_policy: SpeculationPolicyMode = Field(
+        "adaptive", description="adaptive depth per bucket and per step from predicted and measured "
+        "acceptance, load and step times (docs/p99_incident.md), or the fixed plan for every request")
+    replica_policy: ReplicaPolicy = Field(
+        "kv_aware", description="router's replica choice in a pool: longest cached prefix (cache "
+        "service's prefix index) against load, least loaded, or in turn")
+    poll_interval_s: float = Field(1.0, gt=0, le=MAX_POLL_SECONDS, alias="replica_poll_seconds",
+                                   description="router's health and stats poll of every replica "
+                                   "(ejection and rejoin)")
+
+    def config_fields(self) -> dict:
+        """The fields RouterConfig takes as they are (it holds the tokens parsed)."""
+        return self.model_dump(exclude={"tokens"})

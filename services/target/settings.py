@@ -1,0 +1,66 @@
+"""The target's settings (`settings.target`), and the allowed values of its switches.
+
+Each list below is the one declaration of what the target accepts: the kernel backends
+(kernels/select.py picks among them), the linear-layer weight formats (model/linear.py packs
+them) and the KV cache dtypes (config.py maps them to torch). They live here, not in those
+modules, because the CLI validates settings without importing torch; those modules import
+them from here. Field names are EngineConfig's, so the composition root passes the group
+through (`EngineConfig(**settings.target...)`), and EngineConfig built without the settings
+(tests, benchmarks) is checked against these same declarations.
+"""
+
+from __future__ import annotations
+
+from typing import Literal, get_args
+
+from pydantic import Field
+
+from services.common.env import MODEL_DTYPES
+from services.common.settings_group import SettingsGroup
+
+KernelBackend = Literal["auto", "triton", "cpu", "reference"]
+KERNEL_BACKENDS: tuple[str, ...] = get_args(KernelBackend)
+
+WeightFormat = Literal["auto", "none", "bf16", "bf16-avx512", "fp16", "int8"]
+WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
+
+KvDtype = Literal[("auto", *MODEL_DTYPES, "fp8")]
+KV_DTYPES: tuple[str, ...] = get_args(KvDtype)
+
+MAX_DRAFT_TIMEOUT_MS = 60_000  # longest per-step deadline of a draft call
+
+
+class TargetSettings(SettingsGroup):
+    kv_dtype: KvDtype = Field(
+        "auto", description="KV cache dtype; auto = same as dtype (float32 on the CPU, where "
+        "attention computes in float32), fp8 = float8 with scales")
+    kernels: KernelBackend = Field(
+        "auto", description="attention kernels; auto = Triton where CUDA is present, else cpu")
+    weights: WeightFormat = Field(
+        "auto", description="linear-layer weights; auto = specmesh's AVX-512 kernel (bf16-avx512) for a "
+        "bf16 model on an AVX-512 CPU, else oneDNN-packed bf16 on a CPU with bf16 dot products in "
+        "hardware, else fp16 packed for fbgemm when a bf16/fp16 model runs on the CPU; "
+        "int8 = per-channel int8 (fbgemm dynamic quantization)")
+    device: str = Field("cpu", description="torch device of the target (cpu, cuda, cuda:N)")
+    chat_template: str = Field("", description="chat template of the target model: a Jinja file (or a "
+                               "JSON file with \"chat_template\"), a name (gemma3, or none = plain prompts only), "
+                               "or empty = the model's own, Gemma 3's for a model without one that has Gemma's "
+                               "turn tokens (the default model)")
+    block_size: int = Field(16, gt=0, description="tokens per KV block")
+    num_blocks: int = Field(2048, gt=0, description="KV blocks in the target's pool")
+    max_num_seqs: int = Field(32, gt=0, description="sequences the target runs at once")
+    max_batched_tokens: int = Field(512, gt=0, description="tokens per engine step "
+                                    "(prefill chunks + decodes + verify trees)")
+    max_queued_requests: int = Field(256, ge=0, description="requests waiting beyond max_num_seqs; "
+                                     "more are refused with RESOURCE_EXHAUSTED")
+    max_queued_tokens: int = Field(262144, gt=0, description="prompt tokens waiting for admission at the "
+                                   "target; more are refused with RESOURCE_EXHAUSTED")
+    draft_timeout_ms: int = Field(500, gt=0, le=MAX_DRAFT_TIMEOUT_MS,
+                                  description="per-step deadline of the target's draft call (ms)")
+    fault_injection: bool = Field(False, description="testing only: SIGUSR1 makes the target's engine "
+                                  "loop fail once outside a step (exercises its supervision and restart)")
+
+    def engine_fields(self) -> dict:
+        """The fields EngineConfig takes as they are (it holds the deadline in seconds, and
+        fault injection is the serving loop's, services/builders.py)."""
+        return self.model_dump(exclude={"draft_timeout_ms", "fault_injection"})
