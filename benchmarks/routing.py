@@ -36,7 +36,8 @@ from services.cache.config import CacheConfig
 from services.settings import read_settings
 from services.common.mesh_config import MeshConfig, PoolConfig, TenantConfig
 from services.common.models.loading import resolve_model_dir
-from specmesh.proto.v1 import common_pb2, router_service_pb2, router_service_pb2_grpc
+from specmesh.client import NO_RETRIES, AsyncClient
+from specmesh.proto.v1 import common_pb2, router_service_pb2
 from services.common.server import GrpcServer, ServerConfig
 from services.router.config import RouterConfig
 from services.router.service import SERVICE_NAME, RouterService, add_to_server
@@ -50,7 +51,7 @@ WORDS = ("policy refund order shipping warranty account invoice device battery s
 
 async def start_mesh(model_dir: Path, pools: list[tuple[str, int, int]], num_blocks: int, policy: str,
                      tenants: list[str]):
-    """pools: (name, first replica index, replica count, max_context) -> (servers, channel)."""
+    """pools: (name, first replica index, replica count, max_context) -> (servers, router client)."""
     engine_config = EngineConfig(model_dir=model_dir, dtype="bfloat16", block_size=16, num_blocks=num_blocks,
                                  max_batched_tokens=512, max_tokens_limit=256)
     count = max(first + n for _, first, n, _ in pools)
@@ -73,21 +74,21 @@ async def start_mesh(model_dir: Path, pools: list[tuple[str, int, int]], num_blo
                         on_stopped=service.close)
     await service.start()
     await router.start()
-    return [router, cache, *targets], grpc.aio.insecure_channel(router.address)
+    return [router, cache, *targets], AsyncClient(router.address, retry=NO_RETRIES)
 
 
-async def stop(servers, channel) -> None:
-    await channel.close()
+async def stop(servers, client: AsyncClient) -> None:
+    await client.close()
     for server in servers:
         await server.stop(grace=0.5)
 
 
-async def one(stub, tenant: str, prompt: str, max_tokens: int, start: float, index: int = 0) -> dict:
+async def one(client: AsyncClient, tenant: str, prompt: str, max_tokens: int, start: float, index: int = 0) -> dict:
     """Streams one request; returns its TTFT, end time and usage."""
     req = router_service_pb2.GenerateRequest(prompt=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
     first, last = None, None
     try:
-        async for response in stub.Generate(req, metadata=(("authorization", f"Bearer tok-{tenant}"),),
+        async for response in client.stream(req, metadata=(("authorization", f"Bearer tok-{tenant}"),),
                                             timeout=1800):
             if first is None and response.chunk.token_ids:
                 first = time.monotonic()
@@ -100,12 +101,12 @@ async def one(stub, tenant: str, prompt: str, max_tokens: int, start: float, ind
                 cached=usage.cached_prompt_tokens, completion=usage.completion_tokens, replica=last.route.replica)
 
 
-async def poisson(stub, plan: list[tuple[str, str, int]], rate: float, seed: int) -> list[dict]:
+async def poisson(client: AsyncClient, plan: list[tuple[str, str, int]], rate: float, seed: int) -> list[dict]:
     """Sends plan's (tenant, prompt, max_tokens) with exponential gaps of mean 1/rate."""
     rng = random.Random(seed + 1)
     tasks, t0 = [], time.monotonic()
     for i, (tenant, prompt, max_tokens) in enumerate(plan):
-        tasks.append(asyncio.ensure_future(one(stub, tenant, prompt, max_tokens, time.monotonic(), i)))
+        tasks.append(asyncio.ensure_future(one(client, tenant, prompt, max_tokens, time.monotonic(), i)))
         await asyncio.sleep(rng.expovariate(rate))
     results = [r for r in await asyncio.gather(*tasks) if not r.get("failed")]
     if len(results) < len(plan):
@@ -254,11 +255,11 @@ async def bench_replicas(model_dir: Path, args) -> None:
     print(f"prefix LRU model (share of requests that hit): {model}", flush=True)
     rows, placements, per_request = {}, {}, {}
     for policy in ("kv_aware", "least_loaded", "round_robin"):
-        servers, channel = await start_mesh(model_dir, [("default", 0, 2, 0)], num_blocks, policy, tenants)
+        servers, client = await start_mesh(model_dir, [("default", 0, 2, 0)], num_blocks, policy, tenants)
         try:
-            results = await poisson(router_service_pb2_grpc.RouterServiceStub(channel), plan, args.rate, args.seed)
+            results = await poisson(client, plan, args.rate, args.seed)
         finally:
-            await stop(servers, channel)
+            await stop(servers, client)
         rows[policy] = summary(results)
         later = [r for r in results if repeat[r["index"]]]
         rows[policy]["hit_repeats"] = sum(r["cached"] for r in later) / max(1, sum(r["prompt"] for r in later))
@@ -299,11 +300,11 @@ async def bench_length(model_dir: Path, args) -> None:
               "length pools": [("short", 0, 1, 512), ("long", 1, 1, 0)]}
     print(f"{args.docs} documents of ~{args.doc_tokens} tokens + {args.short} short questions, Poisson {args.rate}/s")
     for name, pools in setups.items():
-        servers, channel = await start_mesh(model_dir, pools, num_blocks, "kv_aware", ["t0"])
+        servers, client = await start_mesh(model_dir, pools, num_blocks, "kv_aware", ["t0"])
         try:
-            results = await poisson(router_service_pb2_grpc.RouterServiceStub(channel), plan, args.rate, args.seed)
+            results = await poisson(client, plan, args.rate, args.seed)
         finally:
-            await stop(servers, channel)
+            await stop(servers, client)
         rows[name] = summary([r for r in results if r["prompt"] < 512])
         print(f"{name:>16}: short requests TTFT mean {rows[name]['mean_ttft']:.2f} s  "
               f"P99 {rows[name]['p99_ttft']:.2f} s", flush=True)

@@ -20,7 +20,6 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
-import grpc
 import torch
 from tqdm import tqdm
 from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -29,7 +28,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.mes
 
 from services.settings import read_settings
 from services.common.models.loading import resolve_model_dir
-from specmesh.proto.v1 import router_service_pb2_grpc
+from specmesh.client import NO_RETRIES, AsyncClient
 from services.common.server import ServerConfig
 from services.router.app import build_router_server
 from services.router.config import RouterConfig
@@ -108,18 +107,17 @@ async def run_mesh(model_dir: Path, tokens: int, repeats: int, plans: list[tuple
             target_address=target.address, tokens={TOKEN_A: "bench"}, speculation_method=method,
             speculation_depth=max(depth, 1), speculation_nodes=nodes, speculation_policy=policy))
         await router.start()
-        async with grpc.aio.insecure_channel(router.address) as channel:
-            stub = router_service_pb2_grpc.RouterServiceStub(channel)
+        async with AsyncClient(router.address, retry=NO_RETRIES) as client:
             for _ in range(50):
                 if engine.speculator.client.connected:
                     break
                 await asyncio.sleep(0.05)
-            await collect(stub, request("warm up", 4))
+            await collect(client, request("warm up", 4))
             for bucket, (prompt, temperature) in tqdm(BUCKETS.items(), desc=label, leave=False):
                 for r in range(repeats):
                     extra = {"temperature": temperature, "seed": r, "has_seed": True} if temperature else {}
                     start = time.perf_counter()
-                    ids, _, last = await collect(stub, request(prompt, tokens, **extra), AUTH_A)
+                    ids, _, last = await collect(client, request(prompt, tokens, **extra), AUTH_A)
                     elapsed = time.perf_counter() - start
                     u = last.usage
                     rows.append(Row(bucket, label, len(ids), elapsed, u.proposed_tokens,

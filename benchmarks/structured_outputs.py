@@ -25,7 +25,6 @@ import time
 from collections import defaultdict
 from pathlib import Path
 
-import grpc
 import jsonschema
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.mesh helpers
@@ -40,7 +39,8 @@ from services.target.engine import engine as engine_module
 from services.target.engine.engine import Engine
 from services.target.server.app import build_target_server
 from services.target.speculation import speculator as speculator_module
-from specmesh.proto.v1 import common_pb2, router_service_pb2_grpc
+from specmesh.client import NO_RETRIES, AsyncClient
+from specmesh.proto.v1 import common_pb2
 from tests.mesh import AUTH_A, TOKEN_A, collect, request, start_draft  # noqa: E402
 
 SCHEMAS = {
@@ -115,9 +115,8 @@ async def run(model_dir: Path, tokens: int, repeats: int) -> dict:
             target_address=target.address, tokens={TOKEN_A: "bench"}, speculation_method=method,
             speculation_depth=8))
         await router.start()
-        async with grpc.aio.insecure_channel(router.address) as channel:
-            stub = router_service_pb2_grpc.RouterServiceStub(channel)
-            await collect(stub, request("warm up", 4))
+        async with AsyncClient(router.address, retry=NO_RETRIES) as client:
+            await collect(client, request("warm up", 4))
             for name, schema in SCHEMAS.items():
                 constraint = common_pb2.Constraint(json_schema=json.dumps(schema))
                 for temperature in (0.0, 0.8):
@@ -127,7 +126,7 @@ async def run(model_dir: Path, tokens: int, repeats: int) -> dict:
                                       has_seed=True, **extra)
                         mask_before = (timer.seconds, timer.calls)
                         start = time.perf_counter()
-                        ids, text, last = await collect(stub, req, AUTH_A)
+                        ids, text, last = await collect(client, req, AUTH_A)
                         elapsed = time.perf_counter() - start
                         s = stats[(mode, "greedy" if temperature == 0 else "T=0.8")]
                         s["tokens"] += len(ids)

@@ -15,13 +15,13 @@ from __future__ import annotations
 import socket
 import urllib.error
 import urllib.request
-from pathlib import Path
 
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from services.common.client import router_ca
 from services.settings import Settings
-from specmesh.client import Client, RetryPolicy
+from specmesh.client import NO_RETRIES, Client
 from specmesh.proto.v1 import router_service_pb2
 
 TIMEOUT_S = 3.0
@@ -54,9 +54,9 @@ def status_lines(settings: Settings) -> tuple[list[str], bool]:
     lines = [f"{'service':<8} {'address':<{width}}  state"]
     lines += [f"{name:<8} {address:<{width}}  {state}" for name, address, state in rows]
     public.close()
-    ca = Path(settings.router_ca).expanduser().read_bytes() if settings.router_ca else None
+    ca = router_ca(settings)
     # One attempt: status reports what the router says now, it does not wait for a better answer.
-    with Client(router, settings.token, ca_pem=ca, timeout=TIMEOUT_S, retry=RetryPolicy(max_attempts=1)) as client:
+    with Client(router, settings.token, ca_pem=ca, timeout=TIMEOUT_S, retry=NO_RETRIES) as client:
         try:
             models = client.list_models()
         except grpc.RpcError as exc:
@@ -88,8 +88,8 @@ def _addresses(settings: Settings) -> tuple[str, str, str]:
 
 
 def _router_channel(settings: Settings, address: str) -> grpc.Channel:
-    if settings.router_ca:
-        ca = Path(settings.router_ca).expanduser().read_bytes()
+    ca = router_ca(settings)
+    if ca is not None:
         return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca))
     return grpc.insecure_channel(address)
 

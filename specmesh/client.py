@@ -6,7 +6,10 @@
         for chunk in client.chat([{"role": "user", "content": "Why is the sky blue?"}]):
             print(chunk.text, end="", flush=True)
 
-`AsyncClient` has the same methods as async iterators / coroutines.
+`AsyncClient` has the same methods as async iterators / coroutines. `stream(request)` sends a
+GenerateRequest built by the caller and yields the router's responses as they are (route
+record included), with the same retries; `metadata=` replaces the client's token for one call
+(a gateway passes each caller's own credential).
 
 Agents share tool executions through the router's tool-result cache (scoped to the token's
 tenant): `cached_tool_call(tool, arguments, compute)` returns the stored result, or waits for
@@ -26,6 +29,7 @@ actually taken is visible (`RetryPolicy.sleep`) to tests.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import inspect
 import json
 import random
@@ -39,6 +43,7 @@ from specmesh.proto.v1 import cache_service_pb2, common_pb2, router_service_pb2,
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED})
+Metadata = tuple[tuple[str, str], ...]
 _FINISH = {common_pb2.FINISH_REASON_STOP: "stop", common_pb2.FINISH_REASON_STOP_SEQUENCE: "stop_sequence",
            common_pb2.FINISH_REASON_LENGTH: "length"}
 
@@ -91,6 +96,9 @@ class RetryPolicy:
         return random.uniform(0, backoff)  # full jitter
 
 
+NO_RETRIES = RetryPolicy(max_attempts=1)  # measurements and health checks: a retry would hide a failure
+
+
 def pushback_s(error: grpc.RpcError) -> float | None:
     """The server's `grpc-retry-pushback-ms` hint in seconds (negative = do not retry)."""
     for key, value in error.trailing_metadata() or ():
@@ -111,7 +119,9 @@ class _Options:
     retry: RetryPolicy
     sleep: Callable[[float], object] | None = None  # tests: observe the delays taken
 
-    def metadata(self) -> tuple[tuple[str, str], ...]:
+    def metadata(self, override: Metadata | None = None) -> Metadata:
+        if override is not None:
+            return override
         return (("authorization", f"Bearer {self.token}"),) if self.token else ()
 
 
@@ -134,17 +144,24 @@ class AsyncClient:
     async def __aexit__(self, *exc) -> None:
         await self.close()
 
-    async def close(self) -> None:
-        await self._channel.close()
+    async def close(self, grace: float | None = None) -> None:
+        """Closes the channel; with `grace`, calls in flight get that many seconds to finish."""
+        await self._channel.close(grace)
 
     def generate(self, prompt: str, **sampling) -> AsyncIterator[Chunk]:
         """Streams the completion of a plain prompt. Keywords: max_tokens, temperature, top_k,
         top_p, seed, stop, model, timeout."""
-        return self._stream(build_request(prompt=prompt, **sampling), sampling.get("timeout"))
+        return self._chunks(build_request(prompt=prompt, **sampling), sampling.get("timeout"))
 
     def chat(self, messages: Iterable[Message], **sampling) -> AsyncIterator[Chunk]:
         """Streams the answer to a conversation (the model's chat template is applied)."""
-        return self._stream(build_request(messages=messages, **sampling), sampling.get("timeout"))
+        return self._chunks(build_request(messages=messages, **sampling), sampling.get("timeout"))
+
+    def stream(self, request: router_service_pb2.GenerateRequest, *, metadata: Metadata | None = None,
+               timeout: float | None = None) -> AsyncIterator[router_service_pb2.GenerateResponse]:
+        """The router's responses to `request` as they are; retried as `generate` is. Close the
+        iterator (or read it to the end) to end the call."""
+        return self._stream(request, timeout, metadata)
 
     async def complete(self, prompt: str | None = None, messages: Iterable[Message] | None = None,
                        **sampling) -> Chunk:
@@ -152,14 +169,15 @@ class AsyncClient:
         stream = self.chat(messages, **sampling) if messages is not None else self.generate(prompt, **sampling)
         return join([chunk async for chunk in stream])
 
-    async def list_models(self, timeout: float | None = None) -> router_service_pb2.ListModelsResponse:
+    async def list_models(self, timeout: float | None = None, *,
+                          metadata: Metadata | None = None) -> router_service_pb2.ListModelsResponse:
         deadline = time.monotonic() + (timeout or self._o.timeout)
         attempt = 0
         while True:
             attempt += 1
             try:
                 return await self._stub.ListModels(router_service_pb2.ListModelsRequest(),
-                                                   metadata=self._o.metadata(), timeout=_left(deadline))
+                                                   metadata=self._o.metadata(metadata), timeout=_left(deadline))
             except grpc.aio.AioRpcError as exc:
                 await self._wait(attempt, exc, deadline)
 
@@ -189,17 +207,23 @@ class AsyncClient:
         await self._stub.StoreToolResult(store, metadata=metadata, timeout=timeout)
         return ToolResult(store.value, COMPUTED)
 
-    async def _stream(self, request, timeout: float | None) -> AsyncIterator[Chunk]:
+    async def _chunks(self, request, timeout: float | None) -> AsyncIterator[Chunk]:
+        async with contextlib.aclosing(self._stream(request, timeout)) as responses:
+            async for response in responses:
+                yield to_chunk(response.chunk)
+
+    async def _stream(self, request, timeout: float | None, metadata: Metadata | None = None
+                      ) -> AsyncIterator[router_service_pb2.GenerateResponse]:
         deadline = time.monotonic() + (timeout or self._o.timeout)
         attempt = 0
         while True:
             attempt += 1
             started = False
-            call = self._stub.Generate(request, metadata=self._o.metadata(), timeout=_left(deadline))
+            call = self._stub.Generate(request, metadata=self._o.metadata(metadata), timeout=_left(deadline))
             try:
                 async for response in call:
                     started = True
-                    yield to_chunk(response.chunk)
+                    yield response
                 return
             except grpc.aio.AioRpcError as exc:
                 if started:
@@ -240,24 +264,29 @@ class Client:
         self._channel.close()
 
     def generate(self, prompt: str, **sampling) -> Iterator[Chunk]:
-        return self._stream(build_request(prompt=prompt, **sampling), sampling.get("timeout"))
+        return self._chunks(build_request(prompt=prompt, **sampling), sampling.get("timeout"))
 
     def chat(self, messages: Iterable[Message], **sampling) -> Iterator[Chunk]:
-        return self._stream(build_request(messages=messages, **sampling), sampling.get("timeout"))
+        return self._chunks(build_request(messages=messages, **sampling), sampling.get("timeout"))
+
+    def stream(self, request: router_service_pb2.GenerateRequest, *, metadata: Metadata | None = None,
+               timeout: float | None = None) -> Iterator[router_service_pb2.GenerateResponse]:
+        return self._stream(request, timeout, metadata)
 
     def complete(self, prompt: str | None = None, messages: Iterable[Message] | None = None,
                  **sampling) -> Chunk:
         stream = self.chat(messages, **sampling) if messages is not None else self.generate(prompt, **sampling)
         return join(list(stream))
 
-    def list_models(self, timeout: float | None = None) -> router_service_pb2.ListModelsResponse:
+    def list_models(self, timeout: float | None = None, *,
+                    metadata: Metadata | None = None) -> router_service_pb2.ListModelsResponse:
         deadline = time.monotonic() + (timeout or self._o.timeout)
         attempt = 0
         while True:
             attempt += 1
             try:
                 return self._stub.ListModels(router_service_pb2.ListModelsRequest(),
-                                             metadata=self._o.metadata(), timeout=_left(deadline))
+                                             metadata=self._o.metadata(metadata), timeout=_left(deadline))
             except grpc.RpcError as exc:
                 self._wait(attempt, exc, deadline)
 
@@ -282,17 +311,23 @@ class Client:
         self._stub.StoreToolResult(store, metadata=metadata, timeout=timeout)
         return ToolResult(store.value, COMPUTED)
 
-    def _stream(self, request, timeout: float | None) -> Iterator[Chunk]:
+    def _chunks(self, request, timeout: float | None) -> Iterator[Chunk]:
+        with contextlib.closing(self._stream(request, timeout)) as responses:
+            for response in responses:
+                yield to_chunk(response.chunk)
+
+    def _stream(self, request, timeout: float | None, metadata: Metadata | None = None
+                ) -> Iterator[router_service_pb2.GenerateResponse]:
         deadline = time.monotonic() + (timeout or self._o.timeout)
         attempt = 0
         while True:
             attempt += 1
             started = False
-            call = self._stub.Generate(request, metadata=self._o.metadata(), timeout=_left(deadline))
+            call = self._stub.Generate(request, metadata=self._o.metadata(metadata), timeout=_left(deadline))
             try:
                 for response in call:
                     started = True
-                    yield to_chunk(response.chunk)
+                    yield response
                 return
             except grpc.RpcError as exc:
                 if started:
@@ -363,5 +398,5 @@ def _left(deadline: float) -> float:
     return max(deadline - time.monotonic(), 0.001)
 
 
-__all__ = ["AsyncClient", "Chunk", "Client", "RetryPolicy", "ToolCallError", "ToolResult", "build_request",
+__all__ = ["AsyncClient", "Chunk", "Client", "NO_RETRIES", "RetryPolicy", "ToolCallError", "ToolResult", "build_request",
            "pushback_s"]

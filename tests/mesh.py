@@ -15,6 +15,7 @@ from specmesh.proto.v1 import (
     target_service_pb2_grpc,
 )
 from services.common.server import GrpcServer, ServerConfig
+from specmesh.client import AsyncClient
 from services.common.tls import MeshTls
 from services.router.app import build_router_server
 from services.router.config import RouterConfig
@@ -87,9 +88,11 @@ def request(prompt: str, max_tokens: int = 16, **sampling) -> router_service_pb2
 
 
 async def collect(stub, req, metadata=AUTH_A) -> tuple[list[int], str, common_pb2.GenerateChunk]:
-    """Runs one Generate call; returns (token ids, text, final chunk)."""
+    """Runs one Generate call through a stub or a specmesh.client.AsyncClient (benchmarks);
+    returns (token ids, text, final chunk)."""
     ids, text, last = [], "", None
-    async for response in stub.Generate(req, metadata=metadata):
+    calls = stub.stream if isinstance(stub, AsyncClient) else stub.Generate
+    async for response in calls(req, metadata=metadata):
         ids.extend(response.chunk.token_ids)
         text += response.chunk.text
         last = response.chunk

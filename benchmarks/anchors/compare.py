@@ -44,7 +44,8 @@ sys.path.insert(0, str(ROOT))
 
 from services.bench.foreign_cpu import VOID_SHARE, ForeignCpu  # noqa: E402
 from services.common.env import DEV_TOKEN  # noqa: E402
-from specmesh.proto.v1 import common_pb2, router_service_pb2, router_service_pb2_grpc  # noqa: E402
+from specmesh.client import NO_RETRIES, AsyncClient  # noqa: E402
+from specmesh.proto.v1 import common_pb2, router_service_pb2  # noqa: E402
 
 LENGTHS = [14, 40, 90, 180, 300, 500, 750, 1100, 1508]
 PAUSE_S = 1.5  # vLLM's worker busy-polls ~1 s after a request
@@ -76,12 +77,11 @@ class Specmesh:
 
     async def generate(self, prompt: str, max_tokens: int) -> tuple[int, float, float]:
         """(tokens, seconds to first token, seconds in all)."""
-        async with grpc.aio.insecure_channel(self.address) as channel:
-            stub = router_service_pb2_grpc.RouterServiceStub(channel)
+        async with AsyncClient(self.address, DEV_TOKEN, retry=NO_RETRIES) as client:
             req = router_service_pb2.GenerateRequest(
                 prompt=prompt, sampling=common_pb2.SamplingParams(max_tokens=max_tokens))
             start, first, n = time.perf_counter(), None, 0
-            async for resp in stub.Generate(req, metadata=(("authorization", f"Bearer {DEV_TOKEN}"),)):
+            async for resp in client.stream(req):
                 if resp.chunk.token_ids:
                     first = first or time.perf_counter()
                     n += len(resp.chunk.token_ids)

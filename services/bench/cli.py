@@ -57,29 +57,23 @@ def main(argv: list[str], settings) -> int:
     return 0
 
 
-async def run_bench(config: BenchConfig, settings=None, channel=None) -> dict:
-    """Runs every QPS of the sweep in turn; writes report.json, report.md and plots.
-
-    `channel`: an open channel to the router (tests); otherwise one is made from settings.
-    """
+async def run_bench(config: BenchConfig, settings=None) -> dict:
+    """Runs every QPS of the sweep in turn against `config.address`; writes report.json,
+    report.md and plots. The router's TLS is verified with `settings.router_ca` when set."""
     from tqdm import tqdm
 
+    from services.common.client import router_ca
+    from specmesh.client import NO_RETRIES, AsyncClient
+
     items = load_workload(config.workload)
-    own = channel is None
-    if own:
-        from services.common.client import router_channel
-        settings = settings.model_copy(update={"router_address": config.address})
-        channel = router_channel(settings)
+    ca = router_ca(settings) if settings is not None else None
     runs = []
-    try:
+    async with AsyncClient(config.address, ca_pem=ca, timeout=config.timeout_s, retry=NO_RETRIES) as client:
         for qps in config.qps:
             schedule = poisson_schedule(qps, config.seed, len(items), config.num_requests, config.duration_s)
             with tqdm(total=len(schedule), desc=f"{qps:g} req/s", unit="req") as progress:
-                records = await run_schedule(channel, items, schedule, config.token, config.timeout_s, progress)
+                records = await run_schedule(client, items, schedule, config.token, config.timeout_s, progress)
             runs.append(run_result(qps, items, schedule, records, config.slo))
-    finally:
-        if own:
-            await channel.close()
     out = Path(config.out)
     paths = list(write_report(out, _config_json(config), runs))
     if config.plots:

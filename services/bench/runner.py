@@ -1,5 +1,8 @@
 """Sends a schedule of requests to a router, open loop: each request leaves at its arrival
-time whether or not earlier ones have finished, and its latencies are measured here."""
+time whether or not earlier ones have finished, and its latencies are measured here.
+
+Through the shipped client (specmesh.client) with NO_RETRIES: a retry would hide a failure
+and count its wait as latency."""
 
 from __future__ import annotations
 
@@ -12,7 +15,7 @@ from google.protobuf.json_format import MessageToDict
 
 from services.bench.schedule import Arrival
 from services.bench.workload import WorkloadItem
-from specmesh.proto.v1 import router_service_pb2_grpc
+from specmesh.client import AsyncClient
 
 
 @dataclass
@@ -47,10 +50,9 @@ class RequestRecord:
         return asdict(self)
 
 
-async def run_schedule(channel: grpc.aio.Channel, items: list[WorkloadItem], schedule: list[Arrival],
+async def run_schedule(client: AsyncClient, items: list[WorkloadItem], schedule: list[Arrival],
                        token: str, timeout_s: float = 120.0, progress=None) -> list[RequestRecord]:
     """Runs the whole schedule; returns one record per arrival, in schedule order."""
-    stub = router_service_pb2_grpc.RouterServiceStub(channel)
     start = time.perf_counter()
     tasks = []
     for arrival in schedule:
@@ -59,11 +61,11 @@ async def run_schedule(channel: grpc.aio.Channel, items: list[WorkloadItem], sch
             await asyncio.sleep(delay)
         item = items[arrival.item]
         record = RequestRecord(arrival.index, arrival.item, item.bucket, arrival.at_s)
-        tasks.append(asyncio.create_task(_send(stub, item, record, token, timeout_s, start, progress)))
+        tasks.append(asyncio.create_task(_send(client, item, record, token, timeout_s, start, progress)))
     return list(await asyncio.gather(*tasks))
 
 
-async def _send(stub, item: WorkloadItem, record: RequestRecord, token: str, timeout_s: float,
+async def _send(client: AsyncClient, item: WorkloadItem, record: RequestRecord, token: str, timeout_s: float,
                 run_start: float, progress) -> RequestRecord:
     metadata = (("authorization", f"Bearer {item.token or token}"),)
     sent = time.perf_counter()
@@ -72,7 +74,7 @@ async def _send(stub, item: WorkloadItem, record: RequestRecord, token: str, tim
     first = last = None
     tokens = 0
     try:
-        async for response in stub.Generate(item.request(), metadata=metadata, timeout=timeout_s):
+        async for response in client.stream(item.request(), metadata=metadata, timeout=timeout_s):
             chunk = response.chunk
             if chunk.token_ids:
                 last = time.perf_counter()

@@ -1,5 +1,5 @@
-"""The CLI's side of the router: `specmesh generate` on the shipped client (specmesh.client),
-and the channel `specmesh bench` measures through (no retries: a retry would hide a failure)."""
+"""The CLI's side of the router: `specmesh generate` on the shipped client (specmesh.client);
+`specmesh bench` and `specmesh status` make theirs (one attempt each) with `router_ca`."""
 
 from __future__ import annotations
 
@@ -9,7 +9,6 @@ from pathlib import Path
 
 import grpc
 
-from services.common.tls import public_channel
 from specmesh.client import AsyncClient
 
 _HINTS = {
@@ -21,10 +20,9 @@ _HINTS = {
 }
 
 
-def router_channel(settings) -> grpc.aio.Channel:
-    """A channel to the router's public port: TLS verified with `settings.router_ca` when set."""
-    ca = Path(settings.router_ca).expanduser().read_bytes() if settings.router_ca else None
-    return public_channel(settings.router_address, ca)
+def router_ca(settings) -> bytes | None:
+    """The CA that verifies the router's public TLS (`settings.router_ca`); None = plaintext."""
+    return Path(settings.router_ca).expanduser().read_bytes() if settings.router_ca else None
 
 
 _NO_CHAT_TEMPLATE = "has no chat template"  # services/target/server/chat.py ChatTemplateError
@@ -39,7 +37,7 @@ async def stream_generate(settings, args) -> int:
     if not getattr(args, "raw", False):  # one user turn; the target applies the model's chat template
         messages = [{"role": "system", "content": args.system}] if args.system else []
         messages.append({"role": "user", "content": args.prompt})
-    ca = Path(settings.router_ca).expanduser().read_bytes() if settings.router_ca else None
+    ca = router_ca(settings)
     start = time.perf_counter()
     first = None
     tokens = 0

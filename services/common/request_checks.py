@@ -1,10 +1,22 @@
-"""Checks of the fields the router decides and the target takes on trust no longer.
+"""The request contract across the gRPC seam: one set of checks the router and the target both run.
 
-The router builds these fields (speculation plan, bucket, priority); the target receives them
-from any caller with the router's certificate, so it checks them again with the same functions
-from this one module: the two sides cannot drift.
+The router checks a caller's GenerateRequest with `check_request` before any work; the target
+receives the router's TargetServiceGenerateRequest from any caller holding the router's
+certificate, so it runs the same `check_request` on what it receives (the two messages share
+the fields read here: prompt, messages, tools, sampling) and answers the same bad input with
+the same status, message and field violations. It then checks the fields the router decides
+(speculation plan, bucket, priority) with `routing_violations`. What only the target can
+check (prompt plus max_tokens against the model's context and the KV capacity, logit_bias ids
+against the vocabulary, a constraint's compiled grammar) stays with the target's engine and
+compiler.
 
-What each check does with a bad value:
+`check_request` raises a `Refusal` (INVALID_ARGUMENT) listing every problem as a field
+violation: reason REQUEST_TOO_LARGE when a size limit is exceeded (checked first: sizes bound
+the work of every later check), INVALID_REQUEST otherwise. It returns a `CheckedRequest`: the
+sampling parsed into a `SamplingConfig` once, the sample count and the constraint, which the
+caller uses from then on instead of reading the proto again.
+
+What the routing checks do with a bad value:
 - `SpeculationPlan.method` not a known SpeculationMethod -> INVALID_ARGUMENT (speculation.method).
 - `max_depth` / `max_nodes` negative -> INVALID_ARGUMENT; above the draft's limits
   (MAX_DEPTH, MAX_NODES of services/common/speculation_plan.py, the draft service's defaults) -> clamped to them, so a
@@ -22,7 +34,13 @@ import re
 import threading
 from dataclasses import dataclass
 
-from services.common.errors import Violation
+import grpc
+
+from services.common.constraints import ConstraintSpec, constraint_from_proto, constraint_violations
+from services.common.errors import Refusal, Violation
+from services.common.limits import RequestLimits
+from services.common.sample_count import num_samples, sample_count_violations
+from services.common.sampling_params import SamplingConfig, params_violations, sampling_from_proto
 from services.common.speculation_plan import MAX_DEPTH, MAX_NODES
 from specmesh.proto.v1 import common_pb2
 
@@ -32,6 +50,59 @@ MAX_BUCKET_LABELS = 64  # distinct bucket names per process used as metric label
 OTHER_BUCKET = "other"
 _BUCKET = re.compile(r"[A-Za-z0-9._-]*")
 KNOWN_METHODS = frozenset(common_pb2.SpeculationMethod.values())
+
+
+@dataclass(frozen=True)
+class CheckedRequest:
+    """What `check_request` read from a valid request, parsed once."""
+
+    sampling: SamplingConfig
+    n: int  # samples of the prompt, >= 1
+    constraint: ConstraintSpec | None  # None: unconstrained
+
+
+def check_request(request, limits: RequestLimits, max_tokens_limit: int, max_samples: int) -> CheckedRequest:
+    """The checked request (a router GenerateRequest or a TargetServiceGenerateRequest);
+    raises Refusal listing every problem (see the module docstring)."""
+    params = request.sampling
+    too_large = limits.violations([request.prompt, *(m.content for m in request.messages), *tool_texts(request)],
+                                  params.stop, "messages" if request.messages else "prompt")
+    if too_large:
+        raise refusal(too_large, "REQUEST_TOO_LARGE")
+    constraint = constraint_from_proto(params)
+    problems = [Violation(f"sampling.{field}", message) for field, message in params_violations(params)]
+    problems += [Violation(f"sampling.{field}", message) for field, message in constraint_violations(constraint)]
+    if request.prompt and request.messages:
+        problems.append(Violation("prompt", "set prompt or messages, not both"))
+    elif request.messages:
+        if not any(m.content.strip() for m in request.messages):
+            problems.append(Violation("messages", "messages are empty"))
+    elif not request.prompt.strip():
+        problems.append(Violation("prompt", "prompt is empty"))
+    if request.tools and not request.messages:
+        problems.append(Violation("tools", "tools need messages (a chat request)"))
+    if params.max_tokens > max_tokens_limit:
+        problems.append(Violation("sampling.max_tokens", f"max_tokens {params.max_tokens} is above "
+                                  f"the limit {max_tokens_limit}"))
+    problems += [Violation(field, message) for field, message in sample_count_violations(
+        params.n, params.seed if params.has_seed else None, max_samples)]
+    if problems:
+        raise refusal(problems, "INVALID_REQUEST")
+    return CheckedRequest(sampling_from_proto(params), num_samples(params.n), constraint)
+
+
+def tool_texts(request) -> list[str]:
+    """The caller-controlled text of a request's tools and tool calls, for the size limits."""
+    texts = [text for tool in request.tools for text in (tool.name, tool.description, tool.parameters_json)]
+    for message in request.messages:
+        texts.extend(text for call in message.tool_calls for text in (call.id, call.name, call.arguments_json))
+        texts.extend((message.tool_call_id, message.name))
+    return [text for text in texts if text]
+
+
+def refusal(problems: list[Violation], reason: str) -> Refusal:
+    """INVALID_ARGUMENT naming every problem (the message joins their descriptions)."""
+    return Refusal(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(v.description for v in problems), reason, problems)
 
 
 @dataclass(frozen=True)

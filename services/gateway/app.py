@@ -8,7 +8,9 @@
 The caller's `Authorization: Bearer ...` header is passed to the router as gRPC metadata;
 the router authenticates. Router errors come back as OpenAI-style JSON errors with the
 matching HTTP status (services/gateway/openai_api.py ERRORS). The gateway holds no model
-and no state beyond one gRPC channel.
+and no state beyond its router client: the shipped `specmesh.client.AsyncClient`, whose
+retries (GATEWAY_RETRY) cover a failure before the first response only, so a streamed
+answer is never sent twice.
 
 aiohttp because it is one well-kept dependency that serves HTTP (with streaming responses)
 on the same asyncio loop as grpc.aio, with no separate ASGI server process.
@@ -24,7 +26,7 @@ from dataclasses import dataclass
 import grpc
 from aiohttp import web
 
-from specmesh.proto.v1 import router_service_pb2, router_service_pb2_grpc
+from specmesh.client import AsyncClient, RetryPolicy
 from services.gateway.openai_api import (
     Answer,
     BadRequest,
@@ -37,6 +39,10 @@ from services.gateway.openai_api import (
 
 log = logging.getLogger(__name__)
 MAX_BODY_BYTES = 4 * 1024 * 1024
+# Retries of UNAVAILABLE / RESOURCE_EXHAUSTED before the first response: a short pushback (a
+# target's overload, a router restarting) is waited here; a longer one (a tenant's quota) goes
+# back to the HTTP caller at once as 429 / 503 with Retry-After.
+GATEWAY_RETRY = RetryPolicy(max_attempts=3, max_pushback_s=1.0)
 
 
 @dataclass(frozen=True)
@@ -45,8 +51,9 @@ class GatewayConfig:
     port: int = 8000  # 0 = any free port (tests)
     router_address: str = "127.0.0.1:50051"
     router_ca_pem: bytes | None = None  # verify the router's public TLS with this CA; None = plaintext
-    timeout_s: float = 600.0  # deadline of one router call
+    timeout_s: float = 600.0  # deadline of one router call, over all its attempts
     models_timeout_s: float = 10.0
+    retry: RetryPolicy = GATEWAY_RETRY
 
     def __post_init__(self) -> None:
         if not 0 <= self.port <= 65535:
@@ -58,13 +65,12 @@ class GatewayConfig:
 
 
 class Gateway:
-    """Owns the HTTP site and the router channel. `start()`, then `address`, then `stop()`."""
+    """Owns the HTTP site and the router client. `start()`, then `address`, then `stop()`."""
 
     def __init__(self, config: GatewayConfig) -> None:
         self.config = config
         self._runner: web.AppRunner | None = None
-        self._channel: grpc.aio.Channel | None = None
-        self._router: router_service_pb2_grpc.RouterServiceStub | None = None
+        self._router: AsyncClient | None = None
         self.port = config.port
 
     @property
@@ -72,12 +78,8 @@ class Gateway:
         return f"{self.config.host}:{self.port}"
 
     async def start(self) -> None:
-        if self.config.router_ca_pem is not None:
-            creds = grpc.ssl_channel_credentials(root_certificates=self.config.router_ca_pem)
-            self._channel = grpc.aio.secure_channel(self.config.router_address, creds)
-        else:
-            self._channel = grpc.aio.insecure_channel(self.config.router_address)
-        self._router = router_service_pb2_grpc.RouterServiceStub(self._channel)
+        self._router = AsyncClient(self.config.router_address, ca_pem=self.config.router_ca_pem,
+                                   timeout=self.config.timeout_s, retry=self.config.retry)
         app = web.Application(client_max_size=MAX_BODY_BYTES, middlewares=[_json_errors])
         app.add_routes([web.post("/v1/chat/completions", self._chat),
                         web.post("/v1/completions", self._completions),
@@ -93,8 +95,8 @@ class Gateway:
         if self._runner is not None:
             await self._runner.shutdown()
             await self._runner.cleanup()
-        if self._channel is not None:
-            await self._channel.close(grace)
+        if self._router is not None:
+            await self._router.close(grace)
 
     # ---- handlers ---------------------------------------------------------------
     async def _chat(self, http: web.Request) -> web.StreamResponse:
@@ -105,8 +107,7 @@ class Gateway:
 
     async def _models(self, http: web.Request) -> web.Response:
         try:
-            response = await self._router.ListModels(router_service_pb2.ListModelsRequest(),
-                                                     metadata=_auth(http), timeout=self.config.models_timeout_s)
+            response = await self._router.list_models(self.config.models_timeout_s, metadata=_auth(http))
         except grpc.aio.AioRpcError as exc:
             return _error_response(*grpc_error(exc))
         data = [{"id": p.name, "object": "model", "created": 0, "owned_by": "specmesh"} for p in response.pools]
@@ -126,25 +127,24 @@ class Gateway:
             parsed = parse(body)
         except BadRequest as exc:
             return _error_response(400, error_body(str(exc), "invalid_request_error", param=exc.param))
-        call = self._router.Generate(parsed.request, metadata=_auth(http), timeout=self.config.timeout_s)
+        responses = self._router.stream(parsed.request, metadata=_auth(http))
         try:
             if parsed.stream:
-                return await _stream(http, call, parsed)
+                return await _stream(http, responses, parsed)
             answer = Answer(parsed)
-            async for response in call:
+            async for response in responses:
                 answer.add(response.chunk)
             return web.json_response(answer.full())
         except grpc.aio.AioRpcError as exc:
             return _error_response(*grpc_error(exc))
         finally:
-            call.cancel()  # no-op when finished; a client that went away frees the router's work
+            await responses.aclose()  # ends the call: a client that went away frees the router's work
 
 
-async def _stream(http: web.Request, call, parsed: Parsed) -> web.StreamResponse:
+async def _stream(http: web.Request, iterator, parsed: Parsed) -> web.StreamResponse:
     """Server-sent events as OpenAI sends them. Errors before the first token are plain HTTP
     errors; after it, an `error` event and the end of the stream (never a silent [DONE])."""
     answer = Answer(parsed)
-    iterator = call.__aiter__()
     try:
         first = await iterator.__anext__()  # the router's errors arrive before any token
     except StopAsyncIteration:

@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import asyncio
 import time
-import uuid
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +56,7 @@ class UpstreamError(Exception):
 
 @dataclass
 class RouteRequest:
-    target: target_service_pb2.TargetServiceGenerateRequest  # what every replica gets (ids set per call)
+    target: target_service_pb2.TargetServiceGenerateRequest  # what every replica gets (priority set per call)
     tenant: str
     max_tokens: int
     model: str = ""  # an explicit pool name, or ""
@@ -236,8 +235,9 @@ class Routing:
                     prompt_tokens: int, attempt: _Attempt, hold: bool):
         tenant = self.mesh.tenant(req.tenant)
         target_request = target_service_pb2.TargetServiceGenerateRequest()
-        target_request.CopyFrom(req.target)
-        target_request.request_id = attempt.request_id = uuid.uuid4().hex  # a retry is a new request
+        target_request.CopyFrom(req.target)  # with the request's one id: a retry goes to another replica
+        # (or pool), where it is not in flight; a replica would refuse it as DUPLICATE_REQUEST_ID
+        attempt.request_id = target_request.request_id
         target_request.priority = tenant.priority if tenant else 0
         target_request.report_confidence = hold
         # Load this request puts on the replica: its uncached prompt until the first token

@@ -27,8 +27,7 @@ from services.common.errors import (
     guard_malformed,
     relay_trailers,
 )
-from services.common.request_checks import routing_violations
-from services.common.constraints import constraint_from_proto
+from services.common.request_checks import CheckedRequest, check_request, routing_violations
 from services.common.sampling_params import SamplingConfig
 from services.common.telemetry import record_error
 from services.common.tls import internal_channel
@@ -43,7 +42,6 @@ from services.router.routing import Decision, RouteRequest, Routing, UpstreamErr
 from services.router.speculation_policy import PolicyConfig, SpeculationPolicy, structured_method
 from services.router.target_health import TargetHealthWatch
 from services.router.tool_results import ToolResults
-from services.router.validation import validate
 
 tracer = trace.get_tracer("specmesh.router")
 SERVICE_NAME = router_service_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
@@ -87,17 +85,21 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
             await abort(context, grpc.StatusCode.UNAUTHENTICATED, str(exc), "UNAUTHENTICATED")
         request_span = trace.get_current_span()  # the server span: ERROR status when the call fails
         with tracer.start_as_current_span("route") as span:
-            sampling = await self._validate(request, context)
+            checked = await self._check(request, context)
+            sampling = checked.sampling
             rag = await self.retrieval.augment(request, tenant, context)  # may rewrite request.prompt
             bucket = bucket_of(request.prompt or "\n".join(m.content for m in request.messages), sampling,
-                               structured=constraint_from_proto(request.sampling) is not None)
+                               structured=checked.constraint is not None)
+            # The request's one id: every target attempt (retry, escalation) carries it.
+            request_id = uuid.uuid4().hex
+            span.set_attribute("specmesh.request_id", request_id)
             span.set_attribute("specmesh.bucket", bucket)
             span.set_attribute("specmesh.speculation", self.config.speculation_method)
             span.set_attribute("gen_ai.request.max_tokens", sampling.max_tokens)
             plan = self._plan(bucket, sampling)
             await self._check_routing(plan, bucket, context)
             target_request = target_service_pb2.TargetServiceGenerateRequest(
-                request_id=uuid.uuid4().hex, prompt=request.prompt, messages=request.messages, tools=request.tools,
+                request_id=request_id, prompt=request.prompt, messages=request.messages, tools=request.tools,
                 sampling=request.sampling,
                 tenant_salt=self.auth.salt(tenant), bucket=bucket,
                 speculation=plan)
@@ -136,10 +138,11 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
             if status != "OK":
                 record_error(request_span, status or "UNKNOWN")
 
-    async def _validate(self, request, context) -> SamplingConfig:
-        """services/router/validation.py; INVALID_ARGUMENT with field violations."""
+    async def _check(self, request, context) -> CheckedRequest:
+        """The request contract (services/common/request_checks.py, the target runs the same);
+        INVALID_ARGUMENT with field violations. Unknown `model` pools are the routing's to refuse."""
         try:
-            return validate(request, self.config.limits, self.config.max_tokens_limit, self.config.max_samples)
+            return check_request(request, self.config.limits, self.config.max_tokens_limit, self.config.max_samples)
         except Refusal as refusal:
             await abort_refusal(context, refusal)
 

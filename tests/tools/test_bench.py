@@ -66,7 +66,7 @@ async def test_bench_against_a_tiny_mesh_reports_every_request(tiny_llama_dir, t
             config = BenchConfig(address=mesh.router.address, workload=str(workload), qps=(50.0, 100.0),
                                  num_requests=6, seed=11, slo=Slo(ttft_s=30.0), token=TOKEN_A,
                                  out=str(tmp_path / run))
-            await run_bench(config, channel=mesh.channel)
+            await run_bench(config)  # through specmesh.client, one attempt a request
             reports.append(json.loads((tmp_path / run / "report.json").read_text()))
     finally:
         await mesh.stop()

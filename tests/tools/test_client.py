@@ -6,14 +6,13 @@ from __future__ import annotations
 import asyncio
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
 
-from specmesh.proto.v1 import common_pb2, router_service_pb2, router_service_pb2_grpc
 from specmesh.client import AsyncClient, Client, RetryPolicy
 from tests.mesh import TOKEN_A, collect, request, start_mesh
+from tests.scripted_router import serve
 
 
 def test_import_does_not_load_torch_or_transformers():
@@ -21,42 +20,6 @@ def test_import_does_not_load_torch_or_transformers():
             "print(sorted(m for m in ('torch', 'transformers', 'numpy') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "[]"
-
-
-class Scripted(router_service_pb2_grpc.RouterServiceServicer):
-    """Answers Generate from a script: per call, an error code (with optional pushback) or
-    a list of texts; then an error after streaming when the script says so."""
-
-    def __init__(self, script) -> None:
-        self.script = list(script)
-        self.calls: list[float] = []  # time.monotonic() of each call
-        self.tokens: list[str] = []
-
-    async def Generate(self, req, context):
-        self.calls.append(time.monotonic())
-        self.tokens.append(dict(context.invocation_metadata()).get("authorization", ""))
-        step = self.script.pop(0)
-        if isinstance(step, tuple):
-            code, pushback = step
-            if pushback is not None:
-                context.set_trailing_metadata((("grpc-retry-pushback-ms", pushback),))
-            await context.abort(code, f"scripted {code.name}")
-        texts, then = (step, None) if isinstance(step, list) else (step["texts"], step.get("then"))
-        for i, text in enumerate(texts):
-            last = i == len(texts) - 1 and then is None
-            yield router_service_pb2.GenerateResponse(chunk=common_pb2.GenerateChunk(
-                text=text, token_ids=[i], finish_reason=common_pb2.FINISH_REASON_LENGTH if last else 0))
-        if then is not None:
-            await context.abort(then, "failed after streaming")
-
-
-async def serve(script) -> tuple[grpc.aio.Server, Scripted, str]:
-    service = Scripted(script)
-    server = grpc.aio.server()
-    router_service_pb2_grpc.add_RouterServiceServicer_to_server(service, server)
-    port = server.add_insecure_port("127.0.0.1:0")
-    await server.start()
-    return server, service, f"127.0.0.1:{port}"
 
 
 async def test_async_resource_exhausted_is_retried_after_the_pushback_hint():
@@ -127,3 +90,15 @@ async def test_against_a_tiny_mesh(tiny_llama_dir):
         assert (await asyncio.to_thread(sync_run)).text == text
     finally:
         await mesh.stop()
+
+
+async def test_stream_yields_the_routers_responses_with_the_callers_metadata():
+    server, service, address = await serve([(grpc.StatusCode.UNAVAILABLE, "0"), ["a", "b"]])
+    try:
+        async with AsyncClient(address, token="own", sleep=lambda _: None) as client:
+            responses = [r async for r in client.stream(request("hi", max_tokens=2),
+                                                        metadata=(("authorization", "Bearer caller"),))]
+    finally:
+        await server.stop(None)
+    assert [r.chunk.text for r in responses] == ["a", "b"]  # GenerateResponse, route field and all
+    assert service.tokens == ["Bearer caller"] * 2  # retried, with the caller's credential each time

@@ -64,15 +64,6 @@ def chat_prompt_ids(tokenizer, messages, tools=()) -> list[int]:
     return list(encoded["input_ids"])
 
 
-def tool_texts(request) -> list[str]:
-    """The caller-controlled text of a request's tools and tool calls, for the size limits."""
-    texts = [text for tool in request.tools for text in (tool.name, tool.description, tool.parameters_json)]
-    for message in request.messages:
-        texts.extend(text for call in message.tool_calls for text in (call.id, call.name, call.arguments_json))
-        texts.extend((message.tool_call_id, message.name))
-    return [text for text in texts if text]
-
-
 @lru_cache(maxsize=32)
 def renders_tools(chat_template: str) -> bool:
     """Whether a chat template has a tool format: it renders a probe tool at all."""

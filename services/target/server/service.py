@@ -1,10 +1,19 @@
-"""gRPC TargetService: streams a request through the engine."""
+"""gRPC TargetService: streams a request through the engine.
+
+`Generate` is three steps: admit (the request contract of services/common/request_checks.py,
+the same checks the router ran, then the fields the router decides, the constraint compiled
+and the prompt tokenized), submit (the engine queues the request or refuses it) and stream
+(the engine's outputs as chunks). The request id is the router's; a direct caller that sends
+none gets one minted here.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import uuid
+from dataclasses import dataclass
 
 import grpc
 from opentelemetry import trace
@@ -14,17 +23,16 @@ from specmesh.proto.v1 import (
     target_service_pb2,
     target_service_pb2_grpc,
 )
-from services.common.errors import Violation, abort, guard_malformed
+from services.common.errors import Refusal, Violation, abort, abort_refusal, guard_malformed
 from services.common.metrics_interceptor import status_of
-from services.common.request_checks import BucketLabels, checked_plan, routing_violations
-from services.common.sampling_params import params_violations, sampling_from_proto
+from services.common.request_checks import (BucketLabels, CheckedRequest, check_request, checked_plan, refusal,
+                                            routing_violations)
 from services.common.telemetry import record_error
-from services.target.server.chat import ChatTemplateError, chat_prompt_ids, tool_texts
+from services.target.server.chat import ChatTemplateError, chat_prompt_ids
 from services.target.server.logprob_chunks import TokenTexts, logprobs_proto
 from services.target.structured.request import compile_constraint
 from services.target.engine.engine import Engine, InvalidRequest, Overloaded
 from services.target.engine.engine_types import DuplicateRequest, EngineFailed
-from services.common.sample_count import sample_count_violations
 from services.target.engine.sequence import FinishReason, SpeculationPlan, StepOutput
 
 log = logging.getLogger(__name__)
@@ -39,6 +47,34 @@ RETRY_PUSHBACK_MS = 250
 SERVICE_NAME = target_service_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
+@dataclass(frozen=True)
+class Admitted:
+    """A request that passed every check before the engine, ready to submit."""
+
+    request_id: str
+    prompt_ids: list[int]
+    checked: CheckedRequest  # the sampling parsed once, the sample count, the constraint
+    grammar: object | None  # the compiled constraint; None = unconstrained
+    plan: SpeculationPlan | None
+    bucket: str  # as a metric label (bounded cardinality)
+    request: target_service_pb2.TargetServiceGenerateRequest  # priority, tenant salt, report_confidence
+
+
+class Outputs:
+    """One request's engine outputs, handed from the engine's thread to the call's event loop."""
+
+    def __init__(self) -> None:
+        self._loop = asyncio.get_running_loop()
+        self._queue: asyncio.Queue[StepOutput] = asyncio.Queue()
+        self.finished = False  # the final output went out: nothing left to abort
+
+    def emit(self, out: StepOutput) -> None:  # on the engine's thread
+        self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
+
+    async def next(self) -> StepOutput:
+        return await self._queue.get()
+
+
 class TargetService(target_service_pb2_grpc.TargetServiceServicer):
     def __init__(self, engine: Engine, model_name: str) -> None:
         self.engine = engine
@@ -49,117 +85,104 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
         self._buckets = BucketLabels()
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
-        if self._draining:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "target is shutting down; retry another replica")
-        await self._check_sizes(request, context)  # before any work: bounded by the limits
-        try:
-            sampling = sampling_from_proto(request.sampling)
-        except ValueError as exc:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), "INVALID_REQUEST", [
-                Violation(f"sampling.{field}", message) for field, message in params_violations(request.sampling)])
-        problems = routing_violations(request.speculation, request.bucket, request.priority)
-        if problems:  # the router's fields, checked as the router checks them (services/common/request_checks.py)
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "; ".join(v.description for v in problems),
-                        "INVALID_REQUEST", problems)
-        bucket = self._buckets.label(request.bucket)  # a metric label: bounded cardinality
-        n_problems = sample_count_violations(request.sampling.n, sampling.seed, self.engine.config.max_samples)
-        if n_problems:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "; ".join(m for _, m in n_problems),
-                        "INVALID_REQUEST", [Violation(field, message) for field, message in n_problems])
-        if request.prompt and request.messages:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "set prompt or messages, not both")
-        if not request.prompt and not request.messages:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "prompt is empty")
-        if request.tools and not request.messages:
-            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "tools need messages (a chat request)")
-        grammar = await compile_constraint(self.engine.grammars, request.sampling, context)  # None: unconstrained
-        request_id = request.request_id or uuid.uuid4().hex
-        loop = asyncio.get_running_loop()
-        queue: asyncio.Queue[StepOutput] = asyncio.Queue()
-
-        def emit(out: StepOutput) -> None:
-            loop.call_soon_threadsafe(queue.put_nowait, out)
-
-        # Tokenizing a large prompt takes a while: off the event loop, so other calls go on.
-        if request.messages:
-            try:
-                prompt_ids = await asyncio.to_thread(chat_prompt_ids, self.engine.tokenizer, request.messages,
-                                                     request.tools)
-            except ChatTemplateError as exc:
-                await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
-        else:
-            prompt_ids = await asyncio.to_thread(self.engine.tokenize, request.prompt)
-        finished = submitted = False
+        admitted = await self._admit(request, context)
         self._in_flight += 1
         # Spans are started without attaching them to the context: this is an async generator,
         # and a context attached across a `yield` cannot be detached when gRPC closes it.
-        span = tracer.start_span("target.generate")
-        in_span = trace.set_span_in_context(span)
-        span.set_attribute("gen_ai.request.model", self.model_name)
-        span.set_attribute("gen_ai.request.max_tokens", sampling.max_tokens)
-        span.set_attribute("specmesh.bucket", bucket)
-        phase, error = None, None
+        span = tracer.start_span("target.generate", attributes={
+            "gen_ai.request.model": self.model_name, "gen_ai.request.max_tokens": admitted.checked.sampling.max_tokens,
+            "specmesh.bucket": admitted.bucket, "specmesh.request_id": admitted.request_id})
+        outputs, error = None, None
         try:
-            try:
-                self.engine.submit(request_id, prompt_ids, sampling, emit, request.tenant_salt,
-                                   plan=_plan(request.speculation), bucket=bucket,
-                                   span_context=span.get_span_context(), priority=request.priority,
-                                   report_confidence=request.report_confidence, n=request.sampling.n,
-                                   grammar=grammar)
-                submitted = True
-            except DuplicateRequest as exc:  # the original keeps streaming
-                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), "DUPLICATE_REQUEST_ID",
-                            [Violation("request_id", str(exc))])
-            except InvalidRequest as exc:
-                await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), "INVALID_REQUEST",
-                            [Violation(exc.field, str(exc))] if exc.field else ())
-            except EngineFailed as exc:  # the replica is going down: another one (or this, restarted)
-                await abort(context, grpc.StatusCode.UNAVAILABLE, str(exc), "ENGINE_FAILED",
-                            retry_after_s=RETRY_PUSHBACK_MS / 1000)
-            except Overloaded as exc:
-                # RetryInfo plus gRPC's standard pushback trailer, which retry policies honour.
-                await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later",
-                            "OVERLOADED", retry_after_s=RETRY_PUSHBACK_MS / 1000)
-            span.set_attribute("gen_ai.usage.input_tokens", len(prompt_ids))
-            out = await queue.get()  # the engine writes the `queue` and `prefill` spans
-            phase = tracer.start_span("decode", context=in_span)
-            while True:
-                if out.error is not None:
-                    await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {out.error}")
-                if out.finish_reason is not None and not out.ends_request:  # one sample of several
-                    yield target_service_pb2.TargetServiceGenerateResponse(chunk=common_pb2.GenerateChunk(
-                        finish_reason=_FINISH[out.finish_reason], index=out.index))
-                    out = await queue.get()
-                    continue
-                if out.finish_reason is not None:
-                    finished = True
-                    _record_usage(span, out)
-                    yield target_service_pb2.TargetServiceGenerateResponse(chunk=_final_chunk(out))
-                    return
-                yield target_service_pb2.TargetServiceGenerateResponse(
-                    chunk=common_pb2.GenerateChunk(text=out.text, token_ids=out.token_ids, index=out.index,
-                                                   logprobs=logprobs_proto(out.logprobs, self._texts)))
-                out = await queue.get()
+            outputs = await self._submit(admitted, span, context)
+            async with contextlib.aclosing(self._stream(outputs, span, context)) as chunks:
+                async for chunk in chunks:
+                    yield chunk
         except BaseException as exc:
             error = exc
             raise
         finally:
             self._in_flight -= 1
-            if submitted and not finished:
-                self.engine.abort(request_id)  # cancelled or failed: free its blocks now
+            if outputs is not None and not outputs.finished:
+                self.engine.abort(admitted.request_id)  # cancelled or failed: free its blocks now
                 record_error(span, status_of(context, error))
-            if phase is not None:
-                phase.end()
             span.end()
 
-    async def _check_sizes(self, request, context) -> None:
-        """Prompt bytes and stop sequences within the limits (INVALID_ARGUMENT otherwise)."""
-        problems = self.engine.config.limits.violations(
-            [request.prompt, *(m.content for m in request.messages), *tool_texts(request)], request.sampling.stop,
-            "messages" if request.messages else "prompt")
-        if problems:
-            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, "; ".join(v.description for v in problems),
-                        "REQUEST_TOO_LARGE", problems)
+    async def _admit(self, request, context) -> Admitted:
+        """Every check before any work, then the prompt's token ids. The contract's refusals
+        are the router's own: the same status, message and field violations."""
+        if self._draining:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "target is shutting down; retry another replica")
+        config = self.engine.config
+        try:
+            checked = check_request(request, config.limits, config.max_tokens_limit, config.max_samples)
+            problems = routing_violations(request.speculation, request.bucket, request.priority)
+            if problems:  # the fields the router decides, checked with the router's own functions
+                raise refusal(problems, "INVALID_REQUEST")
+        except Refusal as refused:
+            await abort_refusal(context, refused)
+        grammar = await compile_constraint(self.engine.grammars, checked.constraint, context)
+        return Admitted(request.request_id or uuid.uuid4().hex,  # minted here only for a direct call without one
+                        await self._prompt_ids(request, context), checked, grammar, _plan(request.speculation),
+                        self._buckets.label(request.bucket), request)
+
+    async def _prompt_ids(self, request, context) -> list[int]:
+        """The prompt (or the chat, through the model's template) as token ids, off the event
+        loop: other calls go on while a large prompt is tokenized."""
+        if not request.messages:
+            return await asyncio.to_thread(self.engine.tokenize, request.prompt)
+        try:
+            return await asyncio.to_thread(chat_prompt_ids, self.engine.tokenizer, request.messages, request.tools)
+        except ChatTemplateError as exc:
+            await context.abort(grpc.StatusCode.INVALID_ARGUMENT, str(exc))
+
+    async def _submit(self, admitted: Admitted, span, context) -> Outputs:
+        """Queues the request on the engine; the engine's refusals become gRPC statuses."""
+        outputs, request = Outputs(), admitted.request
+        try:
+            self.engine.submit(admitted.request_id, admitted.prompt_ids, admitted.checked.sampling, outputs.emit,
+                               request.tenant_salt, plan=admitted.plan, bucket=admitted.bucket,
+                               span_context=span.get_span_context(), priority=request.priority,
+                               report_confidence=request.report_confidence, n=admitted.checked.n,
+                               grammar=admitted.grammar)
+        except DuplicateRequest as exc:  # the original keeps streaming
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), "DUPLICATE_REQUEST_ID",
+                        [Violation("request_id", str(exc))])
+        except InvalidRequest as exc:
+            await abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(exc), "INVALID_REQUEST",
+                        [Violation(exc.field, str(exc))] if exc.field else ())
+        except EngineFailed as exc:  # the replica is going down: another one (or this, restarted)
+            await abort(context, grpc.StatusCode.UNAVAILABLE, str(exc), "ENGINE_FAILED",
+                        retry_after_s=RETRY_PUSHBACK_MS / 1000)
+        except Overloaded as exc:
+            # RetryInfo plus gRPC's standard pushback trailer, which retry policies honour.
+            await abort(context, grpc.StatusCode.RESOURCE_EXHAUSTED, f"{exc}; retry later",
+                        "OVERLOADED", retry_after_s=RETRY_PUSHBACK_MS / 1000)
+        span.set_attribute("gen_ai.usage.input_tokens", len(admitted.prompt_ids))
+        return outputs
+
+    async def _stream(self, outputs: Outputs, span, context):
+        """The engine's outputs as response chunks, up to the request's final one."""
+        out = await outputs.next()  # the engine writes the `queue` and `prefill` spans
+        phase = tracer.start_span("decode", context=trace.set_span_in_context(span))
+        try:
+            while True:
+                if out.error is not None:
+                    await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {out.error}")
+                if out.finish_reason is not None and out.ends_request:
+                    outputs.finished = True
+                    _record_usage(span, out)
+                    yield target_service_pb2.TargetServiceGenerateResponse(chunk=_final_chunk(out))
+                    return
+                if out.finish_reason is not None:  # one sample of several
+                    chunk = common_pb2.GenerateChunk(finish_reason=_FINISH[out.finish_reason], index=out.index)
+                else:
+                    chunk = common_pb2.GenerateChunk(text=out.text, token_ids=out.token_ids, index=out.index,
+                                                     logprobs=logprobs_proto(out.logprobs, self._texts))
+                yield target_service_pb2.TargetServiceGenerateResponse(chunk=chunk)
+                out = await outputs.next()
+        finally:
+            phase.end()
 
     async def GetStats(self, request, context):
         s = self.engine.stats()

@@ -4,15 +4,15 @@ from __future__ import annotations
 
 import grpc
 
-from services.common.constraints import constraint_from_proto
+from services.common.constraints import ConstraintSpec
 from services.common.errors import Violation, abort
 from services.target.structured.compiler import ConstraintCompiler, ConstraintError
 
 
-async def compile_constraint(compiler: ConstraintCompiler, params, context):
-    """The compiled grammar of the request's constraint, None when it has none; a constraint
-    that cannot be served aborts the call with INVALID_ARGUMENT naming `sampling.<field>`."""
-    spec = constraint_from_proto(params)
+async def compile_constraint(compiler: ConstraintCompiler, spec: ConstraintSpec | None, context):
+    """The compiled grammar of the request's constraint (read by services/common/request_checks.py),
+    None when it has none; a constraint that cannot be served aborts the call with
+    INVALID_ARGUMENT naming `sampling.<field>`."""
     if spec is None:
         return None
     try:
