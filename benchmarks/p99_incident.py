@@ -29,7 +29,6 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
@@ -46,6 +45,7 @@ from services.target.config import EngineConfig  # noqa: E402
 from services.target.engine.engine import Engine  # noqa: E402
 from services.target.engine.step_log import first_token_breakdown  # noqa: E402
 from services.bench.foreign_cpu import VOID_SHARE  # noqa: E402
+from specmesh.client import NO_RETRIES, AsyncClient  # noqa: E402
 from tests.mesh import TOKEN_A, start_draft  # noqa: E402
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -220,8 +220,11 @@ async def _start_router(address: str, plan: dict, args):
 
 
 async def _send(router, items, schedule):
-    async with grpc.aio.insecure_channel(router.address) as channel:
-        return await run_schedule(channel, items, schedule, TOKEN_A, timeout_s=600)
+    client = AsyncClient(router.address, retry=NO_RETRIES)  # a retry would hide a failure
+    try:
+        return await run_schedule(client, items, schedule, TOKEN_A, timeout_s=600)
+    finally:
+        await client.close()
 
 
 async def _serve(address: str, items, plan: dict, schedule, args):
