@@ -477,4 +477,3 @@ class Engine:
     def _finish_samples(self, request_id: str, reason: FinishReason) -> None:
         for seq in self._samples(request_id):
             self._finish(seq, reason)
-
