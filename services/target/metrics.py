@@ -106,11 +106,12 @@ class TargetMetrics:
         seq.timeline.admitted = now
         self._queue.record(now - seq.timeline.arrival, self.attributes(seq))
 
-    def emitted(self, seq, now: float, num_tokens: int) -> None:
+    def emitted(self, seq, now: float, num_tokens: int) -> bool:
         """A step committed `num_tokens` of `seq`: its first token (TTFT, prefill), or the next
-        ones (time per output token since the last emit)."""
+        ones (time per output token since the last emit). True when these began its output."""
         timeline = seq.timeline
-        if timeline.first_token is None:
+        first = timeline.first_token is None
+        if first:
             timeline.first_token = now
             attrs = self.attributes(seq)
             self._ttft.record(now - timeline.arrival, attrs)
@@ -118,6 +119,7 @@ class TargetMetrics:
         elif timeline.last_token is not None:
             self._tpot.record((now - timeline.last_token) / num_tokens, self.attributes(seq))
         timeline.last_token = now
+        return first
 
     def verify_pass(self, seq, proposed: int, accepted: int, draft_s: float, verify_s: float) -> None:
         attrs = self.attributes(seq)
