@@ -35,7 +35,7 @@ from services.common.server import ServerConfig
 from services.router.app import build_router_server
 from services.router.config import RouterConfig
 from services.target.config import EngineConfig
-from services.target.engine import engine as engine_module
+from services.target.engine import plain_sampling as plain_sampling_module
 from services.target.engine.engine import Engine
 from services.target.server.app import build_target_server
 from services.target.speculation import speculator as speculator_module
@@ -85,7 +85,7 @@ class MaskTimer:
     def __init__(self) -> None:
         self.seconds = 0.0
         self.calls = 0
-        for module, name in ((engine_module, "masked_sample_rows"), (speculator_module, "masked_verify_rows")):
+        for module, name in ((plain_sampling_module, "masked_sample_rows"), (speculator_module, "masked_verify_rows")):
             setattr(module, name, self._timed(getattr(module, name)))
 
     def _timed(self, fn):

@@ -18,6 +18,7 @@ import queue
 import threading
 import time
 import weakref
+from dataclasses import dataclass, field
 
 from opentelemetry import trace
 from opentelemetry.metrics import CallbackOptions, Observation
@@ -49,6 +50,17 @@ _COUNTERS = {
     "specmesh.prefix.query_tokens": ("prefix_query_tokens", "{token}", "prompt tokens looked up"),
     "specmesh.prefix.hit_tokens": ("prefix_hit_tokens", "{token}", "prompt tokens served from cache"),
 }
+
+
+@dataclass
+class Timeline:
+    """When a request's phases happened (monotonic seconds). `arrival` is set when the
+    sequence is made; the rest only by `TargetMetrics` (the scheduler reads `arrival`)."""
+
+    arrival: float = field(default_factory=time.monotonic)
+    admitted: float | None = None  # the first admission: its queue wait ends
+    first_token: float | None = None
+    last_token: float | None = None
 
 
 def exported_gauges() -> dict[str, tuple[str, str]]:
@@ -91,16 +103,23 @@ class TargetMetrics:
         self._batch_tokens.record(sum(i.num_tokens for i in batch))
 
     def admitted(self, seq, now: float) -> None:
-        seq.admitted_time = now
-        self._queue.record(now - seq.arrival, self.attributes(seq))
+        seq.timeline.admitted = now
+        self._queue.record(now - seq.timeline.arrival, self.attributes(seq))
 
-    def first_token(self, seq, now: float) -> None:
-        attrs = self.attributes(seq)
-        self._ttft.record(now - seq.arrival, attrs)
-        self._prefill.record(now - (seq.admitted_time or seq.arrival), attrs)
-
-    def next_tokens(self, seq, now: float, num_tokens: int) -> None:
-        self._tpot.record((now - seq.last_token_time) / num_tokens, self.attributes(seq))
+    def emitted(self, seq, now: float, num_tokens: int) -> bool:
+        """A step committed `num_tokens` of `seq`: its first token (TTFT, prefill), or the next
+        ones (time per output token since the last emit). True when these began its output."""
+        timeline = seq.timeline
+        first = timeline.first_token is None
+        if first:
+            timeline.first_token = now
+            attrs = self.attributes(seq)
+            self._ttft.record(now - timeline.arrival, attrs)
+            self._prefill.record(now - (timeline.admitted or timeline.arrival), attrs)
+        elif timeline.last_token is not None:
+            self._tpot.record((now - timeline.last_token) / num_tokens, self.attributes(seq))
+        timeline.last_token = now
+        return first
 
     def verify_pass(self, seq, proposed: int, accepted: int, draft_s: float, verify_s: float) -> None:
         attrs = self.attributes(seq)
@@ -120,14 +139,14 @@ class TargetMetrics:
         attrs = self.attributes(seq)
         self._requests.add(1, {**attrs, "specmesh.status": status})
         if status not in ("aborted", "error"):
-            self._e2e.record(now - seq.arrival, attrs)
+            self._e2e.record(now - seq.timeline.arrival, attrs)
             self._tokens.add(seq.num_prompt_tokens, {**attrs, "gen_ai.token.type": "input"})
             self._tokens.add(seq.num_cached_prompt, {**attrs, "gen_ai.token.type": "cached_input"})
             self._tokens.add(seq.num_output_tokens, {**attrs, "gen_ai.token.type": "output"})
         if seq.span_context is not None:
-            _writer().put((seq.span_context, seq.arrival, getattr(seq, "admitted_time", None),
-                           seq.first_token_time, now, list(seq.spec.passes), seq.spec.fallback_steps,
-                           status))
+            timeline = seq.timeline
+            _writer().put((seq.span_context, timeline.arrival, timeline.admitted, timeline.first_token,
+                           now, list(seq.spec.passes), seq.spec.fallback_steps, status))
 
 
 def flush_traces(timeout: float = 10.0) -> bool:

@@ -54,10 +54,11 @@ def test_lowest_priority_youngest_is_preempted_first(tiny_llama_dir):
     from services.target.engine.block_manager import BlockManager
     from services.target.engine.scheduler import Scheduler
     from services.target.engine.sequence import Sequence
+    from services.target.metrics import Timeline
 
     def seq(name, priority, arrival):
         return Sequence(name, [1] * 8, SamplingConfig(max_tokens=4), None, None, None,
-                        priority=priority, arrival=arrival)
+                        priority=priority, timeline=Timeline(arrival))
     blocks = BlockManager(num_blocks=6, block_size=4)
     scheduler = Scheduler(blocks, max_num_seqs=8, max_batched_tokens=64)
     old_low, young_high, young_low = seq("old-low", 0, 1.0), seq("young-high", 3, 3.0), seq("young-low", 0, 2.0)

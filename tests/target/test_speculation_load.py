@@ -154,7 +154,7 @@ def test_target_depth_shortens_while_the_scheduler_sees_requests_arrive(tiny_lla
     now = time.monotonic()
     for i in range(9):  # a request every 0.1 s up to now: 10 a second (6.3-13.5 give depth 1)
         tool = _seq(tokenizer, f"tool{i}", None)
-        tool.arrival = now - 0.1 * (8 - i)
+        tool.timeline.arrival = now - 0.1 * (8 - i)
         scheduler.add(tool)
     assert {d for _, d in speculator._depths(batch)} == {1}
 

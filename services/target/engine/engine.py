@@ -14,8 +14,6 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-import torch
-
 from services.common.block_hash import extra_key
 from services.common.sampling_params import SamplingConfig
 from services.target import metrics
@@ -30,14 +28,14 @@ from services.target.engine.fault_point import FaultPoint
 from services.target.speculation.no_draft_service import NoDraftService
 from services.target.structured.compiler import ConstraintCompiler
 from services.target.structured.grammar_state import GrammarState
-from services.target.structured.hooks import masked_sample_rows, servable_plan
+from services.target.structured.hooks import servable_plan
 from services.target.engine.kv_events import KVEventLog
 from services.target.model.model_runner import ModelRunner, load_model
-from services.target.model.model_runner_inputs import StepInput
+from services.target.model.model_runner_inputs import StepInput, split_logits
 from services.target.model.logits_processors import LogitsProcessor
-from services.target.model.sample_rows import sample_rows
 from services.target.model.sampler import make_generator
 from services.common.sample_count import sample_count_violations
+from services.target.engine.plain_sampling import sample_plain
 from services.target.engine.samples import SampleGroup, sample_id, sample_seed
 from services.target.engine.scheduler import ScheduledSeq, Scheduler, SeqUpdate, StepResult
 from services.target.engine.step_log import FirstToken, StepLog, StepRecord
@@ -67,6 +65,7 @@ class Engine:
         self._num_pending = 0  # submitted and not finished; guarded by _lock
         self._ids: set[str] = set()  # ids of those requests; guarded by _lock
         self._queued_tokens = 0  # prompt tokens of requests not yet admitted; guarded by _lock
+        self._queued: set[str] = set()  # the requests (leaders) counted in _queued_tokens; guarded by _lock
         self._stopped = False
         # All torch work of the engine runs on this one thread (see `load`).
         self._torch_thread = torch_thread or TorchThread()
@@ -83,7 +82,7 @@ class Engine:
         client = DraftClient(config.draft_address, config.draft_timeout_s, spec.vocab_size,
                              tls=config.mesh_tls) if config.draft_address else NoDraftService()
         self.speculator: Speculator | None = Speculator(client, self.runner.kernels, spec.max_context,
-                                                        self._metrics)
+                                                        self._metrics, self.runner, self._lock)
         self.grammars = ConstraintCompiler(tokenizer, spec.vocab_size, spec.eos_token_ids,
                                            cache_dir=config.grammar_cache_dir,
                                            timeout_s=config.grammar_compile_timeout_s,
@@ -200,7 +199,7 @@ class Engine:
                 plan=servable_plan(plan, grammar is not None, bool(self.config.draft_address)),
                 tenant_salt=tenant_salt, bucket=bucket, span_context=span_context if index == 0 else None,
                 priority=priority, confidence=Confidence() if report_confidence else None,
-                group=group, index=index, counted_admission=index > 0,  # the prompt is queued once
+                group=group, index=index,
                 # each sample's penalties count its own output
                 logits_processor=LogitsProcessor.for_request(sampling, self.spec.eos_token_ids,
                                                              len(prompt_ids)),
@@ -221,7 +220,8 @@ class Engine:
                                  f"limit {self.config.max_queued_tokens}")
             self._num_pending += n  # admission counts the samples
             self._ids.update([request_id, *(f.seq_id for f in seq.followers)])
-            self._queued_tokens += len(prompt_ids)
+            self._queued_tokens += len(prompt_ids)  # the prompt is queued once, for its leader
+            self._queued.add(seq.seq_id)
             self._incoming.append(seq)
             self._lock.notify_all()
 
@@ -350,9 +350,7 @@ class Engine:
         that error and leaves the batch, the others run."""
         failed = set()
         for item in batch:
-            if item.seq.admitted and not item.seq.counted_admission:
-                item.seq.counted_admission = True
-                self._queued_tokens -= item.seq.num_prompt_tokens
+            if item.seq.admitted and self._unqueue(item.seq):
                 try:
                     self._metrics.admitted(item.seq, time.monotonic())
                 except Exception as exc:
@@ -360,6 +358,14 @@ class Engine:
                     failed.add(item.seq.seq_id)
                     self._finish(item.seq, error=exc)
         return [item for item in batch if item.seq.seq_id not in failed] if failed else batch
+
+    def _unqueue(self, seq: Sequence) -> bool:
+        """Takes a request's prompt off the queued-token count, once (lock held); True if it was on."""
+        if seq.seq_id not in self._queued:
+            return False
+        self._queued.discard(seq.seq_id)
+        self._queued_tokens -= seq.num_prompt_tokens
+        return True
 
     def _fail(self, exc: BaseException) -> None:
         """The loop died outside a step: end every live request with an error at once, refuse
@@ -418,44 +424,17 @@ class Engine:
             self.kv_events.append(self.blocks.drain_events())
 
     def _execute(self, batch: list[ScheduledSeq]) -> tuple[dict[str, StepResult], dict[str, Exception]]:
-        """Draft, forward, sample or accept: new tokens per sequence (and per-sequence failures)."""
+        """Propose -> forward -> verify the draft trees, sample the other rows: new tokens per
+        sequence, and per-sequence failures (a failure fails that request alone)."""
         self.runner.copy_blocks(self.blocks.take_copies())  # copy-on-write, before any KV is written
         proposals = self.speculator.propose(batch) if self.speculator else {}
         inputs, trees = self._step_inputs(batch, proposals)
         with verify_span(trees, batch, self.speculator):
             logits = self.runner.forward(inputs)  # [num_rows, vocab]
-        results: dict[str, StepResult] = {}
-        plain, plain_rows, failed = [], [], {}
-        offset = 0
-        for item, inp in zip(batch, inputs):
-            seq, rows = item.seq, logits[offset:offset + inp.num_logits]
-            offset += inp.num_logits
-            if seq.seq_id in trees:
-                try:  # one sequence's sampling failure fails that request only
-                    path, bonus, logprobs = self.speculator.accept(seq, rows, trees[seq.seq_id])
-                    if seq.confidence is not None:
-                        seq.confidence.add_tree(rows, trees[seq.seq_id], path, bonus)
-                    with self._lock:
-                        results[seq.seq_id] = self._compact_tree(seq, item.start, trees[seq.seq_id], path, bonus)
-                        results[seq.seq_id].logprobs = logprobs
-                except Exception as exc:
-                    log.exception("verify of %s failed", seq.seq_id)
-                    failed[seq.seq_id] = exc
-            elif item.samples:
-                for sampled_item in (item, *followers_of(item)):  # followers: the same row
-                    plain.append(sampled_item)
-                    plain_rows.append(masked_sample_rows(sampled_item.seq, rows))
-        sampled, logprobs = sample_rows(
-            torch.cat(plain_rows), [i.seq.sampling for i in plain], [i.seq.generator for i in plain],
-            [i.seq.logits_processor for i in plain], [i.seq.token_ids for i in plain]) if plain else ([], [])
-        for item, rows, token, logprob in zip(plain, plain_rows, sampled, logprobs):
-            if isinstance(token, Exception):
-                failed[item.seq.seq_id] = token
-                continue
-            results[item.seq.seq_id] = StepResult([token], logprobs=None if logprob is None else [logprob])
-            if item.seq.confidence is not None:
-                item.seq.confidence.add(rows[-1:], [token])
-        return results, failed
+        rows = split_logits(logits, inputs)  # per batch item: [num_logits, vocab]
+        verified, failed = self.speculator.verify(batch, rows, trees) if trees else ({}, {})
+        sampled, sampling_failed = sample_plain(batch, rows, trees)
+        return {**verified, **sampled}, {**failed, **sampling_failed}
 
     def _step_inputs(self, batch, proposals) -> tuple[list[StepInput], dict]:
         """One StepInput per scheduled sequence; a tree where the proposal fits the slots the
@@ -473,29 +452,14 @@ class Engine:
                 inputs.append(StepInput.chunk(seq.seq_id, tokens, item.start, item.samples))
         return inputs, trees
 
-    def _compact_tree(self, seq: Sequence, context_len: int, proposal, path: list[int],
-                      bonus: int) -> StepResult:
-        """Moves the accepted path's KV into place (lock held); the scheduler frees the rest."""
-        src = [context_len + 1 + node for node in path]
-        dst = [context_len + 1 + j for j in range(len(path))]
-        moves = [(a, b) for a, b in zip(src, dst) if a != b]
-        if moves:
-            self.runner.move_kv(seq.seq_id, [a for a, _ in moves], [b for _, b in moves])
-        return StepResult([proposal.token_ids[node] for node in path] + [bonus],
-                          num_computed=context_len + 1 + len(path))  # root + accepted nodes have KV
-
     def _emit(self, update: SeqUpdate, now: float) -> None:
         """Streams one sequence's committed tokens; finishes it when they ended it (lock held)."""
         seq = update.seq
-        if seq.first_token_time is None:
-            seq.first_token_time = now
-            self._metrics.first_token(seq, now)
+        if self._metrics.emitted(seq, now, len(update.token_ids)):  # its first token
+            timeline = seq.timeline
             self.step_log.first_tokens.append(FirstToken(
-                seq.request_id, seq.bucket, seq.arrival, seq.admitted_time or now, now,
+                seq.request_id, seq.bucket, timeline.arrival, timeline.admitted or now, now,
                 seq.num_cached_prompt, seq.num_prompt_tokens))
-        elif seq.last_token_time is not None:
-            self._metrics.next_tokens(seq, now, len(update.token_ids))
-        seq.last_token_time = now
         seq.emit(StepOutput(update.token_ids, update.text, logprobs=update.logprobs))
         if update.finish_reason is not None:
             self._finish(seq, update.finish_reason)
@@ -511,9 +475,7 @@ class Engine:
             self._ids.discard(seq.seq_id)
         if seq.group is not None and not self._samples(seq.request_id):
             self._ids.discard(seq.request_id)  # taken until the request's last sample ends
-        if not seq.counted_admission:
-            seq.counted_admission = True
-            self._queued_tokens -= seq.num_prompt_tokens
+        self._unqueue(seq)
         self.kv_events.append(self.blocks.drain_events())
         if self.speculator is not None:
             self.speculator.release(seq)
@@ -539,8 +501,3 @@ class Engine:
     def _finish_samples(self, request_id: str, reason: FinishReason) -> None:
         for seq in self._samples(request_id):
             self._finish(seq, reason)
-
-
-def followers_of(item: ScheduledSeq) -> list[ScheduledSeq]:
-    """The samples waiting on `item`'s prefill, sampled from its row (services/target/engine/samples.py)."""
-    return [ScheduledSeq(f, item.start, item.num_tokens) for f in item.seq.followers]

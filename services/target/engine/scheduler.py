@@ -80,7 +80,7 @@ class Scheduler:
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
-        self.arrivals.observe(seq.arrival)
+        self.arrivals.observe(seq.timeline.arrival)
         self._enqueue(seq, front=False)
 
     def arrival_rate(self, now: float | None = None) -> float:
@@ -222,7 +222,7 @@ class Scheduler:
         while not self.blocks.can_reserve(seq.seq_id, num_tokens):
             scheduled = scheduled or {id(item.seq) for item in batch}
             victim = max((s for s in self.running if id(s) not in scheduled),
-                         key=lambda s: (-s.priority, s.arrival))  # lowest priority, then youngest
+                         key=lambda s: (-s.priority, s.timeline.arrival))  # lowest priority, then youngest
             self._preempt(victim)
             if victim is seq:
                 return False

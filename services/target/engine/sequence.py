@@ -1,15 +1,31 @@
-"""State of one request inside the engine (owned by the engine thread)."""
+"""State of one request inside the engine (owned by the engine thread).
+
+A `Sequence` holds what the request asked for and the state its owners write, each in
+its own place:
+- the request's inputs and per-request objects (sampling, generator, detokenizer, grammar
+  state, logits processor), set at submit;
+- the scheduling state (`num_computed`, `num_cached_prompt`, `status`, `num_preemptions`,
+  `admitted`): written by the scheduler only (services/target/engine/scheduler.py), which
+  also empties `followers` when they fork (services/target/engine/samples.py);
+- its `timeline` (arrival, admission, first and last token): written by the metrics only
+  (services/target/metrics.py);
+- its speculation counters `spec` and `confidence`: written by the speculator on verify
+  passes and by plain sampling (services/target/engine/plain_sampling.py).
+Which committed tokens the draft service holds is not here: the draft client alone keeps
+that (services/target/speculation/draft_client.py); the engine keeps its own queue
+accounting (which prompts still count as queued).
+"""
 
 from __future__ import annotations
 
 import enum
-import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
 
 from services.common.sampling_params import SamplingConfig
+from services.target.metrics import Timeline
 from services.target.speculation.confidence import Confidence
 from services.target.output.detokenizer import IncrementalDetokenizer
 
@@ -90,22 +106,18 @@ class Sequence:
     detokenizer: IncrementalDetokenizer
     emit: Callable[[StepOutput], None]  # thread-safe hand-off to the request's stream
     extra_key: str = ""  # model id + tenant salt: scopes this sequence's prefix-cache blocks
-    arrival: float = field(default_factory=time.monotonic)
+    timeline: Timeline = field(default_factory=Timeline)  # written by services/target/metrics.py
+    # Scheduling state: written by the scheduler only.
     num_computed: int = 0  # tokens whose KV is in the pool
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
-    first_token_time: float | None = None
-    last_token_time: float | None = None
     admitted: bool = False  # left the waiting queue at least once
-    admitted_time: float | None = None  # monotonic time of the first admission (queue wait ends)
     plan: SpeculationPlan | None = None  # None = no speculation
-    spec: SpeculationStats = field(default_factory=SpeculationStats)
-    draft_synced: int = 0  # committed tokens the draft service has seen
+    spec: SpeculationStats = field(default_factory=SpeculationStats)  # written by the speculator
     tenant_salt: str = ""  # sent to the draft service only (scopes suffix trees); never traced
     bucket: str = ""
     span_context: object = None  # the request's span context, linked from engine-step spans
-    counted_admission: bool = False  # its prompt tokens were taken off the queued-token count
     priority: int = 0  # tenant priority: higher is admitted first and preempted last
     confidence: Confidence | None = None  # log-prob sums of committed tokens, when asked for
     # Penalties, bias, min_tokens (services/target/model/logits_processors.py); None = none asked.

@@ -25,3 +25,12 @@ class StepInput:
         return cls(seq_id, [root_token, *draft_tokens],
                    [context_len, *(context_len + d for d in draft_depths)], context_len,
                    1 + len(draft_tokens), [-1, *(p + 1 for p in draft_parents)])
+
+
+def split_logits(logits, inputs: list[StepInput]) -> list:
+    """logits: [sum(num_logits), vocab] of a forward pass -> one [num_logits, vocab] view per input."""
+    rows, offset = [], 0
+    for inp in inputs:
+        rows.append(logits[offset:offset + inp.num_logits])
+        offset += inp.num_logits
+    return rows

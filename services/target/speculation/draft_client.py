@@ -5,6 +5,11 @@ Every failure is a fallback, never an error: when the draft service is down, slo
 the deadline, answers with invalid trees or refuses one sequence (no tree for it), the
 affected sequences decode normally for that step. A sequence whose draft state may be out of step with ours (a failed or late
 step, a reconnect) is released on the draft side and re-sent with its full history.
+
+This client alone knows what the draft holds of each sequence (`synced_tokens`): the
+speculator hands it a sequence's whole committed history every step, and it sends the
+tokens the draft has not seen (all of them, with the trace context, on a first call or a
+resync).
 """
 
 from __future__ import annotations
@@ -29,12 +34,19 @@ RELEASE_RETRY_MIN_S, RELEASE_RETRY_MAX_S = 0.25, 2.0  # backoff of a failed Rele
 @dataclass(frozen=True)
 class DraftRequest:
     seq_id: str
-    new_token_ids: list[int]  # committed tokens the draft has not seen (all of them when new)
+    token_ids: list[int]  # the sequence's committed tokens, all of them (the client sends what is new)
     method: int  # common_pb2.SpeculationMethod
     max_depth: int
     max_nodes: int
     tenant_salt: str
-    traceparent: str = ""  # W3C trace context of the request (first call / resync only)
+    span_context: object = None  # the request's span: its trace context goes with a full history
+
+
+# What the draft holds of a sequence, in `DraftClient._synced`: absent = nothing (never sent,
+# or released); a count = exactly its first that many committed tokens, on this stream;
+# OUT_OF_STEP = it may hold a partial history (a failed or late step, a lost stream): it is
+# released before the full history is sent again.
+OUT_OF_STEP = None
 
 
 class DraftClient:
@@ -50,8 +62,7 @@ class DraftClient:
         self._responses: queue.Queue = queue.Queue()
         self._step = 0
         self._last_attempt = 0.0
-        self._synced: set[str] = set()  # sequences whose whole history the draft holds on this stream
-        self._sent: set[str] = set()  # sequences sent at least once (may hold draft state somewhere)
+        self._synced: dict[str, int | None] = {}  # seq_id -> tokens the draft holds (OUT_OF_STEP above)
         self._connect_lock = threading.Lock()
         # Releases not yet acknowledged: a timed-out or failed Release is retried on its own
         # timer with backoff (idle or not), and with the next Release or step; guarded by
@@ -71,9 +82,10 @@ class DraftClient:
         self._ensure_stream()
 
     # ---- engine thread API --------------------------------------------------
-    def needs_resync(self, seq_id: str) -> bool:
-        """True when the next request for this sequence must carry its whole history."""
-        return seq_id not in self._synced
+    def synced_tokens(self, seq_id: str) -> int | None:
+        """How many of the sequence's committed tokens the draft holds on this stream; None when
+        the next request must carry its whole history (new, released or out of step)."""
+        return self._synced.get(seq_id)
 
     def propose(self, requests: list[DraftRequest]) -> dict[str, DraftTree | None] | None:
         """One batched proposal. None = the whole step falls back (service down or late).
@@ -86,17 +98,13 @@ class DraftClient:
             self._unsync(ids)
             return None
         # Out of step (a failed step, a new stream): drop what the draft may hold, then resend all.
-        stale = [i for i in ids if i not in self._synced and i in self._sent]
+        stale = [i for i in ids if i in self._synced and self._synced[i] is OUT_OF_STEP]
         if stale and not self._release_now(stale):
             self._unsync(ids)
             return None
         self._step += 1
-        message = draft_service_pb2.ProposeStreamRequest(step=self._step, sequences=[
-            draft_service_pb2.DraftSequence(
-                sequence_id=r.seq_id, new_token_ids=r.new_token_ids, method=r.method,
-                max_depth=r.max_depth, max_nodes=r.max_nodes, tenant_salt=r.tenant_salt,
-                traceparent=r.traceparent)
-            for r in requests])
+        message = draft_service_pb2.ProposeStreamRequest(step=self._step,
+                                                         sequences=[self._message(r) for r in requests])
         self._requests.put(message)
         deadline = time.monotonic() + self.timeout_s
         while True:
@@ -116,9 +124,8 @@ class DraftClient:
         answered = {tree.sequence_id for tree in response.trees}
         # A sequence without a tree was refused by the draft on its own (it kept nothing new of
         # it): resend its whole history next time; the others are in step.
-        self._synced.update(i for i in ids if i in answered)
-        self._unsync([i for i in ids if i not in answered])
-        self._sent.update(ids)
+        for r in requests:
+            self._synced[r.seq_id] = len(r.token_ids) if r.seq_id in answered else OUT_OF_STEP
         return self._check(requests, response)
 
     def release(self, seq_ids: list[str]) -> None:
@@ -127,9 +134,9 @@ class DraftClient:
         A Release that fails or times out is sent again with the next one (or at the next
         step) until the draft acknowledges it; the draft also expires idle sequences.
         """
-        seq_ids = [i for i in seq_ids if i in self._sent]
-        self._synced.difference_update(seq_ids)
-        self._sent.difference_update(seq_ids)
+        seq_ids = [i for i in seq_ids if i in self._synced]
+        for seq_id in seq_ids:
+            del self._synced[seq_id]
         if seq_ids:
             with self._release_lock:
                 self._unreleased.update(dict.fromkeys(seq_ids))
@@ -150,6 +157,16 @@ class DraftClient:
         self._drop_stream(None)
 
     # ---- helpers ----------------------------------------------------------
+    def _message(self, request: DraftRequest):
+        """The request's DraftSequence: the tokens the draft has not seen (all of them, with the
+        trace context, when it holds none in step)."""
+        synced = self._synced.get(request.seq_id)
+        full = synced is OUT_OF_STEP
+        return draft_service_pb2.DraftSequence(
+            sequence_id=request.seq_id, new_token_ids=request.token_ids if full else request.token_ids[synced:],
+            method=request.method, max_depth=request.max_depth, max_nodes=request.max_nodes,
+            tenant_salt=request.tenant_salt, traceparent=traceparent(request.span_context) if full else "")
+
     def _ensure_stream(self) -> bool:
         """True when the stream is up; otherwise starts a background (re)connect and returns False.
 
@@ -201,7 +218,8 @@ class DraftClient:
             requests, channel = self._requests, self._channel
             self._channel, self._requests, self.connected = None, None, False
             self._last_attempt = time.monotonic()
-        self._synced.clear()  # a new stream may reach a new draft server: resend everything
+        # A new stream may reach a new draft server: resend everything (releasing it first).
+        self._synced = dict.fromkeys(self._synced, OUT_OF_STEP)
         if requests is not None:
             requests.put(None)  # ends the request iterator
         if channel is not None:
@@ -272,13 +290,13 @@ class DraftClient:
         except grpc.RpcError as exc:
             self._drop_stream(exc)
             return False
-        self._sent.difference_update(seq_ids)
+        for seq_id in seq_ids:
+            self._synced.pop(seq_id, None)  # the draft holds nothing of them now
         return True
 
     def _unsync(self, seq_ids: list[str]) -> None:
         """The draft's state for these may be partial: resend in full (after a Release) next time."""
-        self._synced.difference_update(seq_ids)
-        self._sent.update(seq_ids)
+        self._synced.update(dict.fromkeys(seq_ids, OUT_OF_STEP))
 
     def _check(self, requests: list[DraftRequest], response) -> dict[str, DraftTree | None]:
         wanted = {r.seq_id: r for r in requests}
@@ -303,3 +321,10 @@ class DraftClient:
         if tree.num_nodes and max(tree.depths) > request.max_depth:
             return None
         return tree
+
+
+def traceparent(span_context) -> str:
+    """W3C traceparent of the request's span, so the draft service's spans join its trace."""
+    if span_context is None or not span_context.is_valid:
+        return ""
+    return f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-{int(span_context.trace_flags):02x}"

@@ -14,9 +14,6 @@ class NoDraftService:
     def connect(self) -> None:
         pass
 
-    def needs_resync(self, seq_id: str) -> bool:
-        return False
-
     def propose(self, requests):
         raise AssertionError("no draft service: the speculator must not ask it")
 

@@ -1,14 +1,17 @@
 """Speculation inside the engine step: ask the draft service for trees, accept after verify.
 
-The engine owns the loop; this module decides which sequences speculate this step,
-turns the draft's trees into verify inputs, and walks the target's outputs over each
-tree (greedy match, or lossless rejection sampling when temperature > 0).
+The engine owns the loop; this module decides which sequences speculate this step
+(`propose`), and after the forward pass verifies each draft tree (`verify`): walks the
+target's outputs over it (greedy match, or lossless rejection sampling when temperature
+> 0), adds the committed tokens to the request's confidence, and moves the accepted
+path's KV into place.
 """
 
 from __future__ import annotations
 
 import contextlib
 import logging
+import threading
 import time
 from collections.abc import Callable
 
@@ -20,7 +23,7 @@ from services.target.speculation.draft_client import DraftClient, DraftRequest
 from services.target.model.logits_processors import tree_paths
 from services.target.model.logprobs import token_logprobs
 from services.target.model.sampler import target_probs
-from services.target.engine.scheduler import ScheduledSeq
+from services.target.engine.scheduler import ScheduledSeq, StepResult
 from services.target.engine.sequence import Sequence
 from services.target.structured.hooks import draft_service_method, grammar_drafts, masked_verify_rows
 
@@ -51,11 +54,17 @@ def verify_span(trees: dict, batch, speculator: "Speculator | None" = None):
 
 
 class Speculator:
-    def __init__(self, client: DraftClient, kernels, max_context: int, metrics) -> None:
+    def __init__(self, client: DraftClient, kernels, max_context: int, metrics, runner=None,
+                 engine_lock=None) -> None:
+        """`runner`: the model runner whose KV `verify` compacts (`move_kv`); `engine_lock`: the
+        engine's lock, held while it does, since the move reads block tables that other threads
+        read under that lock (stats, live ids)."""
         self.client = client
         self.kernels = kernels
         self.max_context = max_context
         self._metrics = metrics  # services/target/metrics.TargetMetrics
+        self.runner = runner
+        self.engine_lock = engine_lock or threading.Lock()
         self.load = LoadAwareDepth()  # measured step and draft times -> depth per step
         self.arrival_rate: Callable[[], float] = lambda: 0.0  # the scheduler's, set by the engine
         self.queue_length: Callable[[], int] = lambda: 0  # requests waiting for the step, set by the engine
@@ -72,13 +81,10 @@ class Speculator:
         for seq, depth in depths:
             if seq.seq_id in forced or not self.client.available:
                 continue  # the grammar forces the next tokens: no draft-service round trip
-            full = self.client.needs_resync(seq.seq_id)
-            new = seq.token_ids if full else seq.token_ids[seq.draft_synced:]
-            seqs.append(seq)
-            requests.append(DraftRequest(seq.seq_id, new, draft_service_method(seq.plan), depth,
+            seqs.append(seq)  # the client sends the tokens its draft has not seen
+            requests.append(DraftRequest(seq.seq_id, seq.token_ids, draft_service_method(seq.plan), depth,
                                          min(max(seq.plan.max_nodes, depth), slots[seq.seq_id]),
-                                         seq.tenant_salt,
-                                         traceparent(seq.span_context) if full else ""))
+                                         seq.tenant_salt, seq.span_context))
         if not requests:
             return forced
         start = time.monotonic()
@@ -94,9 +100,43 @@ class Speculator:
             if fallback or result.get(seq.seq_id) is None:
                 seq.spec.fallback_steps += 1
                 self._metrics.fallback(seq)
-            if not fallback:
-                seq.draft_synced = seq.num_tokens
         return {**proposals, **forced}
+
+    def verify(self, batch: list[ScheduledSeq], rows: list[torch.Tensor], trees: dict[str, DraftTree],
+               ) -> tuple[dict[str, StepResult], dict[str, Exception]]:
+        """rows[i]: [num_logits, vocab] target logits of batch[i] (root + draft nodes where it
+        checked a tree). For each sequence with a tree: the accepted path and bonus token
+        (`accept`), the request's confidence over them, and the path's KV moved into place.
+        Returns (StepResult per verified sequence, error per sequence whose verify failed: that
+        request fails alone)."""
+        results, failed = {}, {}
+        for item, item_rows in zip(batch, rows):
+            seq = item.seq
+            tree = trees.get(seq.seq_id)
+            if tree is None:
+                continue
+            try:
+                path, bonus, logprobs = self.accept(seq, item_rows, tree)
+                if seq.confidence is not None:
+                    seq.confidence.add_tree(item_rows, tree, path, bonus)
+                with self.engine_lock:
+                    results[seq.seq_id] = self._compact_tree(seq, item.start, tree, path, bonus)
+                    results[seq.seq_id].logprobs = logprobs
+            except Exception as exc:
+                log.exception("verify of %s failed", seq.seq_id)
+                failed[seq.seq_id] = exc
+        return results, failed
+
+    def _compact_tree(self, seq: Sequence, context_len: int, proposal: DraftTree, path: list[int],
+                      bonus: int) -> StepResult:
+        """Moves the accepted path's KV into place (engine lock held); the scheduler frees the rest."""
+        src = [context_len + 1 + node for node in path]
+        dst = [context_len + 1 + j for j in range(len(path))]
+        moves = [(a, b) for a, b in zip(src, dst) if a != b]
+        if moves:
+            self.runner.move_kv(seq.seq_id, [a for a, _ in moves], [b for _, b in moves])
+        return StepResult([proposal.token_ids[node] for node in path] + [bonus],
+                          num_computed=context_len + 1 + len(path))  # root + accepted nodes have KV
 
     def accept(self, seq: Sequence, rows: torch.Tensor,
                proposal: DraftTree) -> tuple[list[int], int, list | None]:
@@ -200,9 +240,3 @@ class Speculator:
         remaining = seq.sampling.max_tokens - seq.num_output_tokens
         return min(seq.plan.max_depth, remaining - 1, self.max_context - seq.num_tokens - 1)
 
-
-def traceparent(span_context) -> str:
-    """W3C traceparent of the request's span, so the draft service's spans join its trace."""
-    if span_context is None or not span_context.is_valid:
-        return ""
-    return f"00-{span_context.trace_id:032x}-{span_context.span_id:016x}-{int(span_context.trace_flags):02x}"

@@ -1,6 +1,6 @@
 """Where the engine meets the grammar: the few calls its step makes, one line each there.
 
-- `masked_sample_rows` (engine, rows that sample a token), `masked_verify_rows` (speculator,
+- `masked_sample_rows` (plain sampling, rows that sample a token), `masked_verify_rows` (speculator,
   verify rows of a draft tree) apply the sequence's mask; identity without a constraint.
 - `commit_token` (scheduler, per committed token) advances the grammar state.
 - `grammar_drafts` (speculator) proposes the forced continuations as draft chains.
