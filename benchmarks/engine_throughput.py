@@ -98,13 +98,16 @@ def main() -> None:
     parser.add_argument("--no-hf-batch", action="store_true")
     parser.add_argument("--mixed", action="store_true",
                         help="requests ask for 1/4, 1/2, 3/4 and all of --tokens (a ragged workload)")
+    parser.add_argument("--weights", default="auto", help="the engine's weight format (SPECMESH_WEIGHTS)")
+    parser.add_argument("--kernels", default="auto", help="the engine's kernel backend (SPECMESH_KERNELS)")
     args = parser.parse_args()
     settings = read_settings()
     model_dir = resolve_model_dir(args.model, Path(settings.model_cache).expanduser())
     dtype = getattr(torch, args.dtype)
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     engine = Engine.load(EngineConfig(model_dir=model_dir, dtype=args.dtype, num_blocks=2048,
-                                      max_num_seqs=max(args.streams)))
+                                      max_num_seqs=max(args.streams), weights=args.weights,
+                                      kernels=args.kernels))
     # Hugging Face runs on the engine's thread too: one OpenMP team, no contention between them.
     on_thread = engine.run_on_engine_thread
     hf = on_thread(lambda: AutoModelForCausalLM.from_pretrained(model_dir, dtype=dtype).eval())
@@ -120,8 +123,8 @@ def main() -> None:
                       else on_thread(run_hf_batch, hf, tokenizer, prompts, limits))
         rows.append((n, e_tok / e_s, s_tok / s_s, b_tok / b_s if b_tok else float("nan")))
     engine.shutdown()
-    print(f"\nmodel={args.model} dtype={args.dtype} max_tokens={args.tokens} mixed={args.mixed} "
-          f"threads={torch.get_num_threads()}")
+    print(f"\nmodel={args.model} dtype={args.dtype} weights={args.weights} kernels={args.kernels} "
+          f"max_tokens={args.tokens} mixed={args.mixed} threads={torch.get_num_threads()}")
     print(f"{'streams':>7} {'engine tok/s':>12} {'HF seq tok/s':>12} {'HF batch tok/s':>14} "
           f"{'vs seq':>7} {'vs batch':>8}")
     for n, e, s, b in rows:
