@@ -194,12 +194,15 @@ def prepack_linears(model: nn.Module, weights: str) -> int:
         raise ValueError(f"weights='bf16-avx512' cannot run here: {cpu_linear.unavailable_reason()}; "
                          "use --weights bf16 or auto")
     cls = classes[weights]
+    native_bf16 = native_bf16_cpu()
     lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, module in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         out_dtype = torch.float32 if module is lm_head else None
-        layer_cls = PackedLinearBF16 if cls is AVX512LinearBF16 and module.bias is not None else cls
+        layer_cls = cls
+        if cls is AVX512LinearBF16 and module.bias is not None:  # the kernel has no bias: oneDNN's bf16,
+            layer_cls = PackedLinearBF16 if native_bf16 else PackedLinearFP16  # or fbgemm where oneDNN has none (AVX2)
         setattr(parent, attr, layer_cls(module, out_dtype))
     return len(targets)
