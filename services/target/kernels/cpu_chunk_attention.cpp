@@ -31,6 +31,17 @@
 #include <cstring>
 #include <vector>
 
+#if defined(SPECMESH_ISA_AVX2)
+
+// The AVX2 build has no VDPBF16PS: prefill chunks stay with torch's matmuls there
+// (paged_attention_cpu.chunk_kernel_runs asks cpu_linear.bf16_dot_instruction, false without AVX-512).
+void chunk_attention_bf16(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                          const at::Tensor&, double, at::Tensor&) {
+  TORCH_CHECK(false, "chunk_attention_bf16: needs AVX512-BF16 (VDPBF16PS); this is the AVX2 build of the module");
+}
+
+#else  // SPECMESH_ISA_AVX512
+
 namespace {
 
 using namespace specmesh_simd;
@@ -330,3 +341,5 @@ void chunk_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, co
     attend_unit(G, ps[j / KV], bp, j % KV, unit - ustart[j], kbuf + kstart[j], vbuf + vstart[j], w);
   }
 }
+
+#endif  // SPECMESH_ISA_AVX512

@@ -7,6 +7,9 @@
 // bf16 attention): scores = bf16(scale * q.k) with float32 sums, softmax in float32, bf16
 // probabilities, out = bf16(sum p * v) with float32 sums. Only the order of the float32 sums
 // differs, so an output can differ by one bf16 rounding step (tests/kernels/test_cpu_decode_attention.py).
+//
+// The per-head loops exist twice, behind the module's ISA define (cpu_simd.h): AVX-512 here,
+// AVX2 in cpu_decode_attention_avx2.h, with the same names and arithmetic; the entry point is shared.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -22,11 +25,20 @@
 #include <cstdint>
 #include <vector>
 
+#if defined(SPECMESH_ISA_AVX2)
+#include "cpu_decode_attention_avx2.h"  // the same loops, 8 lanes
+#else  // SPECMESH_ISA_AVX512
+
 namespace {
 
 using namespace specmesh_simd;
 
 inline __m512 widen(const uint16_t* p) { return load_bf16(p, 0xFFFF); }  // 16 bf16 -> float32
+
+// n bf16 values (n a multiple of 16) -> float32 (exact).
+inline void widen_row(const uint16_t* src, int64_t n, float* dst) {
+  for (int64_t d = 0; d < n; d += 16) _mm512_storeu_ps(dst + d, widen(src + d));
+}
 
 // The bf16 scores of G query heads (qf [G, D] float32) against one key row: scale * q.k, float32
 // sums, rounded to bf16; written to out[g * stride]. G is a template argument so the G
@@ -107,6 +119,8 @@ inline void softmax_row(float* p, int64_t len) {
 
 }  // namespace
 
+#endif  // SPECMESH_ISA_AVX512
+
 // query [T, H, D] bf16; k_cache, v_cache [num_blocks, block_size, KV, D] bf16; for n decode rows:
 // rows [n] (query row), tables [n, max_blocks] (block ids), offsets [n] and lens [n] (the visible
 // entries offsets[i] .. offsets[i] + lens[i] - 1 of the row's blocks laid end to end), masks
@@ -156,7 +170,7 @@ void decode_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, c
       const int64_t i = job / KV, g = job % KV, len = lp[i], h0 = g * group;
       const uint16_t* qrow = q + (rp[i] * H + h0) * D;  // the group's query heads, [group, D]
       qf.resize(group * D);  // ... in float32 (exact)
-      for (int64_t d = 0; d < group * D; d += 16) _mm512_storeu_ps(qf.data() + d, widen(qrow + d));
+      widen_row(qrow, group * D, qf.data());
       probs.assign(group * len, -INFINITY);  // [group, len]; -inf: an entry the row may not see
       krows.assign(len, nullptr);
       vrows.assign(len, nullptr);

@@ -1,8 +1,8 @@
-// bf16 linear layers on AVX-512 CPUs: y[M, N] = x[M, K] @ w[N, K]^T, x and w in bf16, products
+// bf16 linear layers on AVX-512 and AVX2 CPUs: y[M, N] = x[M, K] @ w[N, K]^T, x and w in bf16, products
 // and sums in float32, y rounded once to bf16 (round to nearest even), as torch's bf16 linear.
 //
 // Two inner loops read the same packed weights:
-// - widen + FMA (any AVX-512 CPU): each bf16 is widened to float32 and multiplied-added; a
+// - widen + FMA (any AVX-512 CPU; the AVX2 build's only loop, cpu_linear_avx2.h): each bf16 is widened to float32 and multiplied-added; a
 //   bf16 x bf16 product is exact in float32, and each output is summed over k = 0 .. K-1 in
 //   order, so the result is reproducible in plain torch (tests/test_cpu_linear.py).
 // - VDPBF16PS (CPUs with AVX512-BF16): one instruction multiplies two k's of 16 columns and adds
@@ -36,8 +36,16 @@
 
 namespace {
 
-constexpr int64_t kPanel = 32;           // output columns per panel: two 16-lane float32 vectors
+constexpr int64_t kPanel = 32;           // output columns per panel: two 16-lane float32 vectors (four 8-lane)
 constexpr int64_t kPairSlots = 2 * kPanel;  // bf16 values per [panel, k pair]
+
+}  // namespace
+
+#if defined(SPECMESH_ISA_AVX2)
+#include "cpu_linear_avx2.h"  // run_fma: the AVX2 + FMA loop
+#else  // SPECMESH_ISA_AVX512
+
+namespace {
 
 // Stores acc[p][m][0..1] into buf[p * lpanel + m * 32 + 0..31] (a thread's panel-major block).
 template <int NP, int MB>
@@ -173,6 +181,8 @@ void run(const char* x, int64_t esize, int64_t M, int64_t K2, const uint16_t* wp
 
 }  // namespace
 
+#endif  // SPECMESH_ISA_AVX512
+
 // w: [N, K] bf16 -> [ceil(N / 32), ceil(K / 2), 64] bf16 panels (zeros past N and K).
 at::Tensor pack_bf16_weight(const at::Tensor& w_in) {
   TORCH_CHECK(w_in.dim() == 2 && w_in.scalar_type() == at::kBFloat16, "pack_bf16_weight: bf16 [N, K] expected");
@@ -193,7 +203,7 @@ at::Tensor pack_bf16_weight(const at::Tensor& w_in) {
 }
 
 // x: [M, K] bf16, packed: pack_bf16_weight of a [N, K] weight -> [M, N] bf16. dot: VDPBF16PS
-// (the caller checks the CPU has it), else widen + FMA.
+// (the caller checks the CPU has it; never in the AVX2 build), else widen + FMA.
 at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t N, bool dot) {
   TORCH_CHECK(x_in.dim() == 2 && packed.dim() == 3 && packed.size(2) == kPairSlots
                   && packed.size(1) == (x_in.size(1) + 1) / 2 && packed.size(0) == (N + kPanel - 1) / kPanel,
@@ -202,6 +212,9 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
   TORCH_CHECK(x_in.scalar_type() == at::kBFloat16 && packed.scalar_type() == at::kBFloat16,
               "bf16_linear: bf16 tensors expected");
   TORCH_CHECK(packed.is_contiguous(), "bf16_linear: the panels must be contiguous");
+#if defined(SPECMESH_ISA_AVX2)
+  TORCH_CHECK(!dot, "bf16_linear: dot=True needs AVX512-BF16; this is the AVX2 build of the module");
+#endif
   const int64_t M = x_in.size(0), K = x_in.size(1), P = packed.size(0), K2 = packed.size(1);
   at::Tensor out = at::empty({M, N}, x_in.options());
   if (M == 0 || N == 0) return out;
@@ -211,7 +224,11 @@ at::Tensor bf16_linear(const at::Tensor& x_in, const at::Tensor& packed, int64_t
   const uint16_t* wp = reinterpret_cast<const uint16_t*>(packed.data_ptr<at::BFloat16>());
   const char* xp = static_cast<const char*>(x.data_ptr());
   uint16_t* yp = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+#if defined(SPECMESH_ISA_AVX2)
+  run_fma(reinterpret_cast<const float*>(xp), M, K2, wp, P, N, yp);
+#else
   if (dot) run<true>(xp, x.element_size(), M, K2, wp, P, N, yp);
   else run<false>(xp, x.element_size(), M, K2, wp, P, N, yp);
+#endif
   return out;
 }

@@ -1,7 +1,7 @@
-"""The AVX-512 bf16 linear kernel (cpu_linear.cpp) of specmesh's CPU kernel module.
+"""The bf16 linear kernel (cpu_linear.cpp) of specmesh's CPU kernel module (AVX-512 or AVX2 build).
 
-On a CPU with AVX512-BF16 the kernel multiplies with VDPBF16PS; on other AVX-512 CPUs it widens
-bf16 to float32 and uses FMA (`bf16_linear(dot=...)`; the default is what the CPU has). The
+On a CPU with AVX512-BF16 the kernel multiplies with VDPBF16PS; on other AVX-512 CPUs and in the
+AVX2 build it widens bf16 to float32 and uses FMA (`bf16_linear(dot=...)`; the default is what the CPU has). The
 module is built and loaded by cpu_kernels.py; its availability checks are re-exported here.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 import torch
 
 from .cpu_kernels import SOURCES as _SOURCES  # noqa: F401  (the module's sources, for packaging checks)
-from .cpu_kernels import available, avx512, bf16_dot_instruction, cpu_flags, unavailable_reason  # noqa: F401
+from .cpu_kernels import available, avx2, avx512, bf16_dot_instruction, cpu_flags, isa, unavailable_reason  # noqa: F401
 from .cpu_kernels import module as _module
 
 

@@ -1,4 +1,4 @@
-// Gemma 3's per-row "glue" between the matmuls, for bf16 activations on AVX-512 CPUs, in one pass
+// Gemma 3's per-row "glue" between the matmuls, for bf16 activations on AVX-512 and AVX2 CPUs, in one pass
 // per row instead of 5-10 torch ops: RMSNorm, the residual add fused with the next norm, the
 // q/k norm fused with RoPE, and the MLP's GELU (tanh) times up. At one decode row a torch op costs a few microseconds whatever its
 // size, so a layer's ~30 small ops cost more than its four weight-streaming matmuls but the
@@ -6,10 +6,14 @@
 //
 // Every elementwise step rounds to bf16 where torch's bf16 ops round (after each multiply and
 // add of RoPE and of the residual add), so those steps equal torch's bit for bit; only the
-// sum of squares of a norm is added in another order (16 float32 lanes, then across them), so a
+// sum of squares of a norm is added in another order (16 float32 lanes, 8 in the AVX2 build, then
+// across them), so a
 // normed value can differ from torch.rms_norm's by one bf16 rounding step, and GELU's tanh comes
 // from an exp polynomial: equal to torch's for gates above -3, within 1e-4 below, where 1 + tanh
 // cancels in both (tests/test_cpu_rowops.py).
+//
+// The row loops below exist twice, behind the module's ISA define (cpu_simd.h): AVX-512 here,
+// AVX2 in cpu_rowops_avx2.h, with the same names and arithmetic; the entry points are shared.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -24,6 +28,10 @@
 #include <cstdint>
 #include <tuple>
 #include <vector>
+
+#if defined(SPECMESH_ISA_AVX2)
+#include "cpu_rowops_avx2.h"  // the same row loops, 8 lanes
+#else  // SPECMESH_ISA_AVX512
 
 namespace {
 
@@ -59,6 +67,88 @@ inline __m512 gelu_tanh(__m512 x) {
   const __m512 tanh = _mm512_sub_ps(_mm512_set1_ps(1.0f), _mm512_div_ps(_mm512_set1_ps(2.0f), _mm512_add_ps(e, _mm512_set1_ps(1.0f))));
   return _mm512_mul_ps(_mm512_mul_ps(_mm512_set1_ps(0.5f), x), _mm512_add_ps(_mm512_set1_ps(1.0f), tanh));
 }
+
+// One row of the residual add: hn[j] = bf16(h[j] + bf16((a[j] * r) * w_a[j])).
+inline void add_normed_row(const uint16_t* hr, const uint16_t* ar, const float* wa, float r_a, int64_t D, uint16_t* hn) {
+  const __m512 ra = _mm512_set1_ps(r_a);
+  for (int64_t j = 0; j < D; j += 16) {
+    const __mmask16 m = lanes(D - j);
+    const __m512 normed = round_bf16(_mm512_mul_ps(_mm512_mul_ps(load_bf16(ar + j, m), ra), _mm512_maskz_loadu_ps(m, wa + j)));
+    store_bf16(hn + j, round_bf16(_mm512_add_ps(load_bf16(hr + j, m), normed)), m);
+  }
+}
+
+// RoPE of one normed head (D values, D even) with its position's cos/sin rows:
+//   y = bf16(bf16(n * cos) + bf16(rotate_half(n) * sin))
+inline void rope_row(const uint16_t* normed, const uint16_t* cp, const uint16_t* sp, int64_t D, uint16_t* out) {
+  const int64_t half = D / 2;
+  // rotate_half: -n[j + D/2] in the first half, n[j - D/2] in the second
+  for (int side = 0; side < 2; ++side) {
+    const int64_t lo = side * half, shift = side ? -half : half;
+    const __m512i sign = _mm512_set1_epi32(side ? 0 : static_cast<int>(0x80000000u));
+    for (int64_t j = lo; j < lo + half; j += 16) {
+      const __mmask16 m = lanes(lo + half - j);
+      const __m512 n = load_bf16(normed + j, m);
+      const __m512 rot = _mm512_castsi512_ps(_mm512_xor_si512(
+          _mm512_castps_si512(load_bf16(normed + j + shift, m)), sign));
+      const __m512 a = round_bf16(_mm512_mul_ps(n, load_bf16(cp + j, m)));
+      const __m512 b = round_bf16(_mm512_mul_ps(rot, load_bf16(sp + j, m)));
+      store_bf16(out + j, round_bf16(_mm512_add_ps(a, b)), m);
+    }
+  }
+}
+
+// One row of the MLP's activation: out[j] = bf16(bf16(gelu_tanh(gate[j])) * up[j]), row = gate | up.
+inline void gelu_mul_row(const uint16_t* row, int64_t I, uint16_t* out) {
+  for (int64_t j = 0; j < I; j += 16) {
+    const __mmask16 m = lanes(I - j);
+    const __m512 act = round_bf16(gelu_tanh(load_bf16(row + j, m)));
+    store_bf16(out + j, round_bf16(_mm512_mul_ps(act, load_bf16(row + I + j, m))), m);
+  }
+}
+
+// One row of masked_softmax_bf16_ in place: s [N] bf16, h [N] (nonzero: hidden) or null, row [N]
+// float32 scratch.
+inline void softmax_row(uint16_t* s, const uint8_t* h, int64_t N, float* row) {
+  __m512 mxv16 = _mm512_set1_ps(-INFINITY);
+  for (int64_t j = 0; j < N; j += 16) {
+    const __mmask16 m = lanes(N - j);
+    __m512 x = load_bf16(s + j, m);
+    if (h != nullptr) {
+      const __m128i hid = _mm_maskz_loadu_epi8(m, h + j);
+      x = _mm512_mask_mov_ps(x, _mm_test_epi8_mask(hid, hid), _mm512_set1_ps(-INFINITY));
+    }
+    _mm512_mask_storeu_ps(row + j, m, x);
+    mxv16 = _mm512_mask_max_ps(mxv16, m, mxv16, x);
+  }
+  const float mx = _mm512_reduce_max_ps(mxv16);
+  if (mx == -INFINITY) {  // sees nothing
+    std::fill(s, s + N, uint16_t{0});
+    return;
+  }
+  __m512 sum = _mm512_setzero_ps();
+  const __m512 mxv = _mm512_set1_ps(mx);
+  for (int64_t j = 0; j < N; j += 16) {
+    const __mmask16 m = lanes(N - j);
+    const __m512 x = _mm512_maskz_loadu_ps(m, row + j);
+    // hidden entries (-inf) and lanes past N: exactly 0
+    const __mmask16 live = m & _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
+    const __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(x, mxv)));
+    _mm512_mask_storeu_ps(row + j, m, e);
+    sum = _mm512_add_ps(sum, e);
+  }
+  const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+  for (int64_t j = 0; j < N; j += 16) {
+    const __mmask16 m = lanes(N - j);
+    store_bf16(s + j, round_bf16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + j), inv)), m);
+  }
+}
+
+}  // namespace
+
+#endif  // SPECMESH_ISA_AVX512
+
+namespace {
 
 const uint16_t* bf16_ptr(const at::Tensor& t) { return reinterpret_cast<const uint16_t*>(t.data_ptr<at::BFloat16>()); }
 uint16_t* bf16_ptr(at::Tensor& t) { return reinterpret_cast<uint16_t*>(t.data_ptr<at::BFloat16>()); }
@@ -114,12 +204,7 @@ std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& h, const 
   at::parallel_for(0, R, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const uint16_t *hr = hp + r * h.stride(0), *ar = ap + r * a.stride(0);
-      const __m512 ra = _mm512_set1_ps(inv_rms(ar, D, e));
-      for (int64_t j = 0; j < D; j += 16) {
-        const __mmask16 m = lanes(D - j);
-        const __m512 normed = round_bf16(_mm512_mul_ps(_mm512_mul_ps(load_bf16(ar + j, m), ra), _mm512_maskz_loadu_ps(m, wa + j)));
-        store_bf16(hn + r * D + j, round_bf16(_mm512_add_ps(load_bf16(hr + j, m), normed)), m);
-      }
+      add_normed_row(hr, ar, wa, inv_rms(ar, D, e), D, hn + r * D);
       norm_row(hn + r * D, wn, inv_rms(hn + r * D, D, e), D, xp + r * D);
     }
   });
@@ -148,7 +233,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bf16(const at::Tenso
   const uint16_t *xp = bf16_ptr(qkv), *cp = bf16_ptr(cos), *sp = bf16_ptr(sin);
   uint16_t *qp = bf16_ptr(q), *kp = bf16_ptr(k);
   const float* wp = w.data_ptr<float>();
-  const int64_t half = D / 2;
   const float e = static_cast<float>(eps);
   at::parallel_for(0, T * (H + KV), 16, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> normed(D);
@@ -157,20 +241,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bf16(const at::Tenso
       const uint16_t* row = xp + t * qkv.stride(0) + head * D;
       norm_row(row, wp + head * D, inv_rms(row, D, e), D, normed.data());
       uint16_t* out = head < H ? qp + (t * H + head) * D : kp + (t * KV + head - H) * D;
-      // rotate_half: -n[j + D/2] in the first half, n[j - D/2] in the second
-      for (int side = 0; side < 2; ++side) {
-        const int64_t lo = side * half, shift = side ? -half : half;
-        const __m512i sign = _mm512_set1_epi32(side ? 0 : static_cast<int>(0x80000000u));
-        for (int64_t j = lo; j < lo + half; j += 16) {
-          const __mmask16 m = lanes(lo + half - j);
-          const __m512 n = load_bf16(normed.data() + j, m);
-          const __m512 rot = _mm512_castsi512_ps(_mm512_xor_si512(
-              _mm512_castps_si512(load_bf16(normed.data() + j + shift, m)), sign));
-          const __m512 a = round_bf16(_mm512_mul_ps(n, load_bf16(cp + t * D + j, m)));
-          const __m512 b = round_bf16(_mm512_mul_ps(rot, load_bf16(sp + t * D + j, m)));
-          store_bf16(out + j, round_bf16(_mm512_add_ps(a, b)), m);
-        }
-      }
+      rope_row(normed.data(), cp + t * D, sp + t * D, D, out);
     }
   });
   return {q, k, v};
@@ -186,14 +257,7 @@ at::Tensor gelu_tanh_mul_bf16(const at::Tensor& gate_up) {
   const uint16_t* gp = bf16_ptr(gate_up);
   uint16_t* op = bf16_ptr(out);
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) {
-      const uint16_t* row = gp + t * gate_up.stride(0);
-      for (int64_t j = 0; j < I; j += 16) {
-        const __mmask16 m = lanes(I - j);
-        const __m512 act = round_bf16(gelu_tanh(load_bf16(row + j, m)));
-        store_bf16(op + t * I + j, round_bf16(_mm512_mul_ps(act, load_bf16(row + I + j, m))), m);
-      }
-    }
+    for (int64_t t = begin; t < end; ++t) gelu_mul_row(gp + t * gate_up.stride(0), I, op + t * I);
   });
   return out;
 }
@@ -216,41 +280,7 @@ void masked_softmax_bf16_(at::Tensor& scores, const at::Tensor& hidden) {
   const uint8_t* hp = masked ? reinterpret_cast<const uint8_t*>(hidden.data_ptr<bool>()) : nullptr;
   at::parallel_for(0, B * R, 16, [&](int64_t begin, int64_t end) {
     std::vector<float> row(N);
-    for (int64_t i = begin; i < end; ++i) {
-      uint16_t* s = sp + i * N;
-      const uint8_t* h = masked ? hp + (i % R) * N : nullptr;
-      __m512 mxv16 = _mm512_set1_ps(-INFINITY);
-      for (int64_t j = 0; j < N; j += 16) {
-        const __mmask16 m = lanes(N - j);
-        __m512 x = load_bf16(s + j, m);
-        if (h != nullptr) {
-          const __m128i hid = _mm_maskz_loadu_epi8(m, h + j);
-          x = _mm512_mask_mov_ps(x, _mm_test_epi8_mask(hid, hid), _mm512_set1_ps(-INFINITY));
-        }
-        _mm512_mask_storeu_ps(row.data() + j, m, x);
-        mxv16 = _mm512_mask_max_ps(mxv16, m, mxv16, x);
-      }
-      const float mx = _mm512_reduce_max_ps(mxv16);
-      if (mx == -INFINITY) {  // sees nothing
-        std::fill(s, s + N, uint16_t{0});
-        continue;
-      }
-      __m512 sum = _mm512_setzero_ps();
-      const __m512 mxv = _mm512_set1_ps(mx);
-      for (int64_t j = 0; j < N; j += 16) {
-        const __mmask16 m = lanes(N - j);
-        const __m512 x = _mm512_maskz_loadu_ps(m, row.data() + j);
-        // hidden entries (-inf) and lanes past N: exactly 0
-        const __mmask16 live = m & _mm512_cmp_ps_mask(x, _mm512_set1_ps(-INFINITY), _CMP_NEQ_OQ);
-        const __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(x, mxv)));
-        _mm512_mask_storeu_ps(row.data() + j, m, e);
-        sum = _mm512_add_ps(sum, e);
-      }
-      const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-      for (int64_t j = 0; j < N; j += 16) {
-        const __mmask16 m = lanes(N - j);
-        store_bf16(s + j, round_bf16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, row.data() + j), inv)), m);
-      }
-    }
+    for (int64_t i = begin; i < end; ++i)
+      softmax_row(sp + i * N, masked ? hp + (i % R) * N : nullptr, N, row.data());
   });
 }

@@ -1,11 +1,20 @@
-// AVX-512 helpers shared by the CPU kernels (cpu_linear.cpp, cpu_rowops.cpp, cpu_decode_attention.cpp,
-// cpu_chunk_attention.cpp):
-// bf16 <-> float32 lanes with torch's rounding, tail masks, and a vectorized exp.
+// SIMD helpers shared by the CPU kernels (cpu_linear.cpp, cpu_rowops.cpp, cpu_decode_attention.cpp,
+// cpu_chunk_attention.cpp): bf16 <-> float32 lanes with torch's rounding, tail masks, and a
+// vectorized exp. The module is built for one instruction set, named by a define from
+// cpu_kernels.py: SPECMESH_ISA_AVX512 (16 lanes, below) or SPECMESH_ISA_AVX2 (AVX2 + FMA + F16C,
+// 8 lanes: cpu_simd_avx2.h). Each kernel file keeps its AVX-512 loops and its AVX2 loops apart
+// behind the same define.
 #pragma once
 
 #include <immintrin.h>
 
 #include <cstdint>
+
+#if defined(SPECMESH_ISA_AVX2)
+#include "cpu_simd_avx2.h"
+#elif !defined(SPECMESH_ISA_AVX512)
+#error "build with -DSPECMESH_ISA_AVX512 or -DSPECMESH_ISA_AVX2 (services/target/kernels/cpu_kernels.py)"
+#else
 
 // Functions that use VDPBF16PS (AVX512-BF16) are compiled for it one by one; the module's flags
 // stop at AVX-512 F/BW/DQ/VL, and callers check the CPU before calling them.
@@ -49,3 +58,5 @@ inline __m512 exp_ps(__m512 x) {
 }
 
 }  // namespace specmesh_simd
+
+#endif  // SPECMESH_ISA_AVX512

@@ -5,7 +5,7 @@ are the wrong format to multiply there, although they are the right format to st
 native bf16 they are right for both (`bf16` below). The measurements behind each format's
 place: docs/kernels.md.
 
-  weights="auto"  bf16 models on an AVX-512 CPU where specmesh's kernel builds: `bf16-avx512`;
+  weights="auto"  bf16 models on an AVX-512 or AVX2 CPU where specmesh's kernel builds: `bf16-avx512`;
                   else, with bf16 dot products in hardware (oneDNN): `bf16`; other bf16/fp16
                   models on the CPU: `fp16`; else `none`.
   weights="none"  the model's own nn.Linear (float32 models always use it: MKL sgemm is
@@ -14,7 +14,8 @@ place: docs/kernels.md.
                   oneDNN (bf16 products, float32 accumulation, bf16 outputs): bit-identical to
                   torch's own bf16 `F.linear`, so a bf16 model's logits are Hugging Face's; and on
                   an AVX512-BF16 CPU faster than fbgemm fp16 on the 262k-row lm_head at one token.
-  weights="bf16-avx512"  specmesh's kernel (kernels/cpu_linear.cpp): bf16 weights packed once in
+  weights="bf16-avx512"  specmesh's kernel (kernels/cpu_linear.cpp; the name predates its AVX2 build,
+                  which AVX2 + FMA CPUs get under the same name: docs/kernels.md): bf16 weights packed once in
                   panels of 32 columns and pairs of k, multiplied with VDPBF16PS where the CPU has
                   AVX512-BF16, else widened to float32 and summed in k order with FMA; float32
                   sums, one rounding to bf16. The same products and precision as torch's bf16
@@ -88,7 +89,7 @@ class PackedLinearBF16(nn.Module):
 
 
 class AVX512LinearBF16(nn.Module):
-    """y = x W^T with bf16 W through specmesh's AVX-512 kernel (services/target/kernels/cpu_linear.cpp).
+    """y = x W^T with bf16 W through specmesh's kernel (services/target/kernels/cpu_linear.cpp; AVX-512 or AVX2).
 
     bf16 products, float32 sums and one rounding to bf16, as torch's bf16 linear, but in the
     kernel's summation order (k in order with FMA; pairs of k with VDPBF16PS on AVX512-BF16), so an
@@ -193,12 +194,15 @@ def prepack_linears(model: nn.Module, weights: str) -> int:
         raise ValueError(f"weights='bf16-avx512' cannot run here: {cpu_linear.unavailable_reason()}; "
                          "use --weights bf16 or auto")
     cls = classes[weights]
+    native_bf16 = native_bf16_cpu()
     lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, module in targets:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         out_dtype = torch.float32 if module is lm_head else None
-        layer_cls = PackedLinearBF16 if cls is AVX512LinearBF16 and module.bias is not None else cls
+        layer_cls = cls
+        if cls is AVX512LinearBF16 and module.bias is not None:  # the kernel has no bias: oneDNN's bf16,
+            layer_cls = PackedLinearBF16 if native_bf16 else PackedLinearFP16  # or fbgemm where oneDNN has none (AVX2)
         setattr(parent, attr, layer_cls(module, out_dtype))
     return len(targets)
