@@ -40,6 +40,7 @@ class DraftRequest:
     max_nodes: int
     tenant_salt: str
     span_context: object = None  # the request's span: its trace context goes with a full history
+    sampling: object = None  # the request's SamplingConfig: a sampling draft drafts as it samples
 
 
 # What the draft holds of a sequence, in `DraftClient._synced`: absent = nothing (never sent,
@@ -162,10 +163,15 @@ class DraftClient:
         trace context, when it holds none in step)."""
         synced = self._synced.get(request.seq_id)
         full = synced is OUT_OF_STEP
+        sampling = request.sampling
+        seed = None if sampling is None else sampling.seed
         return draft_service_pb2.DraftSequence(
             sequence_id=request.seq_id, new_token_ids=request.token_ids if full else request.token_ids[synced:],
             method=request.method, max_depth=request.max_depth, max_nodes=request.max_nodes,
-            tenant_salt=request.tenant_salt, traceparent=traceparent(request.span_context) if full else "")
+            tenant_salt=request.tenant_salt, traceparent=traceparent(request.span_context) if full else "",
+            temperature=0.0 if sampling is None or sampling.greedy else sampling.temperature,
+            top_k=0 if sampling is None else sampling.top_k, top_p=0.0 if sampling is None else sampling.top_p,
+            seed=(seed or 0) % 2**64, has_seed=seed is not None)
 
     def _ensure_stream(self) -> bool:
         """True when the stream is up; otherwise starts a background (re)connect and returns False.
