@@ -19,7 +19,7 @@ import torch
 
 from services.common.draft_tree import DraftTree
 from services.common.speculation_cost import LoadAwareDepth, expected_tokens, sequence_alpha
-from services.target.speculation.draft_client import DraftClient, DraftRequest
+from services.target.speculation.draft_client import DraftClient, DraftRequest, draft_seed
 from services.target.model.logits_processors import tree_paths
 from services.target.model.logprobs import token_logprobs
 from services.target.model.sampler import target_probs
@@ -82,9 +82,10 @@ class Speculator:
             if seq.seq_id in forced or not self.client.available:
                 continue  # the grammar forces the next tokens: no draft-service round trip
             seqs.append(seq)  # the client sends the tokens its draft has not seen
+            seed = None if seq.generator is None else draft_seed(seq.generator.initial_seed())
             requests.append(DraftRequest(seq.seq_id, seq.token_ids, draft_service_method(seq.plan), depth,
                                          min(max(seq.plan.max_nodes, depth), slots[seq.seq_id]),
-                                         seq.tenant_salt, seq.span_context, seq.sampling))
+                                         seq.tenant_salt, seq.span_context, seq.sampling, seed))
         if not requests:
             return forced
         start = time.monotonic()
