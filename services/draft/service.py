@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -37,6 +38,7 @@ from specmesh.proto.v1 import (
 )
 from services.draft.config import DraftConfig
 from services.draft.proposers import (
+    DraftSampling,
     DraftTree,
     PromptLookupProposer,
     Proposer,
@@ -73,6 +75,7 @@ class _Plan:
     max_depth: int
     max_nodes: int
     tenant_salt: str
+    sampling: DraftSampling
 
 
 class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
@@ -134,6 +137,7 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
             if plan.new_token_ids:
                 self.store.append(plan.sequence_id, plan.new_token_ids, plan.tenant_salt, plan.method)
                 self.proposers[plan.method].observe(plan.sequence_id, plan.new_token_ids)
+            self.proposers[plan.method].set_sampling(plan.sequence_id, plan.sampling)
         trees = self._propose(plans)
         self.telemetry.proposed(_planned_messages(request, plans),
                                 [_method_label(p.method) for p in plans], trees,
@@ -247,6 +251,10 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
         if not 0 <= seq.max_nodes <= cfg.max_nodes_limit:
             problems.append(f"{where}: max_nodes {seq.max_nodes} is out of range [0, {cfg.max_nodes_limit}] "
                             "(0 = one chain of max_depth nodes)")
+        if not (math.isfinite(seq.temperature) and seq.temperature >= 0.0):
+            problems.append(f"{where}: temperature {seq.temperature} must be finite and >= 0")
+        if seq.top_k < 0 or not 0.0 <= seq.top_p <= 1.0:
+            problems.append(f"{where}: top_k {seq.top_k} must be >= 0 and top_p {seq.top_p} in [0, 1]")
         new_token_ids = seq.new_token_ids
         if new_token_ids and min(new_token_ids) < 0:
             problems.append(f"{where}: new_token_ids contains negative token ids")
@@ -271,7 +279,10 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
         if problems or denied or missing:
             return None, problems, denied, missing
         max_nodes = seq.max_nodes or seq.max_depth
-        return _Plan(seq.sequence_id, new_token_ids, method, seq.max_depth, max_nodes, seq.tenant_salt), [], [], []
+        sampling = DraftSampling(seq.temperature, seq.top_k, seq.top_p,
+                                 seq.seed if seq.has_seed else None)
+        return _Plan(seq.sequence_id, new_token_ids, method, seq.max_depth, max_nodes, seq.tenant_salt,
+                     sampling), [], [], []
 
     def _propose(self, plans: list[_Plan]) -> list[DraftTree]:
         """One tree per plan, in order; each method's proposer is called once."""

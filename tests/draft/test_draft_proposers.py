@@ -4,6 +4,7 @@ and dynamic (EAGLE-2 style) trees, on tiny seeded models (tests/conftest.py)."""
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import pytest
 import torch
@@ -16,6 +17,8 @@ from services.draft.proposers import (
     SuffixProposer,
 )
 from services.draft.state import DraftStateStore
+from services.draft.proposers.base import DraftSampling
+from transformers import DynamicCache
 
 SUFFIX = common_pb2.SPECULATION_METHOD_SUFFIX
 DM = common_pb2.SPECULATION_METHOD_DRAFT_MODEL
@@ -322,3 +325,42 @@ def test_dynamic_tree_follows_commits_like_from_scratch(draft_model):
     d.commit("fresh", PROMPTS[0] + new)
     assert tree_of(d.propose("s", 4, 8)) == tree_of(d.propose("fresh", 4, 8))
     assert proposer.cached_token_ids("s") == tuple(PROMPTS[0] + new)
+
+
+# ---- draft model: sampled chains with their draft distributions -------------------------------
+
+def _sampled_chain(draft_model, sampling, sid="s"):
+    proposer = DraftModelProposer(draft_model, max_top_k=16)
+    d = Driver(proposer, DM)
+    d.commit(sid, PROMPTS[0])
+    proposer.set_sampling(sid, sampling)
+    return d.propose(sid, 5, 5)
+
+
+@pytest.mark.parametrize("sampling", [DraftSampling(0.8, 0, 0.0, 3), DraftSampling(1.3, 5, 0.0, 3),
+                                      DraftSampling(0.8, 0, 0.6, 3)])
+def test_draft_model_samples_from_the_sparse_distribution_it_sends(draft_model, sampling):
+    from services.draft.proposers.draft_model import sparse_distribution
+    tree = _sampled_chain(draft_model, sampling)
+    assert len(tree.distributions) == tree.num_nodes == 5
+    assert tree.distribution_problem(draft_model.vocab_size) is None  # sums to 1, holds its token
+    cache = DynamicCache()
+    logits = draft_model.extend(cache, PROMPTS[0])
+    for token, dist in zip(tree.token_ids, tree.distributions):
+        ids, probs = sparse_distribution(logits, sampling, 16)  # what the node was drawn from
+        assert dist.token_ids == tuple(ids.tolist()) and dist.probs == tuple(probs.tolist())
+        assert len(dist.token_ids) <= (sampling.top_k or 16) and token in dist.token_ids
+        logits = draft_model.extend(cache, [token])
+    want = torch.softmax(draft_model.extend(DynamicCache(), PROMPTS[0]) / sampling.temperature, -1)
+    first = tree.distributions[0]
+    if not sampling.top_p:  # top-k of the tempered softmax, renormalised
+        top = want.topk(len(first.token_ids))
+        assert list(first.token_ids) == top.indices.tolist()
+        assert torch.allclose(torch.tensor(first.probs), top.values / top.values.sum(), atol=1e-6)
+    assert _sampled_chain(draft_model, sampling) == tree  # seeded: reproducible
+    assert _sampled_chain(draft_model, replace(sampling, seed=4)) != tree
+
+
+def test_draft_model_greedy_request_sends_no_distributions(draft_model):
+    tree = _sampled_chain(draft_model, DraftSampling())
+    assert tree.distributions == () and list(tree.token_ids) == hf_greedy(draft_model, PROMPTS[0], 5)

@@ -153,6 +153,12 @@ async def test_release_drops_state(draft):
 
 # ---- bad input: INVALID_ARGUMENT, nothing changed --------------------------------------------
 
+def _sampled(message, **sampling):
+    for name, value in sampling.items():
+        setattr(message, name, value)
+    return message
+
+
 BAD_REQUESTS = {
     "no sequences": (request(), "no sequences"),
     "empty id": (request(seq("", [1, 2])), "sequence_id is empty"),
@@ -168,6 +174,10 @@ BAD_REQUESTS = {
     "unknown method": (request(seq("x", [1], method=99)), "method 99 not supported"),
     "history too long (new)": (request(seq("x", [1] * 65537)), "above the limit of 65536"),
     "history too long (append)": (request(seq("subject", [1] * 65531)), "history of 65537 tokens"),
+    "negative temperature": (request(_sampled(seq("x", [1]), temperature=-0.5)), "temperature -0.5"),
+    "NaN temperature": (request(_sampled(seq("x", [1]), temperature=float("nan"))), "temperature nan"),
+    "negative top_k": (request(_sampled(seq("x", [1]), top_k=-1)), "top_k -1"),
+    "top_p above 1": (request(_sampled(seq("x", [1]), top_p=1.5)), "top_p 1.5"),
 }
 PROMPT = [1, 2, 3, 4, 1, 2]
 

@@ -81,10 +81,10 @@ async def test_seeded_sampling_with_speculation_is_reproducible(tiny_llama_dir):
         first, second = await asyncio.gather(collect(mesh.router_stub, sampled()),
                                              collect(mesh.router_stub, sampled()))
         assert first[0] == second[0] and len(first[0]) == 24
-        # Proposals are the draft's greedy tokens (q = one-hot), so each survives with the
-        # target's probability of that token: some do, not all.
+        # Proposals are sampled by the draft (= the target) and verified with its q: most
+        # survive (tests/target/test_draft_probabilities.py compares with one-hot q).
         usage = first[2].usage
-        assert usage.proposed_tokens > usage.accepted_tokens > 0
+        assert usage.proposed_tokens >= usage.accepted_tokens > 0
     finally:
         await mesh.stop()
         await draft.stop(grace=0.5)

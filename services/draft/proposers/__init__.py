@@ -4,11 +4,11 @@ The draft model proposers import torch and transformers, so they load on first u
 (a server without a draft model never imports them).
 """
 
-from services.draft.proposers.base import ROOT, DraftTree, Proposer
+from services.draft.proposers.base import ROOT, DraftSampling, DraftTree, Proposer
 from services.draft.proposers.prompt_lookup import PromptLookupProposer
 from services.draft.proposers.suffix import SuffixProposer
 
-__all__ = ["ROOT", "DraftTree", "Proposer", "PromptLookupProposer", "SuffixProposer", "DraftModel",
+__all__ = ["ROOT", "DraftSampling", "DraftTree", "Proposer", "PromptLookupProposer", "SuffixProposer", "DraftModel",
            "DraftModelProposer", "DynamicTreeProposer", "TreeBuild"]
 
 _LAZY = {"DraftModel": "draft_model", "DraftModelProposer": "draft_model",

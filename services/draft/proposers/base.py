@@ -16,9 +16,25 @@ from __future__ import annotations
 
 import abc
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 from services.common.draft_tree import ROOT, DraftTree  # noqa: F401  (re-exported for proposers)
 from services.draft.state import SequenceState
+
+
+@dataclass(frozen=True)
+class DraftSampling:
+    """The request's sampling, as the target samples (temperature 0 = greedy; top_k / top_p
+    0 = off); `seed` seeds a sampling proposer's own generator (None = random)."""
+
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 0.0
+    seed: int | None = None
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature <= 0.0
 
 
 class Proposer(abc.ABC):
@@ -65,6 +81,11 @@ class Proposer(abc.ABC):
         Called once per append, after the store has appended them and before `propose`.
         The first call for a sequence carries its whole prompt.
         """
+
+    def set_sampling(self, sequence_id: str, sampling: DraftSampling) -> None:
+        """The sequence's sampling, set before every `propose` that includes it. Deterministic
+        proposers ignore it (their one-hot q is their true q); a proposer with a distribution
+        samples its drafts from it and sends it (DraftTree.distributions)."""
 
     @abc.abstractmethod
     def release(self, sequence_id: str) -> None:

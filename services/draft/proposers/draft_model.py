@@ -1,8 +1,13 @@
-"""Draft model: a small local Hugging Face causal LM proposes its greedy continuation.
+"""Draft model: a small local Hugging Face causal LM proposes its continuation.
 
 `DraftModel` wraps the loaded LM (shared by the DRAFT_MODEL and DYNAMIC_TREE proposers);
 `DraftModelProposer` keeps one KV cache per sequence (`transformers.DynamicCache`) and
-proposes a greedy chain of min(max_depth, max_nodes) tokens.
+proposes a chain of min(max_depth, max_nodes) tokens: its greedy chain for a greedy
+request, and for a sampled one a chain sampled from its own distribution at the request's
+temperature, top_k and top_p, truncated to its `max_top_k` most likely tokens and
+renormalised (`sparse_distribution`). Each node's token is drawn from exactly the sparse
+distribution sent with it (DraftTree.distributions), which is what makes the target's
+rejection sampling with it lossless.
 
 KV cache of a sequence (`SequenceKV`): KV for `token_ids`, which are always a prefix of
 the committed tokens followed by draft tokens the cache ran ahead with. Rollback:
@@ -29,7 +34,8 @@ from pathlib import Path
 import torch
 from transformers import DynamicCache, PreTrainedModel
 
-from services.draft.proposers.base import DraftTree, Proposer
+from services.common.draft_tree import Distribution
+from services.draft.proposers.base import DraftSampling, DraftTree, Proposer
 from services.draft.state import SequenceState
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -88,6 +94,8 @@ class SequenceKV:
     cache: DynamicCache = field(default_factory=DynamicCache)
     token_ids: list[int] = field(default_factory=list)  # tokens whose KV is cached
     num_committed: int = 0  # committed tokens observed
+    sampling: DraftSampling = DraftSampling()
+    generator: torch.Generator | None = None  # the draft's own sampler, made on the first sampled request
 
     def crop(self, length: int) -> None:
         """Keeps the KV of the first `length` cached tokens."""
@@ -97,9 +105,25 @@ class SequenceKV:
             del self.token_ids[length:]
 
 
+def sparse_distribution(logits: torch.Tensor, sampling: DraftSampling,
+                        max_top_k: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """logits: [vocab] float32 -> (token ids [k] int64, probs [k] float32 summing to 1):
+    softmax(logits / temperature) over its top min(max_top_k, top_k) tokens, then the
+    smallest top_p nucleus of those, renormalised. Most likely first."""
+    k = min(max_top_k, sampling.top_k) if sampling.top_k > 0 else max_top_k
+    values, ids = torch.topk(logits / sampling.temperature, min(k, logits.shape[-1]))  # [k] descending
+    probs = torch.softmax(values, dim=-1)  # [k]
+    if 0.0 < sampling.top_p < 1.0:
+        keep = int((torch.cumsum(probs, 0) - probs < sampling.top_p).sum())  # at least the first
+        ids, probs = ids[:keep], probs[:keep] / probs[:keep].sum()
+    return ids, probs
+
+
 class DraftModelProposer(Proposer):
-    def __init__(self, draft: DraftModel) -> None:
+    def __init__(self, draft: DraftModel, max_top_k: int = 16) -> None:
+        """`max_top_k`: the most tokens of a sampled node's distribution sent (and sampled from)."""
         self.draft = draft
+        self.max_top_k = max_top_k
         self.vocab_size = draft.vocab_size
         self._kv: dict[str, SequenceKV] = {}
 
@@ -124,6 +148,16 @@ class DraftModelProposer(Proposer):
             common += 1
         kv.crop(start + common)  # drops the first rejected draft token and all after it
         kv.num_committed += len(new_token_ids)
+
+    def set_sampling(self, sequence_id: str, sampling: DraftSampling) -> None:
+        kv = self._kv.setdefault(sequence_id, SequenceKV())
+        kv.sampling = sampling
+        if not sampling.greedy and kv.generator is None:
+            kv.generator = torch.Generator(device=self.draft.device)
+            if sampling.seed is None:
+                kv.generator.seed()
+            else:
+                kv.generator.manual_seed(sampling.seed)
 
     def release(self, sequence_id: str) -> None:
         self._kv.pop(sequence_id, None)
@@ -158,9 +192,21 @@ class DraftModelProposer(Proposer):
     def _chain(self, state: SequenceState, num_tokens: int) -> DraftTree:
         kv, logits = self._sync(state)
         chain: list[int] = []
+        distributions: list[Distribution] = []
         for i in range(num_tokens):
-            chain.append(int(torch.argmax(logits)))  # first maximum: ties go to the lowest id
+            if kv.sampling.greedy:
+                chain.append(int(torch.argmax(logits)))  # first maximum: ties go to the lowest id
+            else:
+                token, distribution = self._sample(logits, kv)
+                chain.append(token)
+                distributions.append(distribution)
             if i + 1 < num_tokens:
                 logits = self.draft.extend(kv.cache, chain[-1:])
                 kv.token_ids.append(chain[-1])
-        return DraftTree.chain(state.sequence_id, chain)
+        return DraftTree.chain(state.sequence_id, chain, distributions)
+
+    def _sample(self, logits: torch.Tensor, kv: SequenceKV) -> tuple[int, Distribution]:
+        """A token drawn from the sparse distribution it is sent with."""  # logits: [vocab] float32
+        ids, probs = sparse_distribution(logits, kv.sampling, self.max_top_k)  # [k], [k]
+        pick = int(torch.multinomial(probs, 1, generator=kv.generator))
+        return int(ids[pick]), Distribution(tuple(ids.tolist()), tuple(probs.tolist()))

@@ -62,6 +62,10 @@ class DynamicTreeProposer(DraftModelProposer):
         super().__init__(draft)
         self.top_k = top_k
 
+    def set_sampling(self, sequence_id: str, sampling) -> None:
+        """Ignored: the tree's siblings are distinct top-k tokens (drawn without replacement, not
+        independent draws from one q), so its trees go without distributions (one-hot q)."""
+
     def propose(self, states: Sequence[SequenceState], max_depth: int, max_nodes: int) -> list[DraftTree]:
         if max_depth < 1 or max_nodes < 1:
             raise ValueError(f"max_depth and max_nodes must be >= 1, got {max_depth}, {max_nodes}")

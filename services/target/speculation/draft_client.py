@@ -14,6 +14,7 @@ resync).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import threading
@@ -40,6 +41,8 @@ class DraftRequest:
     max_nodes: int
     tenant_salt: str
     span_context: object = None  # the request's span: its trace context goes with a full history
+    sampling: object = None  # the request's SamplingConfig: a sampling draft drafts as it samples
+    draft_seed: int | None = None  # seeds the draft's own sampler (`draft_seed`); None = random
 
 
 # What the draft holds of a sequence, in `DraftClient._synced`: absent = nothing (never sent,
@@ -162,10 +165,14 @@ class DraftClient:
         trace context, when it holds none in step)."""
         synced = self._synced.get(request.seq_id)
         full = synced is OUT_OF_STEP
+        sampling, seed = request.sampling, request.draft_seed
         return draft_service_pb2.DraftSequence(
             sequence_id=request.seq_id, new_token_ids=request.token_ids if full else request.token_ids[synced:],
             method=request.method, max_depth=request.max_depth, max_nodes=request.max_nodes,
-            tenant_salt=request.tenant_salt, traceparent=traceparent(request.span_context) if full else "")
+            tenant_salt=request.tenant_salt, traceparent=traceparent(request.span_context) if full else "",
+            temperature=0.0 if sampling is None or sampling.greedy else sampling.temperature,
+            top_k=0 if sampling is None else sampling.top_k, top_p=0.0 if sampling is None else sampling.top_p,
+            seed=(seed or 0) % 2**64, has_seed=seed is not None)
 
     def _ensure_stream(self) -> bool:
         """True when the stream is up; otherwise starts a background (re)connect and returns False.
@@ -321,6 +328,14 @@ class DraftClient:
         if tree.num_nodes and max(tree.depths) > request.max_depth:
             return None
         return tree
+
+
+def draft_seed(generator_seed: int) -> int:
+    """The draft sampler's seed for a sequence whose own generator has `generator_seed`: fixed by
+    it (seeded requests stay reproducible; each of n samples drafts its own way) yet unrelated
+    to its stream, since the draft's choices must not depend on the target's uniforms."""
+    digest = hashlib.blake2b(f"specmesh-draft-{generator_seed}".encode(), digest_size=8).digest()
+    return int.from_bytes(digest, "little")
 
 
 def traceparent(span_context) -> str:

@@ -19,7 +19,7 @@ import torch
 
 from services.common.draft_tree import DraftTree
 from services.common.speculation_cost import LoadAwareDepth, expected_tokens, sequence_alpha
-from services.target.speculation.draft_client import DraftClient, DraftRequest
+from services.target.speculation.draft_client import DraftClient, DraftRequest, draft_seed
 from services.target.model.logits_processors import tree_paths
 from services.target.model.logprobs import token_logprobs
 from services.target.model.sampler import target_probs
@@ -82,9 +82,10 @@ class Speculator:
             if seq.seq_id in forced or not self.client.available:
                 continue  # the grammar forces the next tokens: no draft-service round trip
             seqs.append(seq)  # the client sends the tokens its draft has not seen
+            seed = None if seq.generator is None else draft_seed(seq.generator.initial_seed())
             requests.append(DraftRequest(seq.seq_id, seq.token_ids, draft_service_method(seq.plan), depth,
                                          min(max(seq.plan.max_nodes, depth), slots[seq.seq_id]),
-                                         seq.tenant_salt, seq.span_context))
+                                         seq.tenant_salt, seq.span_context, seq.sampling, seed))
         if not requests:
             return forced
         start = time.monotonic()
@@ -161,8 +162,9 @@ class Speculator:
                 draft_tokens, parents, num_nodes, argmax)
         else:
             probs = target_probs(processed, seq.sampling).unsqueeze(0).contiguous()  # [1, n + 1, vocab]
-            # Proposers here are deterministic: zero draft rows mean q = one-hot(proposed token).
-            draft_probs = torch.zeros_like(probs)
+            draft_probs, usable = self._draft_probs(seq, proposal, probs)  # [1, n + 1, vocab]
+            if not usable:  # accept none of the tree: the bonus is sampled from the root's row
+                num_nodes = torch.ones(1, dtype=torch.int64, device=dev)
             uniforms = torch.rand(1, n + 2, generator=seq.generator, device=dev)  # [1, n + 2], the generator's device
             nodes, num_accepted, bonus = self.kernels.accept_tree_sampling(
                 draft_tokens, parents, num_nodes, probs, draft_probs, uniforms)
@@ -182,6 +184,32 @@ class Speculator:
                                       [*(proposal.token_ids[node] for node in path), bonus_token],
                                       seq.sampling, None if probs is None else probs[0, chooser])
         return path, bonus_token, logprobs
+
+    @staticmethod
+    def _draft_probs(seq: Sequence, proposal: DraftTree, probs: torch.Tensor) -> tuple[torch.Tensor, bool]:
+        """(q rows [1, n + 1, vocab] on the logits' device, usable): row parent(i) + 1 holds the
+        draft distribution node i was sampled from; zero rows mean q = one-hot(proposed token),
+        the true q of deterministic proposers (no distributions sent).
+
+        Malformed distributions (wrong length, NaN, negative, not summing to 1, without their
+        token, siblings) make the whole tree unusable: a q that cannot describe how its token
+        was drawn says the draft is broken, so none of its rows is trusted and the step accepts
+        none of the tree (the bonus is then a plain sample of the root's row: always lossless).
+        """
+        draft_probs = torch.zeros_like(probs)
+        if not proposal.distributions:
+            return draft_probs, True
+        problem = proposal.distribution_problem(probs.shape[-1])
+        if problem is not None:
+            log.warning("draft distributions of %s unusable (%s): no draft accepted this step",
+                        seq.seq_id, problem)
+            return draft_probs, False
+        dev = probs.device
+        for parent, dist in zip(proposal.parents, proposal.distributions):
+            ids = torch.tensor(dist.token_ids, dtype=torch.int64, device=dev)  # [k]
+            q = torch.tensor(dist.probs, dtype=torch.float32, device=dev)  # [k]
+            draft_probs[0, parent + 1].index_put_((ids,), q / q.sum())
+        return draft_probs, True
 
     def release(self, seq: Sequence) -> None:
         if seq.plan is not None:
