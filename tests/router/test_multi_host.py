@@ -4,7 +4,8 @@ router through one DNS name (`dns:///POOL:50052`, like a headless Service) and r
 its own DNS name over mutual TLS with certificates issued for DNS names only (the
 addresses 10.231.N.2 are in no certificate). A replica added to DNS is used within one
 re-resolution period, a removed one is ejected, and a request waiting on a replica that
-dies before its first token is retried on another."""
+dies before its first token is retried on another. The cache's prefix index follows the
+same DNS entry and keys each target by the same name the router does."""
 
 from __future__ import annotations
 
@@ -23,6 +24,9 @@ from services.common.mesh_config import MeshConfig, PoolConfig, TenantConfig
 from services.common.tls import MeshTls, make_dev_certs
 from tests.mesh import request
 from tests.netns import Hosts, NetnsHost, netns_available
+from services.cache.app import build_cache_server
+from services.cache.config import CacheConfig
+from services.common.server import ServerConfig
 from tests.routing_mesh import generate, start_router
 
 _why_not = netns_available()
@@ -32,6 +36,7 @@ POOL = f"targets.{DOMAIN}"  # the "headless Service": every target's address
 PORT = 50052
 PERIOD_S = 1.0  # the router's replica poll (and DNS re-resolution) period
 AUTH = (("authorization", "Bearer tok"),)
+PROMPT = "hello there, " * 24  # full KV blocks (cached, so the prefix index sees them)
 
 
 def _serve_target(host: NetnsHost, model_dir, certs):
@@ -82,20 +87,29 @@ async def test_targets_on_their_own_hosts_found_by_dns(tiny_llama_dir, tmp_path)
         mesh = MeshConfig(pools=(PoolConfig(name="default", model=str(tiny_llama_dir),
                                             replicas=(f"dns:///{POOL}:{PORT}",)),),
                           tenants=(TenantConfig(name="t", token="tok"),))
-        router = await start_router(mesh, replica_policy="round_robin", poll_interval_s=PERIOD_S,
-                                    mesh_tls=router_tls)
+        cache_tls = MeshTls.from_dir(certs, "cache")
+        cache = build_cache_server(CacheConfig(server=ServerConfig(port=0, tls=cache_tls.server_tls()),
+                                               replicas=(f"dns:///{POOL}:{PORT}",), mesh_tls=cache_tls))
+        cache.service.subscribers.resolve_seconds = PERIOD_S
+        await cache.start()
+        index = cache.service.index
+        router = await start_router(mesh, cache_address=cache.address, replica_policy="round_robin",
+                                    poll_interval_s=PERIOD_S, mesh_tls=router_tls)
         replicas = router.service.routing.pools["default"].replicas
         try:
             await router.service.start()  # (else on the first request): the first resolution
             # Two replicas by their DNS names, answering over mutual TLS.
             assert sorted(r.address for r in replicas.healthy()) == keys[:2]
+            await _until(lambda: sorted(index.replicas) == keys[:2] and all(map(index.is_synced, keys[:2])),
+                         10 * PERIOD_S)  # the prefix index: the same names, its snapshots over mTLS
             served = set()
             expected = None
             for _ in range(2):
-                ids, _, last, route = await generate(router.stub, request("hello there", 8), AUTH)
+                ids, _, last, route = await generate(router.stub, request(PROMPT, 8), AUTH)
                 assert last.usage.completion_tokens == 8 and ids == (expected or ids)
                 expected, served = ids, served | {route.replica}
             assert served == set(keys[:2])
+            await _until(lambda: all(index.blocks(k) for k in keys[:2]), 5.0)  # their KV events, by name
 
             # Scale out: a third address in DNS is a replica within one period, and is used.
             hosts.add(machines[2].address, POOL)
@@ -103,22 +117,24 @@ async def test_targets_on_their_own_hosts_found_by_dns(tiny_llama_dir, tmp_path)
             assert joined <= PERIOD_S + 0.5  # one period (+ the poll's own checks)
             served = set()
             for _ in range(3):
-                ids, _, _, route = await generate(router.stub, request("hello there", 8), AUTH)
+                ids, _, _, route = await generate(router.stub, request(PROMPT, 8), AUTH)
                 assert ids == expected
                 served.add(route.replica)
             assert keys[2] in served
+            await _until(lambda: index.is_synced(keys[2]) and index.blocks(keys[2]), 3 * PERIOD_S + 2)
 
             # Scale in: an address gone from DNS is ejected within one period.
             hosts.remove(machines[1].address, POOL)
             left = await _until(lambda: keys[1] not in {r.address for r in replicas.replicas}, 3 * PERIOD_S)
             assert left <= PERIOD_S + 0.5
+            await _until(lambda: keys[1] not in index.replicas, 3 * PERIOD_S)
             for _ in range(2):
-                _, _, _, route = await generate(router.stub, request("hello there", 8), AUTH)
+                _, _, _, route = await generate(router.stub, request(PROMPT, 8), AUTH)
                 assert route.replica in (keys[0], keys[2])
 
             # A replica dies with a request on it that has not streamed: retried on the other.
             procs[0].send_signal(signal.SIGSTOP)  # frozen: the request waits there, no token
-            calls = [asyncio.ensure_future(generate(router.stub, request("hello there", 8), AUTH))
+            calls = [asyncio.ensure_future(generate(router.stub, request(PROMPT, 8), AUTH))
                      for _ in range(2)]  # round robin: one of them on the frozen replica
             await asyncio.sleep(0.5)
             procs[0].kill()  # dies before its first token
@@ -129,4 +145,5 @@ async def test_targets_on_their_own_hosts_found_by_dns(tiny_llama_dir, tmp_path)
             assert keys[0] not in {r.address for r in replicas.healthy()}
         finally:
             await router.stop()
+            await cache.stop(grace=0.2)
     assert DOMAIN not in open("/etc/hosts").read()  # the machine is left clean
