@@ -54,7 +54,8 @@ class DnsReplicas:
             if entry.startswith(DNS_PREFIX):
                 split_dns_entry(entry)
         self._last: dict[str, list[str]] = {e: [] for e in self.entries if e.startswith(DNS_PREFIX)}
-        self._names: dict[str, str | None] = {}  # address -> its forward-confirmed reverse name
+        self._names: dict[str, str | None] = {}  # address -> its reverse name (None: none)
+        self._seen: set[str] = set()  # addresses answered during this expand()
 
     @property
     def dynamic(self) -> bool:
@@ -73,6 +74,9 @@ class DnsReplicas:
             except OSError as exc:
                 log.info("replicas %s not resolvable now (%s): keeping %d", entry, exc, len(self._last[entry]))
             out.extend(self._last[entry])
+        for address in [a for a in self._names if a not in self._seen]:
+            del self._names[address]  # gone from every answer: its name is not kept forever
+        self._seen.clear()
         return list(dict.fromkeys(out))
 
     async def _resolve(self, entry: str) -> list[str]:
@@ -80,6 +84,7 @@ class DnsReplicas:
         loop = asyncio.get_running_loop()
         infos = await loop.getaddrinfo(host, port, type=socket.SOCK_STREAM)
         addresses = list(dict.fromkeys(info[4][0] for info in infos))
+        self._seen.update(addresses)
         names = await asyncio.gather(*(self._name_of(address) for address in addresses))
         return [host_port(name or address, port) for address, name in zip(addresses, names)]
 
