@@ -5,6 +5,11 @@ equals the replica's real contents after a start, a reconnect (the target may ha
 restarted with new sequence numbers) or a gap. A gap is seen two ways: the target
 sends a snapshot by itself when our position fell out of its log, or an event's
 sequence number is not the next one; then we resubscribe asking for a snapshot.
+
+Replica entries `dns:///NAME:PORT` (a headless Service) are re-resolved every
+`resolve_seconds` the same way the router does (services/common/dns_replicas.py), so the
+index keys each pod by the same identity the router asks about: a new pod is followed, a
+pod gone from DNS is dropped with what it held.
 """
 
 from __future__ import annotations
@@ -15,10 +20,12 @@ import logging
 import grpc
 
 from services.cache.prefix_index import REMOVED, STORED, PrefixIndex
+from services.common.dns_replicas import DnsReplicas
 from specmesh.proto.v1 import target_service_pb2, target_service_pb2_grpc
 from services.common.tls import MeshTls, internal_channel
 
 log = logging.getLogger(__name__)
+RESOLVE_SECONDS = 2.0  # dns:/// entries: re-resolution period (the router's poll is 1 s in deploy/k8s)
 _KINDS = {target_service_pb2.KV_EVENT_KIND_BLOCK_STORED: STORED,
           target_service_pb2.KV_EVENT_KIND_BLOCK_REMOVED: REMOVED}
 
@@ -31,25 +38,60 @@ class KVSubscribers:
     """Keeps `index` in step with its replicas until `stop()`."""
 
     def __init__(self, index: PrefixIndex, tls: MeshTls | None = None, retry_seconds: float = 0.5,
-                 max_retry_seconds: float = 5.0) -> None:
+                 max_retry_seconds: float = 5.0, entries: tuple[str, ...] = (),
+                 resolve_seconds: float = RESOLVE_SECONDS) -> None:
+        """`entries`: dns:/// replica entries to follow besides `index.replicas`."""
         self.index = index
+        self.dns = DnsReplicas(entries)
+        self.resolve_seconds = resolve_seconds
         self.tls = tls
         self.retry_seconds = retry_seconds
         self.max_retry_seconds = max_retry_seconds
         self.gaps = 0  # client-side sequence gaps seen
-        self._tasks: list[asyncio.Task] = []
+        self._tasks: dict[str, asyncio.Task] = {}  # replica -> its follower
+        self._listed: tuple[str, ...] = ()
+        self._resolver: asyncio.Task | None = None
 
     def start(self) -> None:
-        self._tasks = [asyncio.create_task(self._follow(r), name=f"kv-events {r}")
-                       for r in self.index.replicas]
+        self._listed = self.index.replicas
+        for replica in self._listed:
+            self._start_following(replica)
+        if self.dns.dynamic:
+            self._resolver = asyncio.create_task(self._resolve_forever(), name="kv-events dns")
 
     async def stop(self) -> None:
-        for task in self._tasks:
+        tasks = [*self._tasks.values(), *([self._resolver] if self._resolver else [])]
+        for task in tasks:
             task.cancel()
-        await asyncio.gather(*self._tasks, return_exceptions=True)
-        self._tasks = []
+        await asyncio.gather(*tasks, return_exceptions=True)
+        self._tasks, self._resolver = {}, None
+
+    async def resolve_once(self) -> None:
+        """Follows the replicas DNS names now; drops those it no longer names."""
+        wanted = set(self._listed) | set(await self.dns.expand())
+        for replica in [r for r in wanted if r not in self._tasks]:
+            log.info("prefix index: following %s (found by DNS)", replica)
+            self.index.track(replica)
+            self._start_following(replica)
+        for replica in [r for r in self._tasks if r not in wanted]:
+            log.info("prefix index: %s left DNS", replica)
+            task = self._tasks.pop(replica)
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            self.index.drop(replica)
 
     # ---- helpers ------------------------------------------------------------------------
+
+    def _start_following(self, replica: str) -> None:
+        self._tasks[replica] = asyncio.create_task(self._follow(replica), name=f"kv-events {replica}")
+
+    async def _resolve_forever(self) -> None:
+        while True:
+            try:
+                await self.resolve_once()
+            except Exception:  # never let the resolver die
+                log.exception("prefix index: replica resolution failed")
+            await asyncio.sleep(self.resolve_seconds)
 
     async def _follow(self, replica: str) -> None:
         delay = self.retry_seconds

@@ -5,6 +5,9 @@ replaces a replica's whole set, then `stored` / `removed` events edit it. The in
 never holds KV tensors, only 64-bit block hashes. One owner: the subscribers
 (services/cache/kv_subscriber.py) write, `match` reads; all on one event loop.
 
+The replicas followed may change (replicas found by DNS, services/cache/kv_subscriber.py):
+`track` adds one (holding nothing, not synced), `drop` removes one and all it held.
+
 A replica is *synced* once a snapshot arrived on its current connection; until then
 (and after it disconnects) it holds nothing and `match` reports it as not synced.
 """
@@ -85,5 +88,18 @@ class PrefixIndex:
 
     def forget(self, replica: str) -> None:
         """The replica's connection is gone: its contents are unknown until the next snapshot."""
-        self._blocks[replica] = set()
-        self._synced[replica] = False
+        if replica in self._blocks:
+            self._blocks[replica] = set()
+            self._synced[replica] = False
+
+    def track(self, replica: str) -> None:
+        """Follow one more replica (it holds nothing until its snapshot)."""
+        if replica not in self._blocks:
+            self.replicas += (replica,)
+            self._blocks[replica], self._synced[replica] = set(), False
+
+    def drop(self, replica: str) -> None:
+        """The replica is gone (left DNS): forget it and everything it held."""
+        self.replicas = tuple(r for r in self.replicas if r != replica)
+        self._blocks.pop(replica, None)
+        self._synced.pop(replica, None)

@@ -20,6 +20,7 @@ from services.cache.backend import BackendUnavailable, make_backend
 from services.cache.config import CacheConfig
 from services.cache.identity import Caller, MissingIdentity, caller_from_metadata
 from services.cache.kv_subscriber import KVSubscribers
+from services.common.dns_replicas import DnsReplicas
 from services.cache.prefix_index import PrefixIndex
 from services.cache.retrieval import Corpora, Document
 from services.cache.tool_cache import (
@@ -49,8 +50,9 @@ class CacheService(cache_service_pb2_grpc.CacheServiceServicer):
     def __init__(self, config: CacheConfig) -> None:
         self.config = config
         self.backend = make_backend(config)
-        self.index = PrefixIndex(config.replicas)
-        self.subscribers = KVSubscribers(self.index, config.mesh_tls)
+        found = DnsReplicas(config.replicas)  # dns:/// entries: followed as DNS names them
+        self.index = PrefixIndex(found.listed())
+        self.subscribers = KVSubscribers(self.index, config.mesh_tls, entries=found.entries)
         self.tools = ToolCache(config, self.backend)
         self.corpora = Corpora(config, self.backend)
         metrics.register_index(self.index)

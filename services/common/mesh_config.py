@@ -44,7 +44,7 @@ from services.common.request_checks import MAX_PRIORITY, MIN_PRIORITY, priority_
 
 DEFAULT_POOL = "default"
 DEFAULT_CLASS = "default"
-DNS_PREFIX = "dns:///"  # a replica entry "dns:///name:port" expands to every address `name` resolves to
+DNS_PREFIX = "dns:///"  # a replica entry "dns:///name:port": every address `name` resolves to (services/common/dns_replicas.py)
 
 
 class MeshConfigError(ValueError):

@@ -3,8 +3,11 @@
 A background task per pool polls every replica (standard health check + `GetStats`) every
 `poll_interval_s`: a replica that fails is *ejected* (never chosen) until a check succeeds
 again (*rejoin*). A request that fails on a replica before its first token ejects it at
-once (`mark_failed`). Entries `dns:///name:port` are re-resolved on every poll, so a
-Kubernetes headless Service's pods become replicas as they come and go.
+once (`mark_failed`) and re-resolves the pool's DNS entries soon. Entries `dns:///name:port`
+are re-resolved on every poll (services/common/dns_replicas.py): a Kubernetes headless
+Service's pods become replicas as they come and go, each named by its own DNS name (the
+replica key here, in the prefix index and in the route record, and the channel target, so
+its certificate is checked against that name).
 
 Replica choice (`choose`), per `policy`:
 - `round_robin`: the next healthy replica in turn.
@@ -19,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import contextvars
 import logging
-import socket
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -27,7 +29,7 @@ from dataclasses import dataclass
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from services.common.mesh_config import DNS_PREFIX
+from services.common.dns_replicas import DnsReplicas
 from services.router.settings import REPLICA_POLICIES as POLICIES
 from specmesh.proto.v1 import target_service_pb2, target_service_pb2_grpc
 
@@ -119,7 +121,10 @@ class ReplicaSet:
         self._turn = 0
         self._task: asyncio.Task | None = None
         self._refreshes: set[asyncio.Task] = set()
-        self._add(a for a in addresses if not a.startswith(DNS_PREFIX))
+        self._dns = DnsReplicas(addresses)
+        self._resolving: asyncio.Task | None = None
+        self._resolve_lock = asyncio.Lock()  # the poll and a failure may resolve at once
+        self._add(self._dns.listed())
 
     # ---- public API ------------------------------------------------------------
     @property
@@ -171,8 +176,12 @@ class ReplicaSet:
         task.add_done_callback(self._refreshes.discard)
 
     def mark_failed(self, replica: Replica) -> None:
-        """A call failed before its first token: eject until the next good check."""
+        """A call failed before its first token: eject until the next good check, and look
+        the pool's DNS entries up again now (the pod may be gone or replaced)."""
         replica.healthy = False
+        if self._dns.dynamic and (self._resolving is None or self._resolving.done()):
+            self._resolving = asyncio.get_running_loop().create_task(
+                self._resolve(), context=contextvars.Context())
 
     async def start(self) -> None:
         await self.poll_once()
@@ -184,7 +193,7 @@ class ReplicaSet:
                                for r in list(self._replicas.values())))
 
     async def close(self) -> None:
-        for task in [self._task, *self._refreshes]:
+        for task in [self._task, self._resolving, *self._refreshes]:
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
@@ -201,24 +210,17 @@ class ReplicaSet:
             await asyncio.sleep(max(0.0, self.poll_interval_s - (time.monotonic() - started)))
 
     async def _resolve(self) -> None:
-        """Expands dns:/// entries (off the event loop); adds new addresses, drops vanished ones."""
-        wanted = [e for e in self.entries if not e.startswith(DNS_PREFIX)]
-        loop = asyncio.get_running_loop()
-        for entry in self.entries:
-            if not entry.startswith(DNS_PREFIX):
-                continue
-            host, _, port = entry[len(DNS_PREFIX):].rpartition(":")
-            try:
-                infos = await loop.getaddrinfo(host, int(port), type=socket.SOCK_STREAM)
-            except OSError:  # not resolvable right now (pods starting): keep what we had
-                wanted.extend(a for a in self._replicas if a not in self.entries)
-                continue
-            for info in infos:
-                ip = info[4][0]
-                wanted.append(f"[{ip}]:{port}" if ":" in ip else f"{ip}:{port}")
-        self._add([a for a in dict.fromkeys(wanted) if a not in self._replicas])
-        for address in [a for a in self._replicas if a not in wanted]:
-            await self._replicas.pop(address).channel.close()
+        """Expands dns:/// entries (off the event loop); adds new replicas, drops vanished ones."""
+        if not self._dns.dynamic:
+            return
+        async with self._resolve_lock:
+            wanted = await self._dns.expand()
+            for address in [a for a in wanted if a not in self._replicas]:
+                log.info("replica %s found by DNS", address)
+                self._add([address])
+            for address in [a for a in self._replicas if a not in wanted]:
+                log.info("replica %s left DNS: removed", address)
+                await self._replicas.pop(address).channel.close()
 
     def _add(self, addresses) -> None:
         for address in addresses:

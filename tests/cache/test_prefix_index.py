@@ -213,3 +213,15 @@ def test_match_counts_leading_blocks_only():
     assert index.match([10], ["r2"])[0].synced is False
     with pytest.raises(ValueError):
         PrefixIndex(["r1", "r1"])
+
+
+def test_tracked_replicas_join_unsynced_and_dropped_ones_take_their_blocks():
+    index = PrefixIndex(["a:1"])
+    index.track("pod-0.svc:1")
+    assert index.replicas == ("a:1", "pod-0.svc:1") and not index.is_synced("pod-0.svc:1")
+    index.apply_snapshot("pod-0.svc:1", [7, 8])
+    assert [m.matched_blocks for m in index.match([7, 8])] == [0, 2]
+    index.drop("pod-0.svc:1")
+    index.forget("pod-0.svc:1")  # its follower's last word after the drop: no effect
+    assert index.replicas == ("a:1",) and index.size == 0
+    assert index.match([7], ["pod-0.svc:1"])[0].synced is False

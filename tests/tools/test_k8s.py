@@ -58,15 +58,23 @@ def test_targets_have_gpus_a_headless_service_and_every_container_health_probes(
                 assert {"name": "SPECMESH_CONFIG", "value": "/etc/specmesh/mesh.yaml"} in c["env"]
 
 
-def test_pool_replicas_are_the_statefulset_pods_dns_names():
+def test_pool_replicas_are_the_statefulset_headless_service_by_dns(tmp_path):
+    """Scale-out is the StatefulSet's replica count alone: the pool names the headless
+    Service (re-resolved), the cache follows the pool, and no pod is listed anywhere."""
     docs = _documents()
     mesh = _mesh(docs)
     target = next(d for d in docs if d["kind"] == "StatefulSet")
-    name, service, ns = target["metadata"]["name"], target["spec"]["serviceName"], target["metadata"]["namespace"]
-    expected = tuple(f"{name}-{i}.{service}.{ns}.svc.cluster.local:50052" for i in range(target["spec"]["replicas"]))
-    assert mesh.pool("default").replicas == expected
-    settings = yaml.safe_load(_config_text(docs))["settings"]
-    assert tuple(settings["cache_replicas"].split(",")) == expected
+    service, ns = target["spec"]["serviceName"], target["metadata"]["namespace"]
+    port = target["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
+    assert mesh.pool("default").replicas == (f"dns:///{service}.{ns}.svc.cluster.local:{port}",)
+    text = _config_text(docs)
+    assert "cache_replicas" not in yaml.safe_load(text)["settings"]  # the cache follows the pool
+    assert f"{target['metadata']['name']}-0" not in text  # no pod listed
+    from services.builders import cache_replicas
+    from services.settings import read_settings
+    config = tmp_path / "mesh.yaml"
+    config.write_text(text)
+    assert cache_replicas(read_settings(environ={}, config=str(config))) == mesh.pool("default").replicas
 
 
 def test_container_commands_parse_through_the_cli(tmp_path):
