@@ -59,7 +59,8 @@ def engine_config(settings: Settings, model_dir: Path):
     from services.target.config import EngineConfig
     return EngineConfig(model_dir=model_dir, dtype=settings.dtype, kv_dtype=settings.kv_dtype,
                         device=settings.device, block_size=settings.block_size,
-                        num_blocks=settings.num_blocks, max_num_seqs=settings.max_num_seqs,
+                        num_blocks=settings.num_blocks, kv_host_bytes=settings.kv_host_bytes,
+                        max_num_seqs=settings.max_num_seqs,
                         max_batched_tokens=settings.max_batched_tokens,
                         max_queued_requests=settings.max_queued_requests,
                         max_queued_tokens=settings.max_queued_tokens,

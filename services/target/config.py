@@ -27,6 +27,7 @@ class EngineConfig:
     device: str = default_of("device")
     block_size: int = default_of("block_size")
     num_blocks: int = default_of("num_blocks")
+    kv_host_bytes: int = default_of("kv_host_bytes")  # host tier bound (services/target/engine/host_tier.py); 0 = off
     max_num_seqs: int = default_of("max_num_seqs")
     max_batched_tokens: int = default_of("max_batched_tokens")
     max_queued_requests: int = default_of("max_queued_requests")
@@ -70,6 +71,8 @@ class EngineConfig:
             raise ValueError("grammar_compile_timeout_s must be in (0, 600] and grammar_max_bytes > 0")
         if self.max_queued_requests < 0:
             raise ValueError(f"max_queued_requests must be >= 0, got {self.max_queued_requests}")
+        if self.kv_host_bytes < 0:
+            raise ValueError(f"kv_host_bytes must be >= 0 (0 = no host tier), got {self.kv_host_bytes}")
 
     @property
     def torch_dtype(self) -> torch.dtype:

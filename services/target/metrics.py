@@ -41,6 +41,9 @@ _GAUGES = {
     "specmesh.kv.fragmentation": ("fragmentation", "1", "allocated-but-unused slots / allocated slots"),
     "specmesh.queue.depth": ("waiting", "{request}", "requests waiting for admission"),
     "specmesh.running": ("running", "{request}", "requests being decoded"),
+    "specmesh.kv.host.bytes": ("host_tier_bytes", "By", "bytes held by the host tier below the KV pool"),
+    "specmesh.kv.host.capacity": ("host_tier_capacity_bytes", "By", "byte bound of the host tier"),
+    "specmesh.kv.host.blocks": ("host_tier_blocks", "{block}", "KV blocks held by the host tier"),
 }
 _COUNTERS = {
     "specmesh.kv.evictions": ("evictions", "{block}", "cached blocks evicted"),
@@ -48,6 +51,17 @@ _COUNTERS = {
     "specmesh.prefix.queries": ("prefix_queries", "{query}", "prefix-cache lookups"),
     "specmesh.prefix.query_tokens": ("prefix_query_tokens", "{token}", "prompt tokens looked up"),
     "specmesh.prefix.hit_tokens": ("prefix_hit_tokens", "{token}", "prompt tokens served from cache"),
+    "specmesh.kv.host.stored": ("host_tier_stored_blocks", "{block}", "evicted KV blocks stored in the host tier"),
+    "specmesh.kv.host.hits": ("host_tier_restored_blocks", "{block}",
+                              "KV blocks restored from the host tier instead of recomputed"),
+    "specmesh.kv.host.hit_tokens": ("host_tier_restored_tokens", "{token}",
+                                    "prompt tokens restored from the host tier (part of hit_tokens)"),
+    "specmesh.kv.host.dropped": ("host_tier_dropped_blocks", "{block}", "host-tier blocks dropped for its bound"),
+    "specmesh.kv.host.rejected": ("host_tier_rejected_blocks", "{block}",
+                                  "host-tier blocks failing their identity or checksum check (recomputed)"),
+    "specmesh.kv.host.store_time": ("host_tier_store_seconds", "s", "time spent storing blocks in the host tier"),
+    "specmesh.kv.host.restore_time": ("host_tier_restore_seconds", "s",
+                                      "time spent checking and restoring host-tier blocks"),
 }
 
 

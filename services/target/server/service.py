@@ -36,6 +36,10 @@ _FINISH = {
     FinishReason.STOP_SEQUENCE: common_pb2.FINISH_REASON_STOP_SEQUENCE,
 }
 RETRY_PUSHBACK_MS = 250
+# EngineStats fields GetStats reports under the same names (services/target/engine/host_tier.py).
+_HOST_TIER_STATS = ("host_tier_capacity_bytes", "host_tier_bytes", "host_tier_blocks", "host_tier_stored_blocks",
+                    "host_tier_restored_blocks", "host_tier_restored_tokens", "host_tier_dropped_blocks",
+                    "host_tier_rejected_blocks", "host_tier_store_seconds", "host_tier_restore_seconds")
 SERVICE_NAME = target_service_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
@@ -171,7 +175,8 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
             prefix_query_tokens=s.prefix_query_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
             kv_bytes=s.kv_bytes, fragmentation=s.fragmentation, cache_model_id=self.engine.name,
             engine_alive=self.engine.alive, engine_error=str(self.engine.failure or ""),
-            engine_steps=self.engine.num_steps)
+            engine_steps=self.engine.num_steps,
+            **{name: getattr(s, name) for name in _HOST_TIER_STATS})
 
     async def SubscribeKVEvents(self, request, context):
         log_ = self.engine.kv_events
