@@ -141,7 +141,8 @@ class TargetMetrics:
         if seq.span_context is not None:
             _writer().put((seq.span_context, seq.arrival, getattr(seq, "admitted_time", None),
                            seq.first_token_time, now, list(seq.spec.passes), seq.spec.fallback_steps,
-                           status))
+                           status, {"specmesh.cached_prompt_tokens": seq.num_cached_prompt,
+                                    "specmesh.host_cached_prompt_tokens": seq.num_host_cached_prompt}))
 
 
 def flush_traces(timeout: float = 10.0) -> bool:
@@ -201,7 +202,8 @@ class _TraceWriter:
                 pass
 
 
-def _write_phases(span_context, arrival, admitted, first_token, end, passes, fallbacks, status) -> None:
+def _write_phases(span_context, arrival, admitted, first_token, end, passes, fallbacks, status,
+                  prefill_attributes=None) -> None:
     t = tracer(SERVICE)
     parent = trace.set_span_in_context(NonRecordingSpan(span_context))
     failed = status in ("error", "aborted")  # aborted: the caller cancelled or its deadline passed
@@ -216,7 +218,7 @@ def _write_phases(span_context, arrival, admitted, first_token, end, passes, fal
 
     admitted = admitted or arrival
     span("queue", arrival, admitted)
-    span("prefill", admitted, first_token or end)
+    span("prefill", admitted, first_token or end, prefill_attributes)  # cached tokens by tier
     if passes or fallbacks:
         proposed = sum(p[4] for p in passes)
         accepted = sum(p[5] for p in passes)

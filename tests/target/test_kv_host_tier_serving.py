@@ -45,10 +45,12 @@ async def test_an_evicted_prefix_is_restored_from_the_host_tier_with_the_same_gr
                 assert before.evictions > 0 and before.host_tier_stored_blocks > 0
                 assert again[2].usage.cached_prompt_tokens > 0
                 assert restored == again[2].usage.cached_prompt_tokens  # all of it from the host tier
+                assert again[2].usage.host_cached_prompt_tokens == restored  # final usage, by tier
                 assert after.host_tier_restore_seconds > 0 and after.host_tier_store_seconds > 0
                 assert after.host_tier_capacity_bytes == host_bytes
             else:
                 assert again[2].usage.cached_prompt_tokens == 0 and restored == 0
+                assert again[2].usage.host_cached_prompt_tokens == 0
                 assert after.host_tier_stored_blocks == 0
             assert after.free_blocks == after.num_blocks
         finally:
@@ -120,6 +122,7 @@ async def test_entries_are_never_served_across_tenants(tiny_llama_dir):
         assert after.host_tier_rejected_blocks == before.host_tier_rejected_blocks  # not even looked at
         mine = await collect(mesh.router_stub, request(PROMPT, 12), metadata=AUTH_A)
         assert mine[0] == expected and mine[2].usage.cached_prompt_tokens > 0
+        assert mine[2].usage.host_cached_prompt_tokens == mine[2].usage.cached_prompt_tokens
     finally:
         await mesh.stop()
 

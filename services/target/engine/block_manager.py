@@ -71,6 +71,7 @@ class PrefixMatch:
     hashes: tuple[int, ...]
     num_tokens: int  # of both tiers
     host_blocks: tuple[tuple[int, tuple], ...] = ()  # (hash, key) held by the host tier, after block_ids
+    num_restored_tokens: int = 0  # as admitted (`admit`): of num_tokens, those restored from the host tier
 
 
 @dataclass(frozen=True)
@@ -232,8 +233,9 @@ class BlockManager:
             self._acquire(block_id)
         entry = self._seqs[seq_id] = _SeqBlocks(list(match.block_ids), list(match.hashes))
         if match.host_blocks:
-            self._restore_into(entry, match.host_blocks)
-            match = PrefixMatch(tuple(entry.table), tuple(entry.hashes), len(entry.table) * self.block_size)
+            restored = self._restore_into(entry, match.host_blocks)
+            match = PrefixMatch(tuple(entry.table), tuple(entry.hashes), len(entry.table) * self.block_size,
+                                num_restored_tokens=restored * self.block_size)
         self._queries += 1
         self._query_tokens += num_prompt_tokens
         self._hit_tokens += match.num_tokens
@@ -352,10 +354,10 @@ class BlockManager:
         return len(entry.table)
 
     # ---- helpers -------------------------------------------------------
-    def _restore_into(self, entry: _SeqBlocks, host_blocks: tuple[tuple[int, tuple], ...]) -> None:
+    def _restore_into(self, entry: _SeqBlocks, host_blocks: tuple[tuple[int, tuple], ...]) -> int:
         """Appends fresh blocks for the host-tier blocks that pass the tier's check (in order,
-        up to the first that fails) and queues their restores."""
-        start = perf_counter()
+        up to the first that fails) and queues their restores; returns how many."""
+        start, restored = perf_counter(), 0
         for h, key in host_blocks:
             data = self.host_tier.take(h, key)
             if data is None:
@@ -368,7 +370,9 @@ class BlockManager:
             self._restores.append((block_id, data))
             entry.table.append(block_id)
             entry.hashes.append(h)
+            restored += 1
         self.host_tier.add_time(restore_s=perf_counter() - start)
+        return restored
 
     def _missing(self, seq_id: str, num_tokens: int) -> int:
         """Blocks `reserve(seq_id, num_tokens)` takes: new ones, plus a copy-on-write copy."""

@@ -507,6 +507,7 @@ class Engine:
             return  # nobody is listening
         seq.emit(StepOutput([], "", finish_reason=reason, prompt_tokens=seq.num_prompt_tokens,
                             cached_prompt_tokens=seq.num_cached_prompt,
+                            host_cached_prompt_tokens=seq.num_host_cached_prompt,
                             completion_tokens=seq.num_output_tokens, error=error,
                             speculation=seq.spec if seq.plan is not None else None,
                             confidence=seq.confidence))

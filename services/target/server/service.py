@@ -226,6 +226,7 @@ def _plan(message: common_pb2.SpeculationPlan) -> SpeculationPlan | None:
 def _final_chunk(out: StepOutput) -> common_pb2.GenerateChunk:
     usage = common_pb2.Usage(prompt_tokens=out.prompt_tokens,
                              cached_prompt_tokens=out.cached_prompt_tokens,
+                             host_cached_prompt_tokens=out.host_cached_prompt_tokens,
                              completion_tokens=out.completion_tokens)
     if out.speculation is not None:
         usage.proposed_tokens = out.speculation.proposed
@@ -246,6 +247,7 @@ def _record_usage(span, out: StepOutput) -> None:
     span.set_attribute("gen_ai.usage.input_tokens", out.prompt_tokens)
     span.set_attribute("gen_ai.usage.output_tokens", out.completion_tokens)
     span.set_attribute("gen_ai.usage.cached_input_tokens", out.cached_prompt_tokens)
+    span.set_attribute("specmesh.usage.host_cached_input_tokens", out.host_cached_prompt_tokens)
     span.set_attribute("gen_ai.response.finish_reasons", [out.finish_reason.value])
     spec = out.speculation
     if spec is not None:
