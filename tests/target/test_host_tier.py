@@ -99,3 +99,33 @@ def test_a_bad_entry_ends_the_restore_there_and_the_rest_is_computed():
     assert admitted.num_tokens == 4  # the first block restored; the corrupt one and after: recompute
     assert len(bm.block_table("c")) == 4 and len(bm.take_tier_moves().restores) == 1
     assert tier.stats().rejected_blocks == 1
+
+
+def test_host_hits_are_used_only_while_restoring_is_measured_cheaper_than_recomputing():
+    tier = HostTier(1 << 20, IDENTITY)
+    bm = BlockManager(num_blocks=4, block_size=4, host_tier=tier)
+    prompt = list(range(13))
+    _admit(bm, "a", prompt)
+    bm.commit("a", prompt, 13, KEY_A)
+    bm.release("a")
+    _admit(bm, "b", list(range(100, 116)))
+    _run_stores(bm)
+    bm.release("b")
+    assert tier.restore_pays()  # nothing measured yet
+    tier.take(*bm.match_prefix(prompt, KEY_A).host_blocks[0])  # one restore, then its cost
+    tier.add_time(restore_s=0.010)
+    tier.observe_recompute(0.004, 100)  # 0.16 ms per block of 4: recomputing is cheaper
+    assert not tier.restore_pays()
+    assert bm.match_prefix(prompt, KEY_A).num_tokens == 0  # the host tier is not looked at
+    for _ in range(40):
+        tier.observe_recompute(10.0, 100)  # prefill got expensive (a long batch, a slow device)
+    assert tier.restore_pays()
+    assert len(bm.match_prefix(prompt, KEY_A).host_blocks) == 0  # block 0 was taken above: a miss
+    assert tier.has(*_second_block(prompt))
+
+
+def _second_block(prompt):
+    from services.common.block_hash import block_hash
+    first = block_hash(None, tuple(prompt[:4]), KEY_A)
+    tokens = tuple(prompt[4:8])
+    return block_hash(first, tokens, KEY_A), (first, tokens, KEY_A)

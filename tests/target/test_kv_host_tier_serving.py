@@ -86,6 +86,27 @@ async def test_corrupted_truncated_and_foreign_entries_fall_back_to_recompute(ti
         await mesh.stop()
 
 
+async def test_a_host_hit_is_recomputed_while_restoring_is_measured_dearer(tiny_llama_dir):
+    expected = hf_greedy(tiny_llama_dir, PROMPT, 12)
+    mesh = await start_mesh(tiny_llama_dir, **POOL)
+    tier = mesh.engine.blocks.host_tier
+    try:
+        await collect(mesh.router_stub, request(PROMPT, 12))
+        await _evict_everything(mesh)
+        await collect(mesh.router_stub, request(FILLERS[0], 4))  # restored: its restore cost is measured
+        assert (await _stats(mesh)).host_tier_restored_blocks > 0 and tier.restore_pays()
+        tier.add_time(restore_s=1e6)  # as if restoring had been slow: dearer than any recompute
+        assert not tier.restore_pays()
+        before = await _stats(mesh)
+        again = await collect(mesh.router_stub, request(PROMPT, 12))
+        after = await _stats(mesh)
+        assert again[0] == expected
+        assert again[2].usage.host_cached_prompt_tokens == 0  # recomputed, though the tier holds it
+        assert after.host_tier_restored_blocks == before.host_tier_restored_blocks
+    finally:
+        await mesh.stop()
+
+
 async def test_the_byte_bound_holds_under_a_load_that_overflows_the_tier(tiny_llama_dir):
     mesh = await start_mesh(tiny_llama_dir, **POOL)
     block_bytes = mesh.engine.runner.kv_block_bytes

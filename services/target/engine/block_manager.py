@@ -160,12 +160,14 @@ class BlockManager:
         return self._missing(seq_id, num_tokens) <= self.num_free
 
     def match_prefix(self, token_ids: list[int], extra_key: str) -> PrefixMatch:
-        """The longest run of cached full blocks that starts `token_ids` (changes nothing).
+        """The longest run of cached full blocks that starts `token_ids` (changes nothing): in the
+        pool, then in the host tier while restoring is measured cheaper than recomputing.
 
         At least one token is always left uncached so that the prompt's last position
         is computed and yields logits.
         """
         ids, hashes, host, parent = [], [], [], None
+        tier = self.host_tier if self.host_tier is not None and self.host_tier.restore_pays() else None
         if self.enable_prefix_caching:
             for i in range((len(token_ids) - 1) // self.block_size):
                 tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
@@ -175,7 +177,7 @@ class BlockManager:
                 if not host and block_id is not None and self._blocks[block_id].key == key:
                     ids.append(block_id)
                     hashes.append(h)
-                elif self.host_tier is not None and self.host_tier.has(h, key):
+                elif tier is not None and tier.has(h, key):
                     host.append((h, key))  # the key is the collision check, as in the pool
                 else:
                     break  # miss, or a hash collision: treat as a miss

@@ -85,6 +85,7 @@ class HostTier:
         self._lock = threading.Lock()
         self._stored = self._restored = self._dropped = self._rejected = 0
         self._store_s = self._restore_s = 0.0
+        self._recompute_s_per_block: float | None = None  # measured by the model runner (EWMA)
 
     def entry(self, key: tuple, data: torch.Tensor) -> HostEntry:
         """An entry of this tier's own identity."""
@@ -144,6 +145,21 @@ class HostTier:
         """Block hashes held, oldest first."""
         with self._lock:
             return list(self._entries)
+
+    def observe_recompute(self, seconds: float, num_tokens: int) -> None:
+        """A forward pass computed `num_tokens` tokens in `seconds`: what recomputing costs."""
+        per_block = seconds / num_tokens * self.identity.block_size
+        with self._lock:
+            old = self._recompute_s_per_block
+            self._recompute_s_per_block = per_block if old is None else 0.8 * old + 0.2 * per_block
+
+    def restore_pays(self) -> bool:
+        """Restoring a block costs less than recomputing it, as measured so far (True until both
+        are measured): the block manager recomputes host-tier hits otherwise."""
+        with self._lock:
+            if self._recompute_s_per_block is None or self._restored == 0:
+                return True
+            return self._restore_s / self._restored < self._recompute_s_per_block
 
     def add_time(self, store_s: float = 0.0, restore_s: float = 0.0) -> None:
         with self._lock:

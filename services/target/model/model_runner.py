@@ -78,6 +78,17 @@ class ModelRunner:
             ctx_lens.append(inp.context_len)
             tables.append(self.blocks.block_table(inp.seq_id))
         meta = self._metadata(slots, positions, q_lens, ctx_lens, tables, _tree_mask(inputs, self.device))
+        start = time.perf_counter()
+        logits = self._forward(ids, positions, logit_rows, meta)
+        tier = self.blocks.host_tier
+        if tier is not None and len(ids) >= 4 * self.blocks.block_size:  # prefill-sized: a recompute's cost
+            if logits.device.type != "cpu":
+                torch.cuda.synchronize(logits.device)
+            tier.observe_recompute(time.perf_counter() - start, len(ids))
+        return logits
+
+    def _forward(self, ids: list[int], positions: list[int], logit_rows: list[int],
+                 meta: AttentionMetadata) -> torch.Tensor:
         dev = self.device
         if self.lean_forward is not None:
             return self.lean_forward(torch.tensor(ids, dtype=torch.long, device=dev),
