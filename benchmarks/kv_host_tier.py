@@ -136,6 +136,8 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--rate", type=float, default=2.0, help="conversations arriving per second")
     parser.add_argument("--skip-costs", action="store_true")
+    parser.add_argument("--without-first", action="store_true", help="run without the tier first "
+                        "(on a shared machine, swap the order to see the drift)")
     args = parser.parse_args()
     model_dir = resolve_model_dir(args.model, Path(read_settings().model_cache).expanduser())
     if not args.skip_costs:
@@ -151,7 +153,8 @@ def main() -> None:
           f"tokens, device pool {num_blocks} blocks of {args.block_size} "
           f"({num_blocks * args.block_size / working:.0%} of it), {args.rate}/s Poisson arrivals")
     results = {}
-    for label, host_bytes in (("host tier", 1 << 30), ("no host tier", 0)):
+    sides = [("host tier", 1 << 30), ("no host tier", 0)]
+    for label, host_bytes in (sides[::-1] if args.without_first else sides):
         engine = Engine.load(EngineConfig(model_dir=model_dir, dtype="bfloat16", block_size=args.block_size,
                                           num_blocks=num_blocks, max_batched_tokens=512, max_num_seqs=16,
                                           kv_host_bytes=host_bytes))

@@ -129,3 +129,31 @@ def _second_block(prompt):
     first = block_hash(None, tuple(prompt[:4]), KEY_A)
     tokens = tuple(prompt[4:8])
     return block_hash(first, tokens, KEY_A), (first, tokens, KEY_A)
+
+
+def test_a_block_held_by_both_tiers_is_never_registered_twice():
+    """A block recomputed while its evicted copy was being stored is in the pool and the tier;
+    a match that reaches it through the tier stops there, and the pool's bookkeeping stays whole."""
+    tier = HostTier(1 << 20, IDENTITY)
+    bm = BlockManager(num_blocks=6, block_size=4, host_tier=tier)
+    prompt = list(range(13))
+    _admit(bm, "a", prompt)
+    bm.commit("a", prompt, 13, KEY_A)
+    bm.release("a")
+    _admit(bm, "b", list(range(100, 124)))
+    _run_stores(bm)  # a's 3 blocks: host tier only
+    bm.release("b")
+    (h0, k0), (h1, k1), _ = bm.match_prefix(prompt, KEY_A).host_blocks
+    _admit(bm, "c", prompt[:9])  # restores blocks 0 and 1 into the pool
+    first, second = bm.block_table("c")[:2]
+    tier.put(h0, tier.entry(k0, _data(0)))
+    tier.put(h1, tier.entry(k1, _data(1)))  # block 1 in both tiers
+    bm.forget([first])  # block 0 only in the tier
+    bm.release("c")
+    admitted = bm.admit("d", bm.match_prefix(prompt, KEY_A), 13, 13)
+    assert admitted.num_tokens == 4  # block 0 restored; block 1 stops the restore
+    assert bm.match_prefix(prompt[:9], KEY_A).block_ids[1] == second  # still the pool's block 1
+    bm.release("d")
+    _admit(bm, "e", list(range(200, 224)))  # evicts every cached block: no stale mapping left behind
+    bm.release("e")
+    assert bm.num_free == 6

@@ -361,6 +361,8 @@ class BlockManager:
         up to the first that fails) and queues their restores; returns how many."""
         start, restored = perf_counter(), 0
         for h, key in host_blocks:
+            if h in self._cached:
+                break  # also in the pool again (recomputed while its old copy was stored): the pool's wins
             data = self.host_tier.take(h, key)
             if data is None:
                 break  # missing or failed its check: recomputed from here
