@@ -57,6 +57,18 @@ async def test_an_evicted_prefix_is_restored_from_the_host_tier_with_the_same_gr
             await mesh.stop()
 
 
+async def test_fp8_kv_blocks_come_back_with_their_scales(tiny_gemma_dir):
+    mesh = await start_mesh(tiny_gemma_dir, **POOL, kv_dtype="fp8")
+    try:
+        first = await collect(mesh.router_stub, request(PROMPT, 12))
+        await _evict_everything(mesh)
+        again = await collect(mesh.router_stub, request(PROMPT, 12))
+        assert again[2].usage.host_cached_prompt_tokens > 0
+        assert again[0] == first[0]  # the same FP8 values and scales as computed
+    finally:
+        await mesh.stop()
+
+
 async def test_corrupted_truncated_and_foreign_entries_fall_back_to_recompute(tiny_llama_dir):
     from services.target.engine.host_tier import HostEntry
     expected = hf_greedy(tiny_llama_dir, PROMPT, 12)
