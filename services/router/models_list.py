@@ -25,4 +25,6 @@ def _replica(replica) -> router_service_pb2.ReplicaStatus:
         status.running_requests, status.waiting_requests = s.running, s.waiting
         status.queued_tokens, status.num_blocks = s.queued_tokens, s.num_blocks
         status.free_blocks, status.cached_blocks = s.free_blocks, s.cached_blocks
+        status.host_tier_bytes, status.host_tier_capacity_bytes = s.host_tier_bytes, s.host_tier_capacity_bytes
+        status.host_tier_restored_blocks = s.host_tier_restored_blocks
     return status

@@ -50,6 +50,9 @@ class ReplicaStats:
     cached_blocks: int = 0
     block_size: int = 16
     cache_model_id: str = ""
+    host_tier_bytes: int = 0  # the host tier below the pool (zeros when off)
+    host_tier_capacity_bytes: int = 0
+    host_tier_restored_blocks: int = 0
 
 
 class Replica:
@@ -97,7 +100,8 @@ class Replica:
             return False
         self.failed_checks = 0
         self.stats = ReplicaStats(s.running_requests, s.waiting_requests, s.queued_tokens, s.num_blocks,
-                                  s.free_blocks, s.cached_blocks, s.block_size or 16, s.cache_model_id)
+                                  s.free_blocks, s.cached_blocks, s.block_size or 16, s.cache_model_id,
+                                  s.host_tier_bytes, s.host_tier_capacity_bytes, s.host_tier_restored_blocks)
         if not self.healthy:
             log.info("replica %s rejoined", self.address)
         self.healthy = True

@@ -30,6 +30,7 @@ class EngineConfig:
     device: str = _TARGET.device
     block_size: int = _TARGET.block_size
     num_blocks: int = _TARGET.num_blocks
+    kv_host_bytes: int = _TARGET.kv_host_bytes  # host tier bound (services/target/engine/host_tier.py); 0 = off
     max_num_seqs: int = _TARGET.max_num_seqs
     max_batched_tokens: int = _TARGET.max_batched_tokens
     max_queued_requests: int = _TARGET.max_queued_requests

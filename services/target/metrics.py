@@ -42,6 +42,9 @@ _GAUGES = {
     "specmesh.kv.fragmentation": ("fragmentation", "1", "allocated-but-unused slots / allocated slots"),
     "specmesh.queue.depth": ("waiting", "{request}", "requests waiting for admission"),
     "specmesh.running": ("running", "{request}", "requests being decoded"),
+    "specmesh.kv.host.bytes": ("host_tier_bytes", "By", "bytes held by the host tier below the KV pool"),
+    "specmesh.kv.host.capacity": ("host_tier_capacity_bytes", "By", "byte bound of the host tier"),
+    "specmesh.kv.host.blocks": ("host_tier_blocks", "{block}", "KV blocks held by the host tier"),
 }
 _COUNTERS = {
     "specmesh.kv.evictions": ("evictions", "{block}", "cached blocks evicted"),
@@ -49,6 +52,17 @@ _COUNTERS = {
     "specmesh.prefix.queries": ("prefix_queries", "{query}", "prefix-cache lookups"),
     "specmesh.prefix.query_tokens": ("prefix_query_tokens", "{token}", "prompt tokens looked up"),
     "specmesh.prefix.hit_tokens": ("prefix_hit_tokens", "{token}", "prompt tokens served from cache"),
+    "specmesh.kv.host.stored": ("host_tier_stored_blocks", "{block}", "evicted KV blocks stored in the host tier"),
+    "specmesh.kv.host.hits": ("host_tier_restored_blocks", "{block}",
+                              "KV blocks restored from the host tier instead of recomputed"),
+    "specmesh.kv.host.hit_tokens": ("host_tier_restored_tokens", "{token}",
+                                    "prompt tokens restored from the host tier (part of hit_tokens)"),
+    "specmesh.kv.host.dropped": ("host_tier_dropped_blocks", "{block}", "host-tier blocks dropped for its bound"),
+    "specmesh.kv.host.rejected": ("host_tier_rejected_blocks", "{block}",
+                                  "host-tier blocks failing their identity or checksum check (recomputed)"),
+    "specmesh.kv.host.store_time": ("host_tier_store_seconds", "s", "time spent storing blocks in the host tier"),
+    "specmesh.kv.host.restore_time": ("host_tier_restore_seconds", "s",
+                                      "time spent checking and restoring host-tier blocks"),
 }
 
 
@@ -146,7 +160,9 @@ class TargetMetrics:
         if seq.span_context is not None:
             timeline = seq.timeline
             _writer().put((seq.span_context, timeline.arrival, timeline.admitted, timeline.first_token,
-                           now, list(seq.spec.passes), seq.spec.fallback_steps, status))
+                           now, list(seq.spec.passes), seq.spec.fallback_steps, status,
+                           {"specmesh.cached_prompt_tokens": seq.num_cached_prompt,
+                            "specmesh.host_cached_prompt_tokens": seq.num_host_cached_prompt}))
 
 
 def flush_traces(timeout: float = 10.0) -> bool:
@@ -206,7 +222,8 @@ class _TraceWriter:
                 pass
 
 
-def _write_phases(span_context, arrival, admitted, first_token, end, passes, fallbacks, status) -> None:
+def _write_phases(span_context, arrival, admitted, first_token, end, passes, fallbacks, status,
+                  prefill_attributes=None) -> None:
     t = tracer(SERVICE)
     parent = trace.set_span_in_context(NonRecordingSpan(span_context))
     failed = status in ("error", "aborted")  # aborted: the caller cancelled or its deadline passed
@@ -221,7 +238,7 @@ def _write_phases(span_context, arrival, admitted, first_token, end, passes, fal
 
     admitted = admitted or arrival
     span("queue", arrival, admitted)
-    span("prefill", admitted, first_token or end)
+    span("prefill", admitted, first_token or end, prefill_attributes)  # cached tokens by tier
     if passes or fallbacks:
         proposed = sum(p[4] for p in passes)
         accepted = sum(p[5] for p in passes)

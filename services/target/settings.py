@@ -48,6 +48,9 @@ class TargetSettings(SettingsGroup):
                                "turn tokens (the default model)")
     block_size: int = Field(16, gt=0, description="tokens per KV block")
     num_blocks: int = Field(2048, gt=0, description="KV blocks in the target's pool")
+    kv_host_bytes: int = Field(1 << 30, ge=0, description="host tier below the target's KV pool: bytes of "
+                               "evicted prefix blocks kept in host memory and restored instead of "
+                               "recomputed; 0 = none")
     max_num_seqs: int = Field(32, gt=0, description="sequences the target runs at once")
     max_batched_tokens: int = Field(512, gt=0, description="tokens per engine step "
                                     "(prefill chunks + decodes + verify trees)")

@@ -28,7 +28,7 @@ def mesh(tmp_path_factory):
     env = {**os.environ, "PYTHONUNBUFFERED": "1"}
     up = subprocess.Popen([*CLI, "up", "--dev", "--model", str(model_dir), "--port", str(base),
                            "--gateway-port", str(gateway), "--metrics-base-port", "0", "--dtype", "float32",
-                           "--num-blocks", "64"],
+                           "--num-blocks", "64", "--kv-host-bytes", str(3 << 19)],
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env)
     try:
         wait_until_serving(up, [f"127.0.0.1:{base + i}" for i in (0, 2, 3)], timeout_s=180)
@@ -60,7 +60,8 @@ def test_status_lists_every_service_serving_and_the_replicas_kv(mesh):
         f"{'cache':<8} {f'{host}:{base + 3}':<{width}}  SERVING",
         f"{'gateway':<8} {f'http://{host}:{gateway}':<{width}}  ok",
         "pool default (model " + result.stdout.split("pool default (model ")[1].split(")")[0] + ")",
-        f"  replica {host}:{base + 1}  SERVING  KV 0/64 blocks used, 0 cached, 64 free  running 0  "
+        f"  replica {host}:{base + 1}  SERVING  KV 0/64 blocks used, 0 cached, 64 free  "
+        "host tier 0.0/1.5 MiB, 0 blocks restored  running 0  "
         "waiting 0  queued tokens 0",
     ]
 

@@ -13,6 +13,11 @@ Terms:
   first `reserve` of a sharer that grows past it takes a fresh block and queues a
   (source, destination) block copy, which the engine runs before the next forward pass
   (`take_copies`); the last sharer keeps the original.
+- The *host tier* (optional, services/target/engine/host_tier.py) sits below the pool: an
+  evicted cached block's KV is queued to be copied there, and a prompt whose next blocks miss
+  the pool but are held there gets fresh blocks that the KV is restored into instead of
+  being recomputed; both moves run before the next forward pass (`take_tier_moves`), and
+  restored tokens count as cached for admission.
 
 Check, then commit: `can_reserve` / `can_admit` before `reserve` / `admit`; a call that
 cannot be satisfied raises `OutOfBlocks` and changes nothing. Everything else in the
@@ -24,8 +29,10 @@ from __future__ import annotations
 import hashlib
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
+from time import perf_counter
 
 from services.common.block_hash import block_hash  # shared with the router
+from services.target.engine.host_tier import HostTier
 
 
 class OutOfBlocks(RuntimeError):
@@ -57,11 +64,25 @@ class KVEvent:
 
 @dataclass(frozen=True)
 class PrefixMatch:
-    """The cached full blocks that start a prompt (from `match_prefix`, not yet acquired)."""
+    """The cached full blocks that start a prompt (from `match_prefix`, not yet acquired):
+    those in the device pool, then those only the host tier holds (restored at `admit`)."""
 
     block_ids: tuple[int, ...]
     hashes: tuple[int, ...]
-    num_tokens: int
+    num_tokens: int  # of both tiers
+    host_blocks: tuple[tuple[int, tuple], ...] = ()  # (hash, key) held by the host tier, after block_ids
+    num_restored_tokens: int = 0  # as admitted (`admit`): of num_tokens, those restored from the host tier
+
+
+@dataclass(frozen=True)
+class TierMoves:
+    """KV moves between the device pool and the host tier, for the model runner to run before
+    the next forward pass (`ModelRunner.move_tiers`), stores first: a stored block may be the
+    destination of a restore or a copy-on-write copy of the same step."""
+
+    tier: HostTier | None
+    stores: list[tuple[int, int, tuple]]  # (block id, hash, key) of evicted blocks, KV still in place
+    restores: list[tuple[int, object]]  # (destination block id, the entry's bytes: [block_bytes] uint8)
 
 
 @dataclass
@@ -79,7 +100,8 @@ class _SeqBlocks:
 
 
 class BlockManager:
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = True,
+                 host_tier: HostTier | None = None) -> None:
         if num_blocks <= 0 or block_size <= 0:
             raise ValueError(f"num_blocks and block_size must be > 0, got {num_blocks}, {block_size}")
         self.num_blocks = num_blocks
@@ -92,7 +114,14 @@ class BlockManager:
         self._seqs: dict[str, _SeqBlocks] = {}
         self._events: list[KVEvent] = []  # taken by drain_events
         self._copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) blocks; see take_copies
+        self.host_tier = host_tier if enable_prefix_caching else None  # None = evicted blocks are dropped
+        self._stores: list[tuple[int, int, tuple]] = []  # see take_tier_moves
+        self._restores: list[tuple[int, object]] = []
         self._evictions = self._queries = self._query_tokens = self._hit_tokens = 0
+
+    def attach_host_tier(self, tier: HostTier | None) -> None:
+        """Evicted cached blocks go to `tier` from now on (None: dropped); off without prefix caching."""
+        self.host_tier = tier if self.enable_prefix_caching else None
 
     # ---- queries -------------------------------------------------------
     @property
@@ -131,26 +160,33 @@ class BlockManager:
         return self._missing(seq_id, num_tokens) <= self.num_free
 
     def match_prefix(self, token_ids: list[int], extra_key: str) -> PrefixMatch:
-        """The longest run of cached full blocks that starts `token_ids` (changes nothing).
+        """The longest run of cached full blocks that starts `token_ids` (changes nothing): in the
+        pool, then in the host tier while restoring is measured cheaper than recomputing.
 
         At least one token is always left uncached so that the prompt's last position
         is computed and yields logits.
         """
-        ids, hashes, parent = [], [], None
+        ids, hashes, host, parent = [], [], [], None
+        tier = self.host_tier if self.host_tier is not None and self.host_tier.restore_pays() else None
         if self.enable_prefix_caching:
             for i in range((len(token_ids) - 1) // self.block_size):
                 tokens = tuple(token_ids[i * self.block_size:(i + 1) * self.block_size])
                 h = block_hash(parent, tokens, extra_key)
+                key = (parent, tokens, extra_key)
                 block_id = self._cached.get(h)
-                if block_id is None or self._blocks[block_id].key != (parent, tokens, extra_key):
+                if not host and block_id is not None and self._blocks[block_id].key == key:
+                    ids.append(block_id)
+                    hashes.append(h)
+                elif tier is not None and tier.has(h, key):
+                    host.append((h, key))  # the key is the collision check, as in the pool
+                else:
                     break  # miss, or a hash collision: treat as a miss
-                ids.append(block_id)
-                hashes.append(h)
                 parent = h
-        return PrefixMatch(tuple(ids), tuple(hashes), len(ids) * self.block_size)
+        return PrefixMatch(tuple(ids), tuple(hashes), (len(ids) + len(host)) * self.block_size, tuple(host))
 
     def can_admit(self, match: PrefixMatch, num_tokens: int) -> bool:
-        """Whether a new sequence starting with `match` can hold `num_tokens` tokens."""
+        """Whether a new sequence starting with `match` can hold `num_tokens` tokens (host-tier
+        blocks of the match need fresh blocks, like uncached ones)."""
         revived = sum(1 for b in match.block_ids if self._blocks[b].ref_count == 0)
         missing = max(0, self.blocks_for(num_tokens) - len(match.block_ids))
         return missing + revived <= self.num_free
@@ -184,19 +220,29 @@ class BlockManager:
         return len(fill) * self.block_size, sum(fill.values())
 
     # ---- changes -------------------------------------------------------
-    def admit(self, seq_id: str, match: PrefixMatch, num_tokens: int, num_prompt_tokens: int) -> None:
-        """Starts `seq_id`'s table with the matched cached blocks, then reserves up to `num_tokens`."""
+    def admit(self, seq_id: str, match: PrefixMatch, num_tokens: int, num_prompt_tokens: int) -> PrefixMatch:
+        """Starts `seq_id`'s table with the matched cached blocks, then reserves up to `num_tokens`.
+
+        The match's host-tier blocks are taken from the tier (checked there: identity, length,
+        checksum) into fresh blocks, registered in the prefix cache and queued for restore; the
+        first that fails the check ends the match there, and it and the rest are computed.
+        Returns the match as admitted: the sequence's KV is valid up to its `num_tokens`."""
         if seq_id in self._seqs:
             raise ValueError(f"{seq_id} already holds blocks")
         if not self.can_admit(match, num_tokens):
             raise OutOfBlocks(f"{seq_id}: not enough free blocks for {num_tokens} tokens")
         for block_id in match.block_ids:
             self._acquire(block_id)
-        self._seqs[seq_id] = _SeqBlocks(list(match.block_ids), list(match.hashes))
+        entry = self._seqs[seq_id] = _SeqBlocks(list(match.block_ids), list(match.hashes))
+        if match.host_blocks:
+            restored = self._restore_into(entry, match.host_blocks)
+            match = PrefixMatch(tuple(entry.table), tuple(entry.hashes), len(entry.table) * self.block_size,
+                                num_restored_tokens=restored * self.block_size)
         self._queries += 1
         self._query_tokens += num_prompt_tokens
         self._hit_tokens += match.num_tokens
         self.reserve(seq_id, num_tokens)
+        return match
 
     def reserve(self, seq_id: str, num_tokens: int) -> list[int]:
         """Grows `seq_id`'s table to hold `num_tokens` tokens; returns the new block ids.
@@ -259,6 +305,24 @@ class BlockManager:
         self._seqs[child_id] = _SeqBlocks(list(parent.table), parent.hashes[:num_tokens // self.block_size],
                                           num_tokens)
 
+    def take_tier_moves(self) -> TierMoves:
+        """Host-tier stores (evicted blocks) and restores (admitted host hits) queued since the
+        last call; the engine runs them before copy-on-write copies and the next forward pass."""
+        moves = TierMoves(self.host_tier, self._stores, self._restores)
+        self._stores, self._restores = [], []
+        return moves
+
+    def forget(self, block_ids: list[int]) -> None:
+        """Takes blocks out of the prefix cache (their restore failed: their KV is not valid).
+        Their sequences keep them; they are free once released."""
+        for block_id in block_ids:
+            block = self._blocks[block_id]
+            if block.hash is not None and self._cached.get(block.hash) == block_id:
+                del self._cached[block.hash]
+                parent, tokens, extra_key = block.key
+                self._events.append(KVEvent("removed", block.hash, parent, len(tokens), _scope(extra_key)))
+            block.hash = block.key = None
+
     def take_copies(self) -> list[tuple[int, int]]:
         """Copy-on-write block copies (source, destination) queued since the last call, in order;
         the engine runs them before the next forward pass writes any KV."""
@@ -292,6 +356,28 @@ class BlockManager:
         return len(entry.table)
 
     # ---- helpers -------------------------------------------------------
+    def _restore_into(self, entry: _SeqBlocks, host_blocks: tuple[tuple[int, tuple], ...]) -> int:
+        """Appends fresh blocks for the host-tier blocks that pass the tier's check (in order,
+        up to the first that fails) and queues their restores; returns how many."""
+        start, restored = perf_counter(), 0
+        for h, key in host_blocks:
+            if h in self._cached:
+                break  # also in the pool again (recomputed while its old copy was stored): the pool's wins
+            data = self.host_tier.take(h, key)
+            if data is None:
+                break  # missing or failed its check: recomputed from here
+            block_id = self._take_free_block()
+            block = self._blocks[block_id]
+            block.hash, block.key = h, key
+            self._cached[h] = block_id
+            self._events.append(KVEvent("stored", h, key[0], len(key[1]), _scope(key[2])))
+            self._restores.append((block_id, data))
+            entry.table.append(block_id)
+            entry.hashes.append(h)
+            restored += 1
+        self.host_tier.add_time(restore_s=perf_counter() - start)
+        return restored
+
     def _missing(self, seq_id: str, num_tokens: int) -> int:
         """Blocks `reserve(seq_id, num_tokens)` takes: new ones, plus a copy-on-write copy."""
         entry = self._seqs.get(seq_id)
@@ -330,6 +416,8 @@ class BlockManager:
             block = self._blocks[block_id]
             del self._cached[block.hash]
             parent, tokens, extra_key = block.key
+            if self.host_tier is not None:  # its KV is still in place until the next forward pass
+                self._stores.append((block_id, block.hash, block.key))
             self._events.append(KVEvent("removed", block.hash, parent, len(tokens), _scope(extra_key)))
             block.hash = block.key = None
             self._evictions += 1

@@ -29,6 +29,7 @@ from services.target.speculation.no_draft_service import NoDraftService
 from services.target.structured.compiler import ConstraintCompiler
 from services.target.structured.grammar_state import GrammarState
 from services.target.structured.hooks import servable_plan
+from services.target.engine.host_tier import build_host_tier, engine_stat_fields
 from services.target.engine.kv_events import KVEventLog
 from services.target.model.model_runner import ModelRunner, load_model
 from services.target.model.model_runner_inputs import StepInput, split_logits
@@ -58,6 +59,9 @@ class Engine:
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv_events = KVEventLog()
         self.runner = ModelRunner(model, spec, self.blocks, config.torch_kv_dtype, config.kernels)
+        self.blocks.attach_host_tier(build_host_tier(config.kv_host_bytes, self.name,
+                                                     config.torch_kv_dtype,
+                                                     config.block_size, self.runner.kv_block_bytes))
         self._lock = threading.Condition()
         self._incoming: list[Sequence] = []
         self._aborts: set[str] = set()
@@ -267,7 +271,8 @@ class Engine:
                 prefix_query_tokens=b.prefix_query_tokens, prefix_hit_tokens=b.prefix_hit_tokens,
                 kv_bytes=self.runner.kv_pool.num_bytes,
                 fragmentation=(allocated - used) / allocated if allocated else 0.0,
-                prompt_tokens_computed=self.scheduler.prompt_tokens_computed)
+                prompt_tokens_computed=self.scheduler.prompt_tokens_computed,
+                **engine_stat_fields(self.blocks.host_tier, self.blocks.block_size))
 
     def live_request_ids(self) -> set[str]:
         """Requests the engine holds any state for (queued, running or holding blocks)."""
@@ -426,6 +431,7 @@ class Engine:
     def _execute(self, batch: list[ScheduledSeq]) -> tuple[dict[str, StepResult], dict[str, Exception]]:
         """Propose -> forward -> verify the draft trees, sample the other rows: new tokens per
         sequence, and per-sequence failures (a failure fails that request alone)."""
+        self.runner.move_tiers(self.blocks.take_tier_moves())  # host tier: evicted blocks out, hits in
         self.runner.copy_blocks(self.blocks.take_copies())  # copy-on-write, before any KV is written
         proposals = self.speculator.propose(batch) if self.speculator else {}
         inputs, trees = self._step_inputs(batch, proposals)
@@ -486,6 +492,7 @@ class Engine:
             return  # nobody is listening
         seq.emit(StepOutput([], "", finish_reason=reason, prompt_tokens=seq.num_prompt_tokens,
                             cached_prompt_tokens=seq.num_cached_prompt,
+                            host_cached_prompt_tokens=seq.num_host_cached_prompt,
                             completion_tokens=seq.num_output_tokens, error=error,
                             speculation=seq.spec if seq.plan is not None else None,
                             confidence=seq.confidence))

@@ -39,6 +39,17 @@ class EngineStats:
     kv_bytes: int
     fragmentation: float  # allocated-but-unused slots / allocated slots
     prompt_tokens_computed: int = 0  # prompt positions computed (not served by the prefix cache or a fork)
+    # The host tier below the pool (services/target/engine/host_tier.py); zeros when off.
+    host_tier_capacity_bytes: int = 0
+    host_tier_bytes: int = 0  # held now
+    host_tier_blocks: int = 0  # entries held now
+    host_tier_stored_blocks: int = 0  # evicted blocks stored (counter)
+    host_tier_restored_blocks: int = 0  # blocks restored instead of recomputed (counter)
+    host_tier_restored_tokens: int = 0  # prompt tokens those held (counter)
+    host_tier_dropped_blocks: int = 0  # dropped to keep the byte bound (counter)
+    host_tier_rejected_blocks: int = 0  # failed the identity, length or checksum check: recomputed (counter)
+    host_tier_store_seconds: float = 0.0  # copying out and checksumming (counter)
+    host_tier_restore_seconds: float = 0.0  # checking and copying back (counter)
 
 
 class EngineFailed(RuntimeError):

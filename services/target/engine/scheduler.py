@@ -132,11 +132,12 @@ class Scheduler:
             n = min(seq.num_tokens - match.num_tokens, budget)
             if not self.blocks.can_admit(match, match.num_tokens + n):
                 break  # FIFO: don't let later requests overtake
-            self.blocks.admit(seq.seq_id, match, match.num_tokens + n, seq.num_prompt_tokens)
+            match = self.blocks.admit(seq.seq_id, match, match.num_tokens + n, seq.num_prompt_tokens)  # as restored
             self.waiting.popleft()
             seq.num_computed = match.num_tokens
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt = min(match.num_tokens, seq.num_prompt_tokens)
+                seq.num_host_cached_prompt = min(match.num_restored_tokens, seq.num_cached_prompt)
             seq.status = SeqStatus.RUNNING
             seq.admitted = True
             self.running.append(seq)

@@ -52,6 +52,7 @@ class StepOutput:
     finish_reason: FinishReason | None = None
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
+    host_cached_prompt_tokens: int = 0  # of cached_prompt_tokens, restored from the host tier
     completion_tokens: int = 0
     error: Exception | None = None
     speculation: "SpeculationStats | None" = None
@@ -110,6 +111,7 @@ class Sequence:
     # Scheduling state: written by the scheduler only.
     num_computed: int = 0  # tokens whose KV is in the pool
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache
+    num_host_cached_prompt: int = 0  # of those, restored from the host tier
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
     admitted: bool = False  # left the waiting queue at least once

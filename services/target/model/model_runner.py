@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -15,7 +16,7 @@ from services.target.model.attention import (
     KVPool,
     register_paged_attention,
 )
-from services.target.engine.block_manager import BlockManager
+from services.target.engine.block_manager import BlockManager, TierMoves
 from services.target.model import lean_forward
 from services.target.kernels.select import get_kernels
 from services.target.model.linear import prepack_linears, resolve_weight_format
@@ -77,6 +78,17 @@ class ModelRunner:
             ctx_lens.append(inp.context_len)
             tables.append(self.blocks.block_table(inp.seq_id))
         meta = self._metadata(slots, positions, q_lens, ctx_lens, tables, _tree_mask(inputs, self.device))
+        start = time.perf_counter()
+        logits = self._forward(ids, positions, logit_rows, meta)
+        tier = self.blocks.host_tier
+        if tier is not None and len(ids) >= 4 * self.blocks.block_size:  # prefill-sized: a recompute's cost
+            if logits.device.type != "cpu":
+                torch.cuda.synchronize(logits.device)
+            tier.observe_recompute(time.perf_counter() - start, len(ids))
+        return logits
+
+    def _forward(self, ids: list[int], positions: list[int], logit_rows: list[int],
+                 meta: AttentionMetadata) -> torch.Tensor:
         dev = self.device
         if self.lean_forward is not None:
             return self.lean_forward(torch.tensor(ids, dtype=torch.long, device=dev),
@@ -115,6 +127,53 @@ class ModelRunner:
         pool = self.kv_pool
         for cache in [*pool.k_caches, *pool.v_caches, *(pool.k_scales or []), *(pool.v_scales or [])]:
             cache[dst] = cache[src]  # [num_blocks, block_size, ...]
+
+    @property
+    def kv_block_bytes(self) -> int:
+        """Bytes of one block's KV in every layer (a host-tier entry: services/target/engine/host_tier.py)."""
+        return sum(c[0].numel() * c.element_size() for c in self._caches())
+
+    def move_tiers(self, moves: TierMoves) -> None:
+        """Runs the block manager's host-tier moves: evicted blocks' KV out to the tier (before
+        anything overwrites those blocks), then restored entries into their fresh blocks.
+
+        A failed store loses only the tier copy (logged; recomputed when needed). A failed
+        restore takes its blocks out of the prefix cache and fails the step's requests."""
+        tier = moves.tier
+        if tier is None or not (moves.stores or moves.restores):
+            return
+        caches = self._caches()
+        if moves.stores:
+            start = time.perf_counter()
+            try:
+                ids = torch.tensor([b for b, _, _ in moves.stores], dtype=torch.long, device=self.device)
+                rows = torch.cat([c[ids].reshape(len(ids), -1).view(torch.uint8) for c in caches],
+                                 dim=1).cpu()  # [num_stores, block_bytes]
+                for (_, h, key), row in zip(moves.stores, rows):
+                    tier.put(h, tier.entry(key, row.clone()))
+            except Exception:
+                log.exception("host tier: storing %d evicted blocks failed", len(moves.stores))
+            tier.add_time(store_s=time.perf_counter() - start)
+        if moves.restores:
+            start = time.perf_counter()
+            try:
+                dst = torch.tensor([b for b, _ in moves.restores], dtype=torch.long, device=self.device)
+                rows = torch.stack([data for _, data in moves.restores]).to(self.device)  # [n, block_bytes]
+                offset = 0
+                for cache in caches:
+                    width = cache[0].numel() * cache.element_size()
+                    chunk = rows[:, offset:offset + width].contiguous().view(cache.dtype)
+                    cache[dst] = chunk.view(len(dst), *cache.shape[1:])  # [n, block_size, ...]
+                    offset += width
+            except Exception:
+                self.blocks.forget([b for b, _ in moves.restores])
+                raise
+            tier.add_time(restore_s=time.perf_counter() - start)
+
+    def _caches(self) -> list[torch.Tensor]:
+        """Every KV tensor of the pool, in a fixed order: [num_blocks, block_size, ...] each."""
+        pool = self.kv_pool
+        return [*pool.k_caches, *pool.v_caches, *(pool.k_scales or []), *(pool.v_scales or [])]
 
     def _metadata(self, slots: list[int], positions: list[int], q_lens: list[int],
                   ctx_lens: list[int], tables: list[list[int]],

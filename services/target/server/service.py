@@ -44,6 +44,10 @@ _FINISH = {
     FinishReason.STOP_SEQUENCE: common_pb2.FINISH_REASON_STOP_SEQUENCE,
 }
 RETRY_PUSHBACK_MS = 250
+# EngineStats fields GetStats reports under the same names (services/target/engine/host_tier.py).
+_HOST_TIER_STATS = ("host_tier_capacity_bytes", "host_tier_bytes", "host_tier_blocks", "host_tier_stored_blocks",
+                    "host_tier_restored_blocks", "host_tier_restored_tokens", "host_tier_dropped_blocks",
+                    "host_tier_rejected_blocks", "host_tier_store_seconds", "host_tier_restore_seconds")
 SERVICE_NAME = target_service_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
@@ -194,7 +198,8 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
             prefix_query_tokens=s.prefix_query_tokens, prefix_hit_tokens=s.prefix_hit_tokens,
             kv_bytes=s.kv_bytes, fragmentation=s.fragmentation, cache_model_id=self.engine.name,
             engine_alive=self.engine.alive, engine_error=str(self.engine.failure or ""),
-            engine_steps=self.engine.num_steps)
+            engine_steps=self.engine.num_steps,
+            **{name: getattr(s, name) for name in _HOST_TIER_STATS})
 
     async def SubscribeKVEvents(self, request, context):
         log_ = self.engine.kv_events
@@ -244,6 +249,7 @@ def _plan(message: common_pb2.SpeculationPlan) -> SpeculationPlan | None:
 def _final_chunk(out: StepOutput) -> common_pb2.GenerateChunk:
     usage = common_pb2.Usage(prompt_tokens=out.prompt_tokens,
                              cached_prompt_tokens=out.cached_prompt_tokens,
+                             host_cached_prompt_tokens=out.host_cached_prompt_tokens,
                              completion_tokens=out.completion_tokens)
     if out.speculation is not None:
         usage.proposed_tokens = out.speculation.proposed
@@ -264,6 +270,7 @@ def _record_usage(span, out: StepOutput) -> None:
     span.set_attribute("gen_ai.usage.input_tokens", out.prompt_tokens)
     span.set_attribute("gen_ai.usage.output_tokens", out.completion_tokens)
     span.set_attribute("gen_ai.usage.cached_input_tokens", out.cached_prompt_tokens)
+    span.set_attribute("specmesh.usage.host_cached_input_tokens", out.host_cached_prompt_tokens)
     span.set_attribute("gen_ai.response.finish_reasons", [out.finish_reason.value])
     spec = out.speculation
     if spec is not None:

@@ -1,0 +1,178 @@
+"""The host tier below the KV pool (--kv-host-bytes), default model, one run, side by side:
+
+1. Restore cost per block against recompute cost per block: a prefix evicted from the pool is
+   restored from the host tier (its TTFT, and the tier's own restore time) or recomputed.
+2. Multi-turn chat: conversations of several turns, each turn appending to its history, arriving
+   as a Poisson process, on a device pool holding about a quarter of the working set; TTFT P50
+   and P99 with the host tier and without it, and whether the outputs are the same.
+
+    python benchmarks/kv_host_tier.py [--conversations 40 --turns 6]
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import threading
+import time
+from pathlib import Path
+
+from services.common.env import read_settings
+from services.common.models.loading import resolve_model_dir
+from services.common.sampling_params import SamplingConfig
+from services.target.config import EngineConfig
+from services.target.engine.engine import Engine
+
+
+def run(engine: Engine, prompt_ids: list[int], max_tokens: int) -> tuple[float, list[int], int, int]:
+    """(TTFT seconds, output tokens, cached prompt tokens, of those from the host tier) of one request."""
+    first, tokens, done, info = [], [], threading.Event(), {}
+
+    def emit(out):
+        if out.token_ids and not first:
+            first.append(time.perf_counter())
+        tokens.extend(out.token_ids)
+        if out.finish_reason is not None:
+            info.update(cached=out.cached_prompt_tokens, host=out.host_cached_prompt_tokens, error=out.error)
+            done.set()
+    start = time.perf_counter()
+    engine.submit(f"bench-{time.monotonic_ns()}-{random.random()}", prompt_ids,
+                  SamplingConfig(max_tokens=max_tokens, temperature=0.0), emit)
+    done.wait()
+    if info["error"] is not None:
+        raise info["error"]
+    return first[0] - start, tokens, info["cached"], info["host"]
+
+
+def document(tokenizer, num_tokens: int, salt: int) -> list[int]:
+    words = [f"item{salt}-{i} is stored on shelf {i % 37} in room {i % 11}." for i in range(num_tokens)]
+    return tokenizer(" ".join(words)).input_ids[:num_tokens]
+
+
+def per_block_costs(model_dir: Path, prefix_tokens: int, block_size: int) -> None:
+    blocks = prefix_tokens // block_size
+    engine = Engine.load(EngineConfig(model_dir=model_dir, dtype="bfloat16", block_size=block_size,
+                                      num_blocks=blocks + 8, max_batched_tokens=512))
+    engine.start()
+    try:
+        tok = engine.tokenizer
+        prefix, other = document(tok, prefix_tokens, 1), document(tok, prefix_tokens, 2)
+        cold, cold_out, _, _ = run(engine, prefix, 8)  # recomputed: nothing cached
+        run(engine, other, 1)  # evicts the prefix's blocks into the host tier
+        before = engine.stats()
+        warm, warm_out, cached, host = run(engine, prefix, 8)
+        after = engine.stats()
+    finally:
+        engine.shutdown()
+    restored = after.host_tier_restored_blocks - before.host_tier_restored_blocks
+    restore_s = after.host_tier_restore_seconds - before.host_tier_restore_seconds
+    store_s = before.host_tier_store_seconds / max(before.host_tier_stored_blocks, 1)
+    print(f"\n1. per block ({block_size} tokens, {engine.runner.kv_block_bytes} bytes), prefix {prefix_tokens} tokens")
+    print(f"   TTFT recompute {cold * 1000:8.1f} ms   restored from the host tier {warm * 1000:8.1f} ms "
+          f"({cached} cached, {host} from the host tier; same tokens: {cold_out == warm_out})")
+    print(f"   recompute per block {cold / blocks * 1000:7.3f} ms   restore per block "
+          f"{restore_s / max(restored, 1) * 1000:7.3f} ms (check + copy)   store per block {store_s * 1000:7.3f} ms")
+
+
+def conversation_prompts(tok, conversations: int, turns: int) -> list[list[list[int]]]:
+    """Per conversation, per turn: the user message's tokens (the history is built as answers come)."""
+    rng = random.Random(0)
+    topics = ["the harbour", "a recipe", "old maps", "train timetables", "a garden", "the weather"]
+    out = []
+    for c in range(conversations):
+        system = tok(f"Conversation {c}. You are a helpful assistant who answers in two sentences. "
+                     f"Background: {' '.join(f'fact {c}-{i} about {rng.choice(topics)}.' for i in range(40))}"
+                     ).input_ids
+        turns_ids = [tok(f" User: question {t} about {rng.choice(topics)}, please explain. Assistant:",
+                         add_special_tokens=False).input_ids for t in range(turns)]
+        out.append([system] + turns_ids)
+    return out
+
+
+def multi_turn(engine: Engine, convs, max_tokens: int, rate: float, seed: int = 1):
+    """Runs every conversation (turns in order, each on its whole history) with Poisson arrivals;
+    returns (TTFTs, outputs per conversation and turn, cached tokens, host-tier tokens)."""
+    rng = random.Random(seed)
+    starts, t = [], 0.0
+    for _ in convs:
+        t += rng.expovariate(rate)
+        starts.append(t)
+    ttfts, outputs, totals, lock = [], {}, [0, 0], threading.Lock()
+    origin = time.perf_counter()
+
+    def converse(c: int) -> None:
+        time.sleep(max(0.0, starts[c] - (time.perf_counter() - origin)))
+        history = list(convs[c][0])
+        for turn, user in enumerate(convs[c][1:]):
+            history += user
+            first, answer, cached, host = run(engine, history, max_tokens)
+            history += answer
+            with lock:
+                ttfts.append(first)
+                outputs[c, turn] = answer
+                totals[0] += cached
+                totals[1] += host
+    threads = [threading.Thread(target=converse, args=(c,)) for c in range(len(convs))]
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return ttfts, outputs, totals
+
+
+def percentile(values: list[float], q: float) -> float:
+    ordered = sorted(values)
+    return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--prefix-tokens", type=int, default=1024)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--conversations", type=int, default=40)
+    parser.add_argument("--turns", type=int, default=6)
+    parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--rate", type=float, default=2.0, help="conversations arriving per second")
+    parser.add_argument("--skip-costs", action="store_true")
+    parser.add_argument("--without-first", action="store_true", help="run without the tier first "
+                        "(on a shared machine, swap the order to see the drift)")
+    args = parser.parse_args()
+    model_dir = resolve_model_dir(args.model, Path(read_settings().model_cache).expanduser())
+    if not args.skip_costs:
+        per_block_costs(model_dir, args.prefix_tokens, args.block_size)
+    probe = Engine.load(EngineConfig(model_dir=model_dir, dtype="bfloat16", num_blocks=64))
+    convs = conversation_prompts(probe.tokenizer, args.conversations, args.turns)
+    probe.shutdown()
+    # Working set: every conversation's final history (system, user turns, answers at most max_tokens).
+    working = sum(sum(len(p) for p in conv) + args.turns * args.max_tokens for conv in convs)
+    longest = max(sum(len(p) for p in conv) + args.turns * args.max_tokens for conv in convs)
+    num_blocks = max(working // args.block_size // 4, 2 * longest // args.block_size + 8)
+    print(f"\n2. multi-turn: {args.conversations} conversations x {args.turns} turns, working set {working} "
+          f"tokens, device pool {num_blocks} blocks of {args.block_size} "
+          f"({num_blocks * args.block_size / working:.0%} of it), {args.rate}/s Poisson arrivals")
+    results = {}
+    sides = [("host tier", 1 << 30), ("no host tier", 0)]
+    for label, host_bytes in (sides[::-1] if args.without_first else sides):
+        engine = Engine.load(EngineConfig(model_dir=model_dir, dtype="bfloat16", block_size=args.block_size,
+                                          num_blocks=num_blocks, max_batched_tokens=512, max_num_seqs=16,
+                                          kv_host_bytes=host_bytes))
+        engine.start()
+        try:
+            results[label] = multi_turn(engine, convs, args.max_tokens, args.rate)
+        finally:
+            engine.shutdown()
+        ttfts, _, (cached, host) = results[label]
+        print(f"   {label:13s} TTFT P50 {statistics.median(ttfts) * 1000:8.1f} ms  P99 "
+              f"{percentile(ttfts, 0.99) * 1000:8.1f} ms   cached prompt tokens {cached} ({host} from the host tier)")
+    a, b = results["host tier"][1], results["no host tier"][1]
+    same = sum(a[k] == b[k] for k in a)
+    p50 = statistics.median(results["no host tier"][0]) / statistics.median(results["host tier"][0])
+    p99 = percentile(results["no host tier"][0], 0.99) / percentile(results["host tier"][0], 0.99)
+    print(f"   TTFT without / with the host tier: P50 {p50:.2f}x  P99 {p99:.2f}x;  "
+          f"same outputs in {same} of {len(a)} turns")
+
+
+if __name__ == "__main__":
+    main()

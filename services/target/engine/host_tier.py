@@ -1,0 +1,193 @@
+"""The host tier: a bounded store of evicted prefix blocks' KV, below the device pool.
+
+The block manager decides what goes here and what comes back (services/target/engine/
+block_manager.py): a cached full block it evicts from the device pool is queued for the
+model runner to copy out (`ModelRunner.move_tiers`), and a prefix that misses the device
+pool but hits here is restored into fresh device blocks instead of recomputed. This module
+only holds the entries, keeps their byte bound (least recently stored dropped first) and
+checks an entry before it is served.
+
+An entry is one block's KV as raw bytes: every layer's keys, then values (and FP8 scales
+where used), in the pool's order (`ModelRunner.kv_block_bytes`). It carries its chained-hash
+key (parent hash, tokens, extra key: the model id and tenant salt are in the extra key) and
+the identity it was computed under (model id, KV dtype, block size) with a checksum of its
+bytes. `take` serves an entry only if all of these match; anything else (another model, a
+truncated or corrupted entry) is dropped and the caller recomputes the block.
+
+Entries move between tiers, they are never in both: `take` removes what it serves (the
+device pool owns a block in use), an eviction stores it again.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+from collections import OrderedDict
+from dataclasses import dataclass
+
+import torch
+
+
+@dataclass(frozen=True)
+class TierIdentity:
+    """What an entry was computed under; an entry of another identity is never served."""
+
+    model_id: str
+    kv_dtype: str
+    block_size: int
+    block_bytes: int  # bytes of one block's KV in every layer
+
+
+@dataclass
+class HostEntry:
+    key: tuple  # (parent_hash, tokens, extra_key): the block's chained-hash key
+    identity: TierIdentity
+    data: torch.Tensor  # [block_bytes] uint8 on the host
+    checksum: bytes
+
+    @classmethod
+    def build(cls, key: tuple, data: torch.Tensor, identity: TierIdentity) -> "HostEntry":
+        return cls(key, identity, data, checksum(data))
+
+    @property
+    def num_bytes(self) -> int:
+        return self.data.numel()
+
+
+def checksum(data: torch.Tensor) -> bytes:
+    return hashlib.blake2b(data.contiguous().numpy(), digest_size=16).digest()
+
+
+@dataclass(frozen=True)
+class HostTierStats:
+    capacity_bytes: int
+    used_bytes: int
+    entries: int
+    stored_blocks: int  # entries put (evicted device blocks kept)
+    restored_blocks: int  # entries served back to the device pool
+    dropped_blocks: int  # entries dropped to keep the byte bound
+    rejected_blocks: int  # entries that failed the identity, length or checksum check
+    store_seconds: float  # copying out and checksumming
+    restore_seconds: float  # checking and copying back
+
+
+class HostTier:
+    """Bounded by `capacity_bytes`; thread-safe (the engine thread writes, stats read anywhere)."""
+
+    def __init__(self, capacity_bytes: int, identity: TierIdentity) -> None:
+        if capacity_bytes <= 0:
+            raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
+        self.capacity_bytes = capacity_bytes
+        self.identity = identity
+        # block hash -> (entry, bytes it was counted at); oldest first
+        self._entries: OrderedDict[int, tuple[HostEntry, int]] = OrderedDict()
+        self._used = 0
+        self._lock = threading.Lock()
+        self._stored = self._restored = self._dropped = self._rejected = 0
+        self._store_s = self._restore_s = 0.0
+        self._recompute_s_per_block: float | None = None  # measured by the model runner (EWMA)
+
+    def entry(self, key: tuple, data: torch.Tensor) -> HostEntry:
+        """An entry of this tier's own identity."""
+        return HostEntry.build(key, data, self.identity)
+
+    def has(self, block_hash: int, key: tuple) -> bool:
+        """An entry is held under `block_hash` with this key (cheap: no checksum; `take` checks)."""
+        with self._lock:
+            held = self._entries.get(block_hash)
+            return held is not None and held[0].key == key
+
+    def put(self, block_hash: int, entry: HostEntry) -> bool:
+        """Stores `entry`, dropping the oldest entries to stay within the bound; False when it
+        cannot fit at all."""
+        with self._lock:
+            old = self._entries.pop(block_hash, None)
+            if old is not None:
+                self._used -= old[1]
+            size = entry.num_bytes
+            if size > self.capacity_bytes:
+                return False
+            while self._used + size > self.capacity_bytes:
+                _, (_, dropped) = self._entries.popitem(last=False)
+                self._used -= dropped
+                self._dropped += 1
+            self._entries[block_hash] = (entry, size)
+            self._used += size
+            self._stored += 1
+            return True
+
+    def take(self, block_hash: int, key: tuple) -> torch.Tensor | None:
+        """Removes and returns the entry's bytes when it is intact and of this tier's identity;
+        None otherwise (a bad entry is dropped: the caller recomputes the block)."""
+        with self._lock:
+            held = self._entries.get(block_hash)
+            if held is None or held[0].key != key:
+                return None
+            del self._entries[block_hash]
+            entry, size = held
+            self._used -= size
+        ok = (entry.identity == self.identity and entry.data.dtype == torch.uint8
+              and entry.num_bytes == self.identity.block_bytes and checksum(entry.data) == entry.checksum)
+        with self._lock:
+            if ok:
+                self._restored += 1
+            else:
+                self._rejected += 1
+        return entry.data if ok else None
+
+    def entry_of(self, block_hash: int) -> HostEntry | None:
+        """The entry held under `block_hash` (tests and diagnostics)."""
+        with self._lock:
+            held = self._entries.get(block_hash)
+            return held[0] if held else None
+
+    def hashes(self) -> list[int]:
+        """Block hashes held, oldest first."""
+        with self._lock:
+            return list(self._entries)
+
+    def observe_recompute(self, seconds: float, num_tokens: int) -> None:
+        """A forward pass computed `num_tokens` tokens in `seconds`: what recomputing costs."""
+        per_block = seconds / num_tokens * self.identity.block_size
+        with self._lock:
+            old = self._recompute_s_per_block
+            self._recompute_s_per_block = per_block if old is None else 0.8 * old + 0.2 * per_block
+
+    def restore_pays(self) -> bool:
+        """Restoring a block costs less than recomputing it, as measured so far (True until both
+        are measured): the block manager recomputes host-tier hits otherwise."""
+        with self._lock:
+            if self._recompute_s_per_block is None or self._restored == 0:
+                return True
+            return self._restore_s / self._restored < self._recompute_s_per_block
+
+    def add_time(self, store_s: float = 0.0, restore_s: float = 0.0) -> None:
+        with self._lock:
+            self._store_s += store_s
+            self._restore_s += restore_s
+
+    def stats(self) -> HostTierStats:
+        with self._lock:
+            return HostTierStats(self.capacity_bytes, self._used, len(self._entries), self._stored,
+                                 self._restored, self._dropped, self._rejected, self._store_s,
+                                 self._restore_s)
+
+
+def build_host_tier(capacity_bytes: int, model_id: str, kv_dtype: torch.dtype, block_size: int,
+                    block_bytes: int) -> HostTier | None:
+    """The engine's host tier; None when `capacity_bytes` is 0 (off)."""
+    if capacity_bytes == 0:
+        return None
+    return HostTier(capacity_bytes, TierIdentity(model_id, str(kv_dtype), block_size, block_bytes))
+
+
+def engine_stat_fields(tier: HostTier | None, block_size: int) -> dict:
+    """The host tier's part of EngineStats (zeros when off)."""
+    if tier is None:
+        return {}
+    s = tier.stats()
+    return dict(host_tier_capacity_bytes=s.capacity_bytes, host_tier_bytes=s.used_bytes,
+                host_tier_blocks=s.entries, host_tier_stored_blocks=s.stored_blocks,
+                host_tier_restored_blocks=s.restored_blocks, host_tier_restored_tokens=s.restored_blocks * block_size,
+                host_tier_dropped_blocks=s.dropped_blocks, host_tier_rejected_blocks=s.rejected_blocks,
+                host_tier_store_seconds=s.store_seconds, host_tier_restore_seconds=s.restore_seconds)
