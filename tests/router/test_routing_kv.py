@@ -27,7 +27,8 @@ ORDER = ["a", "a", "b", "b"] * 3  # six questions per tenant
 async def _run(model_dir, policy: str) -> tuple[int, list[tuple[str, str]]]:
     """(total cached prompt tokens, [(tenant, replica)]) for ORDER under `policy`."""
     # ~43 blocks of system prompt + question + output ~ 51 blocks: one tenant fits in 64, two do not.
-    targets = [await start_target(model_dir, num_blocks=64) for _ in range(2)]
+    # A small device pool and no host tier: a replica holds only the prefixes routed to it.
+    targets = [await start_target(model_dir, num_blocks=64, kv_host_bytes=0) for _ in range(2)]
     addresses = [t.address for t in targets]
     cache = await start_cache(addresses)
     mesh = MeshConfig(pools=(PoolConfig(name="default", model=str(model_dir), replicas=tuple(addresses)),),
