@@ -275,14 +275,17 @@ async def run(args) -> dict:
     cpu = ForeignCpu(lambda: [os.getpid(), *(p.pid for p in procs), *([vllm_proc.pid] if vllm_proc else [])],
                      interval_s=0.5)
 
-    async def measure(system: str, metric: str, run_it):
+    async def measured(run_it):
+        """(what `run_it` returns, the foreign CPU share while it ran)."""
         start = time.monotonic()
         value = await run_it
         # Padded by one sample: a measurement shorter than the interval still gets one.
         share = cpu.share(start - cpu.interval_s, time.monotonic() + cpu.interval_s)["median"]
+        return value, share if share is not None else 0.0
+
+    def note(system: str, metric: str, value: float, share: float) -> None:
         res.setdefault(metric, {}).setdefault(system, []).append(value)
-        foreign.setdefault(metric, {}).setdefault(system, []).append(share if share is not None else 0.0)
-        return value
+        foreign.setdefault(metric, {}).setdefault(system, []).append(share)
 
     hf = HF(model_dir) if "hf" not in args.skip else None
     cpu.__enter__()
@@ -309,19 +312,16 @@ async def run(args) -> dict:
                         if client is None:
                             continue
                         if depth:
-                            await measure(system, f"spec{depth}", single(client, prompts, args.tokens))
+                            note(system, f"spec{depth}", *await measured(single(client, prompts, args.tokens)))
                             bar.update(1)
                             continue
-                        await measure(system, "single", single(client, prompts, args.tokens))
-                        await measure(system, "batch18", batch18(client, prompts, args.tokens))
+                        note(system, "single", *await measured(single(client, prompts, args.tokens)))
+                        note(system, "batch18", *await measured(batch18(client, prompts, args.tokens)))
                         first = (1000 + 97 * r + len(system)) % len(tokenizer)  # new per round & system
                         text = tokenizer.decode([first] + long_ids)
-                        cold, cached = await measure(system, "prefill", prefill(client, text))
-                        res["prefill"].pop(system)
-                        for metric, value in (("cold_ttft", cold), ("cached_ttft", cached)):
-                            res.setdefault(metric, {}).setdefault(system, []).append(value)
-                            foreign.setdefault(metric, {}).setdefault(system, []).append(
-                                foreign["prefill"][system][-1])
+                        (cold, cached), share = await measured(prefill(client, text))
+                        note(system, "cold_ttft", cold, share)
+                        note(system, "cached_ttft", cached, share)
                         bar.update(1)
             finally:
                 if vllm_proc:
@@ -332,8 +332,6 @@ async def run(args) -> dict:
     finally:
         cpu.__exit__(None, None, None)
         stop(procs)
-    res.pop("prefill", None)
-    foreign.pop("prefill", None)
     return summarize(res, foreign)
 
 
