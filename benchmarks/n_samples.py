@@ -16,6 +16,7 @@ import threading
 import time
 from pathlib import Path
 
+from services.bench.foreign_cpu import ForeignCpu
 from services.settings import read_settings
 from services.common.models.loading import resolve_model_dir
 from services.common.sampling_params import SamplingConfig
@@ -82,6 +83,7 @@ def main() -> None:
     engine = Engine.load(EngineConfig(model_dir=model_dir, dtype="bfloat16", num_blocks=2048,
                                       max_batched_tokens=512, max_num_seqs=max(32, args.n)))
     engine.start()
+    cpu = ForeignCpu().__enter__()  # CPU used by anything outside this process meanwhile
     try:
         warm = prompt_of(engine.tokenizer, 64, "warm")
         run(engine, warm, 2, True, False, 2, "warm")  # first-call costs out of the measurement
@@ -92,7 +94,12 @@ def main() -> None:
             prompt = prompt_of(engine.tokenizer, args.prompt_tokens, label)  # fresh: no earlier hit
             rows.append((label, *run(engine, prompt, args.n, together, shared, args.max_tokens, label[:8])))
     finally:
+        cpu.__exit__(None, None, None)
         engine.shutdown()
+    foreign = cpu.share()
+    print(f"foreign CPU while measuring: median {100 * (foreign['median'] or 0):.1f}%, "
+          f"max {100 * (foreign['max'] or 0):.1f}% ({foreign['samples']} samples)"
+          + ("  VOID: another process used the machine" if foreign["void"] else ""))
     print(f"n = {args.n}, prompt {args.prompt_tokens} tokens, max_tokens {args.max_tokens}, "
           f"{model_dir.name}, bf16, max_batched_tokens 512")
     print(f"{'':32} {'prompt tokens computed':>24} {'all first tokens (s)':>22} {'end (s)':>9}")

@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from services.bench.foreign_cpu import ForeignCpu
 from services.settings import read_settings
 from services.common.models.loading import resolve_model_dir
 from services.common.sampling_params import SamplingConfig
@@ -88,6 +89,7 @@ def main() -> None:
     model_dir = resolve_model_dir(args.model, Path(read_settings().model_cache).expanduser())
     engine = Engine.load(EngineConfig(model_dir=model_dir, dtype=args.dtype, enable_prefix_caching=False))
     engine.start()
+    cpu = ForeignCpu().__enter__()  # CPU used by anything outside this process meanwhile
     try:
         prompt_ids = engine.tokenize(PROMPT)
         configs = {name: SamplingConfig(max_tokens=args.tokens, **PLAIN, **extra)
@@ -103,7 +105,12 @@ def main() -> None:
                                                   engine.spec.eos_token_ids, args.row_repeats)
                 for name, config in configs.items()}
     finally:
+        cpu.__exit__(None, None, None)
         engine.shutdown()
+    foreign = cpu.share()
+    print(f"foreign CPU while measuring: median {100 * (foreign['median'] or 0):.1f}%, "
+          f"max {100 * (foreign['max'] or 0):.1f}% ({foreign['samples']} samples)"
+          + ("  VOID: another process used the machine" if foreign["void"] else ""))
     base = statistics.median(tpot["plain"])
     print(f"model {model_dir.name} {args.dtype}, vocab {engine.spec.vocab_size}, {args.tokens} tokens, "
           f"{args.rounds} rounds; plain TPOT {base * 1000:.2f} ms")

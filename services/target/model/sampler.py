@@ -44,14 +44,50 @@ def target_probs(logits: torch.Tensor, config: SamplingConfig) -> torch.Tensor:
         logits = logits.masked_fill(logits < kth, float("-inf"))
     probs = torch.softmax(logits, dim=-1)
     if 0.0 < config.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, dim=-1, descending=True)
-        # Keep the smallest set whose mass reaches top_p (the token crossing it stays).
-        drop = sorted_probs.cumsum(dim=-1) - sorted_probs >= config.top_p
-        drop[..., 0] = False  # the most likely token always stays
-        sorted_probs = sorted_probs.masked_fill(drop, 0.0)
-        probs = torch.zeros_like(probs).scatter(-1, order, sorted_probs)
-        probs = probs / probs.sum(dim=-1, keepdim=True)
+        probs = torch.cat([_nucleus(row, config.top_p) for row in probs.split(1)])
     return probs
+
+
+def _nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
+    """probs: [1, vocab] -> [1, vocab]: the smallest most-likely set whose mass reaches top_p
+    (the token crossing it stays), renormalised.
+
+    Sorting a 262k vocabulary costs ~25 ms on two cores; the nucleus is almost always within
+    the few hundred most likely tokens. So the `width` largest are taken in order (topk is
+    ~30x cheaper than a sort) and widened only while their mass stays below top_p: once it
+    reaches top_p every token outside them is dropped, exactly as the full sort would drop it
+    (the same prefix, summed in the same order).
+    """
+    vocab = probs.shape[-1]
+    width = min(_NUCLEUS_WIDTH, vocab)
+    while True:
+        top, order = torch.topk(probs, width, dim=-1)  # [1, width] most likely first
+        if width == vocab or float(top.sum()) >= top_p:
+            break
+        width = min(width * 8, vocab)
+    drop = top.cumsum(dim=-1) - top >= top_p  # mass before a token already reached top_p
+    drop[..., 0] = False  # the most likely token always stays
+    top = top.masked_fill(drop, 0.0)
+    out = torch.zeros_like(probs).scatter_(-1, order, top)
+    return out / out.sum(dim=-1, keepdim=True)
+
+
+_NUCLEUS_WIDTH = 1024  # first guess of the nucleus' size (see _nucleus)
+
+
+def draw(probs: torch.Tensor, generator: torch.Generator) -> int:
+    """probs: [vocab] (non-negative, any positive sum) -> one index drawn in proportion to it.
+
+    Inverse CDF over a float64 running sum with one uniform from `generator`: the same law as
+    torch.multinomial, ~20x cheaper on a 262k vocabulary (multinomial costs ~5 ms there).
+    Only an entry with positive probability can be drawn.
+    """
+    cdf = probs.double().cumsum(dim=0)  # [vocab]
+    u = torch.rand(1, generator=generator, device=probs.device, dtype=torch.float64)  # [1]
+    index = int(torch.searchsorted(cdf, u * cdf[-1], right=True).item())
+    if index >= cdf.shape[0]:  # u * total rounded up to the total: the last positive entry
+        index = int(torch.nonzero(probs > 0)[-1].item())
+    return index
 
 
 def sample(logits: torch.Tensor, configs: list[SamplingConfig],
@@ -77,7 +113,7 @@ def sample(logits: torch.Tensor, configs: list[SamplingConfig],
                 probs = target_probs(logits[i:i + 1], config)[0]
                 if probs_out is not None:
                     probs_out[i] = probs
-                out.append(int(torch.multinomial(probs, 1, generator=gen).item()))
+                out.append(draw(probs, gen))
             except (SamplingError, RuntimeError) as exc:  # never fail the batch for one row
                 out.append(exc if isinstance(exc, SamplingError) else SamplingError(str(exc)))
     return out
