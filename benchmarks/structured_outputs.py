@@ -29,6 +29,7 @@ import jsonschema
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.mesh helpers
 
+from services.bench.foreign_cpu import ForeignCpu
 from services.settings import read_settings
 from services.common.models.loading import resolve_model_dir
 from services.common.server import ServerConfig
@@ -176,8 +177,12 @@ def main() -> None:
     parser.add_argument("--repeats", type=int, default=1)
     args = parser.parse_args()
     model_dir = resolve_model_dir(args.model, Path(read_settings().model_cache).expanduser())
-    stats = asyncio.run(run(model_dir, args.tokens, args.repeats))
-    print(f"model={args.model} bf16, max_tokens={args.tokens}, repeats={args.repeats}")
+    with ForeignCpu() as cpu:  # CPU used by anything outside this process meanwhile
+        stats = asyncio.run(run(model_dir, args.tokens, args.repeats))
+    foreign = cpu.share()
+    print(f"model={args.model} bf16, max_tokens={args.tokens}, repeats={args.repeats}; foreign CPU "
+          f"median {100 * (foreign['median'] or 0):.1f}%, max {100 * (foreign['max'] or 0):.1f}%"
+          + ("  VOID: another process used the machine" if foreign["void"] else ""))
     report(stats)
 
 

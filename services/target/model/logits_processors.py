@@ -18,9 +18,11 @@ penalty at depth 3 counts the draft tokens at depths 1-2 of its own path. That i
 keeps speculation lossless: each verify row is exactly the distribution the target would
 sample from had the path's tokens been committed one by one.
 
-State: counts of generated tokens and the set of prompt + generated tokens, dense over
-the vocabulary, caught up from the sequence's `token_ids` (the owner) on each call, so
-the scheduler's append needs no hook. Path extras are sparse corrections on top.
+State: counts of generated tokens and the set of prompt + generated tokens, kept sparse (the
+distinct token ids, a few thousand at most, against a vocabulary of up to 262k: touching
+only those keeps a penalty's cost per row near zero), caught up from the sequence's
+`token_ids` (the owner) on each call, so the scheduler's append needs no hook. Path extras
+are sparse corrections on top.
 """
 
 from __future__ import annotations
@@ -44,8 +46,11 @@ class LogitsProcessor:
         self.penalizes = self.repetition != 1.0 or bool(self.presence or self.frequency)
         self._bias_ids: torch.Tensor | None = None  # [num_bias], made on the logits' device
         self._bias: torch.Tensor | None = None  # [num_bias] f32
-        self._counts: torch.Tensor | None = None  # [vocab] f32: generated-token counts
-        self._seen: torch.Tensor | None = None  # [vocab] bool: prompt + generated tokens
+        self._counts: Counter[int] = Counter()  # generated token -> occurrences
+        self._seen: set[int] = set()  # prompt + generated tokens
+        self._seen_ids: torch.Tensor | None = None  # [num_seen] int64, _seen on the logits' device
+        self._count_ids: torch.Tensor | None = None  # [num_generated_distinct] int64
+        self._count_values: torch.Tensor | None = None  # [num_generated_distinct] f32, their counts
         self._counted = 0  # leading token_ids already in _counts / _seen
 
     @classmethod
@@ -61,7 +66,7 @@ class LogitsProcessor:
         `token_ids`: the sequence's committed tokens (prompt then output); `extras[i]`: the
         draft tokens row i follows beyond them (None = none for every row).
         """
-        x = logits.float().clone()  # [n, vocab]
+        x = logits.to(torch.float32, copy=True)  # [n, vocab]
         n, vocab = x.shape
         dev = x.device  # every tensor below is made there: the logits may live on a GPU
         extras = extras if extras is not None else [()] * n
@@ -77,58 +82,58 @@ class LogitsProcessor:
                 x[torch.tensor(early, device=dev)[:, None],
                   torch.tensor(self.eos_ids, device=dev)[None, :]] = float("-inf")
         if self.penalizes:
-            self._catch_up(token_ids, vocab, dev)
-            rows, cols, added = _path_pairs(extras, dev)
+            self._catch_up(token_ids, dev)
+            rows, cols, count = _path_pairs(extras, self._counts, dev)
             before = x[rows, cols] if rows.numel() else None  # [num_pairs] values before penalties
-            self._penalize_dense(x)
+            self._penalize_history(x)
             if before is not None:
-                x[rows, cols] = self._penalize_pairs(before, cols, added)
+                x[rows, cols] = self._penalize_pairs(before, count)
         return x
 
     # ---- helpers ------------------------------------------------------------
-    def _catch_up(self, token_ids: list[int], vocab: int, device: torch.device) -> None:
+    def _catch_up(self, token_ids: list[int], device: torch.device) -> None:
         """Adds committed tokens not yet counted (token_ids only grows)."""
-        if self._counts is None:
-            self._counts = torch.zeros(vocab, dtype=torch.float32, device=device)
-            self._seen = torch.zeros(vocab, dtype=torch.bool, device=device)
-        if self._counted == len(token_ids):
+        if self._seen_ids is not None and self._counted == len(token_ids):
             return
-        new = torch.tensor(token_ids[self._counted:], dtype=torch.int64, device=device)  # [num_new]
-        self._seen[new] = True
+        new = token_ids[self._counted:]
         first_output = max(self.num_prompt_tokens - self._counted, 0)
-        if first_output < new.numel():
-            self._counts.index_add_(0, new[first_output:],
-                                    torch.ones(new.numel() - first_output, device=device))
+        self._seen.update(new)
+        self._counts.update(new[first_output:])
         self._counted = len(token_ids)
+        self._seen_ids = torch.tensor(sorted(self._seen), dtype=torch.int64, device=device)
+        self._count_ids = torch.tensor(list(self._counts), dtype=torch.int64, device=device)
+        self._count_values = torch.tensor(list(self._counts.values()), dtype=torch.float32, device=device)
 
-    def _penalize_dense(self, x: torch.Tensor) -> None:
-        """x: [n, vocab] in place: the committed history's penalties, the same for every row."""
-        if self.repetition != 1.0:
-            seen = self._seen.expand_as(x)
-            x.copy_(torch.where(seen, torch.where(x > 0, x / self.repetition, x * self.repetition), x))
-        if self.presence or self.frequency:
-            x -= self.frequency * self._counts + self.presence * (self._counts > 0).float()
+    def _penalize_history(self, x: torch.Tensor) -> None:
+        """x: [n, vocab] in place: the committed history's penalties, the same for every row;
+        only the history's columns change."""
+        if self.repetition != 1.0 and self._seen_ids.numel():
+            v = x[:, self._seen_ids]  # [n, num_seen]
+            x[:, self._seen_ids] = torch.where(v > 0, v / self.repetition, v * self.repetition)
+        if (self.presence or self.frequency) and self._count_ids.numel():
+            x[:, self._count_ids] -= self.frequency * self._count_values + self.presence
 
-    def _penalize_pairs(self, before: torch.Tensor, cols: torch.Tensor, added: torch.Tensor) -> torch.Tensor:
-        """Values at (row, token) pairs whose token the row's draft path adds `added` times:
-        the penalties of committed count + added, from the values before any penalty."""
-        count = self._counts[cols] + added  # [num_pairs]
+    def _penalize_pairs(self, before: torch.Tensor, count: torch.Tensor) -> torch.Tensor:
+        """Values at (row, token) pairs whose token the row's draft path adds, from the values
+        before any penalty; `count`: committed + path occurrences of each pair's token."""
         out = torch.where(before > 0, before / self.repetition, before * self.repetition) \
             if self.repetition != 1.0 else before  # every pair's token is in its row's history now
         return out - self.frequency * count - self.presence * (count > 0).float()
 
 
-def _path_pairs(extras: Sequence[Sequence[int]], device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(rows [p], tokens [p], occurrences [p]): each distinct draft token of each row's path."""
-    rows, cols, added = [], [], []
+def _path_pairs(extras: Sequence[Sequence[int]], committed: Counter[int], device: torch.device,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(rows [p], tokens [p], counts [p]): each distinct draft token of each row's path, with
+    its committed generated count plus its occurrences on that path."""
+    rows, cols, count = [], [], []
     for i, path in enumerate(extras):
         for token, k in Counter(path).items():
             rows.append(i)
             cols.append(token)
-            added.append(k)
+            count.append(committed.get(token, 0) + k)
     return (torch.tensor(rows, dtype=torch.int64, device=device),
             torch.tensor(cols, dtype=torch.int64, device=device),
-            torch.tensor(added, dtype=torch.float32, device=device))
+            torch.tensor(count, dtype=torch.float32, device=device))
 
 
 def tree_paths(token_ids: Sequence[int], parents: Sequence[int]) -> list[tuple[int, ...]]:
@@ -145,7 +150,7 @@ def process_rows(logits: torch.Tensor, processors: Sequence["LogitsProcessor | N
     `logits` itself when no sequence has a processor (greedy and plain rows stay as they are)."""
     if all(p is None for p in processors):
         return logits
-    out = logits.float().clone()  # [num_seqs, vocab]
+    out = logits.to(torch.float32, copy=True)  # [num_seqs, vocab]
     for i, (processor, history) in enumerate(zip(processors, histories)):
         if processor is not None:
             out[i:i + 1] = processor.apply(logits[i:i + 1], history)
