@@ -11,7 +11,7 @@ import torch
 
 from services.common.sampling_params import SamplingConfig
 from services.target.model import sampler
-from services.target.model.sampler import draw, make_generator, target_probs
+from services.target.model.sampler import SamplingError, draw, make_generator, sample, target_probs
 
 
 def full_sort_nucleus(probs: torch.Tensor, top_p: float) -> torch.Tensor:
@@ -66,3 +66,35 @@ def test_unnormalised_weights_are_drawn_in_proportion() -> None:
     gen = make_generator(5, "cpu")
     share = sum(draw(probs, gen) for _ in range(20_000)) / 20_000
     assert math.isclose(share, 0.75, abs_tol=0.015)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_greedy_rows_read_the_raw_argmax_and_fall_back_on_nan_or_inf(dtype) -> None:
+    logits = (torch.randn(4, 3_000, generator=torch.Generator().manual_seed(1)) * 5).to(dtype)  # [4, vocab]
+    logits[1, :2_000] = float("-inf")  # a grammar-masked row: still a finite maximum
+    greedy = [SamplingConfig(4) for _ in range(4)]
+    gens = [make_generator(0, "cpu") for _ in range(4)]
+    expected = logits.float().argmax(dim=-1).tolist()
+    assert sample(logits, greedy, gens) == expected
+    # A NaN in one row: that row never picks it, the others keep their argmax.
+    poisoned = logits.clone()
+    poisoned[2, 5] = float("nan")
+    out = sample(poisoned, greedy, gens)
+    assert out[:2] == expected[:2] and out[3] == expected[3]
+    assert out[2] == poisoned[2].float().nan_to_num(nan=float("-inf")).argmax().item() != 5
+    # A row with no usable logit fails alone.
+    poisoned[3] = float("-inf")
+    assert isinstance(sample(poisoned, greedy, gens)[3], SamplingError)
+
+
+def test_a_row_without_a_usable_logit_fails_greedy_and_sampled() -> None:
+    # Every entry -inf (e.g. a mask that leaves nothing): torch.nan_to_num's default turns
+    # -inf into the lowest finite float, which once made such a row sample token 0 (greedy)
+    # or a uniform draw over the vocabulary (sampled).
+    logits = torch.zeros(2, 6)
+    logits[1] = float("-inf")
+    for config in (SamplingConfig(4), SamplingConfig(4, temperature=0.7, seed=1)):
+        out = sample(logits, [config, config], [make_generator(0, "cpu"), make_generator(0, "cpu")])
+        assert not isinstance(out[0], Exception) and isinstance(out[1], SamplingError)
+    with pytest.raises(SamplingError):
+        target_probs(logits[1:], SamplingConfig(4, temperature=0.7))

@@ -99,9 +99,7 @@ def sample(logits: torch.Tensor, configs: list[SamplingConfig],
     receives row i's sampling probabilities ([vocab]) for every sampled (non-greedy) row,
     so log-probabilities need not compute them again.
     """
-    safe = _finite_shifted(logits, check=False)  # [num_seqs, vocab]
-    greedy = safe.argmax(dim=-1).tolist()
-    usable = (safe.amax(dim=-1) == 0).tolist()  # [num_seqs]: the max is 0 unless no logit is usable
+    greedy, usable = _argmax_rows(logits)
     out: list[int | SamplingError] = []
     for i, (config, gen) in enumerate(zip(configs, generators)):
         if not usable[i]:
@@ -119,6 +117,21 @@ def sample(logits: torch.Tensor, configs: list[SamplingConfig],
     return out
 
 
+def _argmax_rows(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
+    """logits: [num_seqs, vocab] -> (argmax per row, whether the row has a usable logit).
+
+    When every row's maximum is finite (no NaN, no +inf: the usual case) the raw rows' argmax
+    is the answer, read in the logits' own dtype; only otherwise are the rows converted and
+    cleaned (NaN never chosen, +inf the largest), a pass over the batch's logits that costs
+    milliseconds at 18 rows of a 262k vocabulary.
+    """
+    if bool(torch.isfinite(logits.amax(dim=-1)).all()):
+        return logits.argmax(dim=-1).tolist(), [True] * logits.shape[0]
+    safe = _finite_shifted(logits, check=False)  # [num_seqs, vocab]
+    # The max is 0 unless no logit of the row is usable.
+    return safe.argmax(dim=-1).tolist(), (safe.amax(dim=-1) == 0).tolist()
+
+
 def _finite_shifted(logits: torch.Tensor, check: bool = True) -> torch.Tensor:
     """logits: [n, vocab] -> float32 [n, vocab] with each row's max at 0.
 
@@ -126,7 +139,8 @@ def _finite_shifted(logits: torch.Tensor, check: bool = True) -> torch.Tensor:
     overflowing logit is simply the most likely token. A row with no usable logit
     stays all -inf (or NaN after the shift) and raises when `check`.
     """
-    x = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=torch.finfo(torch.float32).max)
+    x = torch.nan_to_num(logits.float(), nan=float("-inf"), posinf=torch.finfo(torch.float32).max,
+                         neginf=float("-inf"))  # (its default would make -inf the lowest finite value)
     top = x.amax(dim=-1, keepdim=True)  # [n, 1]
     if check and not bool(torch.isfinite(top).all()):
         raise SamplingError("the model produced no finite logit for this sequence")
