@@ -114,9 +114,9 @@ def train_head(config: TrainConfig, progress: bool = True) -> TrainResult:
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
         optimizer.step()
         step += 1
-        result.losses.append(float(loss))
+        result.losses.append(float(loss.detach()))
         bar.update(1)
-        bar.set_postfix(loss=f"{float(loss):.3f}")
+        bar.set_postfix(loss=f"{result.losses[-1]:.3f}")
         if step % config.checkpoint_every == 0 or step == total:
             _save_checkpoint(config, parts.identity, head, optimizer, step, result.losses)
     bar.close()
