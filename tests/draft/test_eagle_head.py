@@ -151,3 +151,19 @@ def test_proposer_drafts_only_with_the_newest_feature_and_restarts_after_a_gap(d
     assert proposer.context_span("a") == (4, 5)
     proposer.release("a")
     assert proposer.context_span("a") == (0, 0)
+
+
+async def test_the_draft_server_built_from_settings_serves_eagle_and_refuses_a_foreign_head(trained, tmp_path):
+    from services.builders import build_server
+    from services.settings import read_settings
+    from specmesh.proto.v1 import common_pb2
+
+    model_dir, result = trained
+    settings = read_settings({}, dev=True, port=0, model=str(model_dir), eagle_head=str(result.path))
+    server = build_server("draft", settings)
+    service = server._on_drain.__self__  # the DraftService the server drains
+    assert isinstance(service.proposers[common_pb2.SPECULATION_METHOD_EAGLE], EagleProposer)
+    await server.stop(0)
+    other = build_tiny_model(tmp_path / "other", "llama", seed=2)
+    with pytest.raises(HeadMismatch):
+        build_server("draft", read_settings({}, dev=True, port=0, model=str(other), eagle_head=str(result.path)))

@@ -77,9 +77,11 @@ class LosesFeatures(EagleProposer):
 class RecordsFeatures(EagleProposer):
     def __init__(self, drafter) -> None:
         super().__init__(drafter)
-        self.received: dict[int, torch.Tensor] = {}  # position -> feature
+        self.by_sequence: dict[str, dict[int, torch.Tensor]] = {}  # sequence id -> position -> feature
+        self.received: dict[int, torch.Tensor] = {}  # the latest sequence's
 
     def add_features(self, sequence_id, start, features):
+        self.received = self.by_sequence.setdefault(sequence_id, {})
         for i, row in enumerate(features):
             self.received[start + i] = row.float()
         super().add_features(sequence_id, start, features)
@@ -212,3 +214,21 @@ def test_least_likely_head_drafts_sent_with_real_q_fail_the_check(tiny_llama_dir
     print(f"eagle, least likely drafts with real q: chi2 {stat:.1f}, df {df}, bound {chi2_bound(df):.1f}; "
           f"accepted {sum(u.accepted_tokens for _, u in samples)} of {sum(u.proposed_tokens for _, u in samples)}")
     assert stat > chi2_bound(df), f"broken draft not detected (chi2 {stat:.1f}, df {df})"
+
+
+def test_gemma3_target_sends_its_features_and_greedy_output_is_unchanged(tiny_gemma_dir, tmp_path):
+    """Gemma 3's lean forward (scaled embedding, sliding-window layers) sends the same features
+    its transformers forward computes, and greedy output with its head is the target's."""
+    head = train_tiny_head(tiny_gemma_dir, tmp_path / "gemma.safetensors").path
+    alone, _ = asyncio.run(_run(tiny_gemma_dir, head, PROMPTS[:2], 16))
+    samples, proposer = asyncio.run(_run(tiny_gemma_dir, head, PROMPTS[:2], 16, (3, 8), proposer=RecordsFeatures))
+    assert _ids(samples) == _ids(alone)
+    assert sum(u.proposed_tokens for _, u in samples) > 0
+    from services.common.models.loading import load_causal_lm
+    model, tokenizer = load_causal_lm(tiny_gemma_dir, torch.float32, "cpu")
+    tokens = tokenizer(PROMPTS[1])["input_ids"] + list(samples[1][0])  # the last sequence's features
+    with torch.inference_mode():
+        expected = model.get_decoder()(torch.tensor([tokens])).last_hidden_state[0]  # [T, hidden]
+    assert sorted(proposer.received) == list(range(len(proposer.received)))
+    got = torch.stack([proposer.received[p] for p in sorted(proposer.received)])
+    torch.testing.assert_close(got, expected[:len(got)], rtol=2e-2, atol=2e-2)
