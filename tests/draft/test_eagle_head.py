@@ -167,3 +167,37 @@ async def test_the_draft_server_built_from_settings_serves_eagle_and_refuses_a_f
     other = build_tiny_model(tmp_path / "other", "llama", seed=2)
     with pytest.raises(HeadMismatch):
         build_server("draft", read_settings({}, dev=True, port=0, model=str(other), eagle_head=str(result.path)))
+
+
+def test_a_batch_of_sequences_gets_the_chains_and_trees_of_single_calls(drafter):
+    """propose_batch runs every chain of the batch in one head forward per depth (contexts of
+    different lengths, padding masked): the same drafts as one call per sequence."""
+    hidden = drafter.head.config.hidden_size
+    gen = torch.Generator().manual_seed(3)
+    histories = [[1, 80, 81, 82, 83, 84, 85], [1, 90, 91], [1, 100, 101, 102, 103], [1, 110, 111, 112]]
+    features = [drafter.parts.final_norm(torch.randn(len(h) - 1, hidden, generator=gen)) for h in histories]
+    samplings = [DraftSampling(), DraftSampling(0.8, 4, 0.0, 11), DraftSampling(), DraftSampling(1.0, 0, 0.9, 5)]
+    limits = [(4, 4), (3, 3), (2, 2), (4, 8)]  # chains, and a sampled request asking for a tree (a chain)
+
+    def open_all(proposer):
+        store = DraftStateStore()
+        states = []
+        for i, (tokens, rows, sampling) in enumerate(zip(histories, features, samplings)):
+            states.append(store.append(str(i), tokens, "", 7))
+            proposer.observe(str(i), tokens)
+            proposer.add_features(str(i), 0, rows)
+            proposer.set_sampling(str(i), sampling)
+        return states
+
+    batched = EagleProposer(drafter)
+    trees = batched.propose_batch(open_all(batched), [d for d, _ in limits], [n for _, n in limits])
+    single = EagleProposer(drafter)
+    states = open_all(single)
+    alone = [single.propose([state], d, n)[0] for state, (d, n) in zip(states, limits)]
+    assert [t.token_ids for t in trees] == [t.token_ids for t in alone]
+    assert [t.num_nodes for t in trees] == [4, 3, 2, 4]
+    for got, want in zip(trees, alone):
+        assert len(got.distributions) == len(want.distributions)
+        for a, b in zip(got.distributions, want.distributions):
+            assert a.token_ids == b.token_ids
+            assert a.probs == pytest.approx(b.probs, abs=1e-5)

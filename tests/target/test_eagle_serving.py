@@ -68,10 +68,10 @@ class LosesFeatures(EagleProposer):
         if self.calls % 5 != 3:
             super().add_features(sequence_id, start, features)
 
-    def _propose_one(self, state, max_depth, max_nodes):
-        tree = super()._propose_one(state, max_depth, max_nodes)
-        self.empty_trees += tree.num_nodes == 0
-        return tree
+    def propose_batch(self, states, max_depths, max_nodes):
+        trees = super().propose_batch(states, max_depths, max_nodes)
+        self.empty_trees += sum(tree.num_nodes == 0 for tree in trees)
+        return trees
 
 
 class RecordsFeatures(EagleProposer):

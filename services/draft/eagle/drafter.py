@@ -70,30 +70,54 @@ class HeadDrafter:
         ctx.end += m
         ctx.last = self.parts.final_norm(out[-1])
 
-    @torch.inference_mode()
     def chain(self, ctx: HeadContext, sequence_id: str, num_tokens: int, sampling: DraftSampling,
               generator: torch.Generator | None, max_top_k: int) -> DraftTree:
         """A chain of `num_tokens` drafts after the context: the head's argmax chain, or for a
         sampled request tokens drawn from the sparse distributions sent with them."""
-        feature = ctx.last  # [hidden]
-        k, v = ctx.k, ctx.v
-        tokens: list[int] = []
-        distributions: list[Distribution] = []
-        for i in range(num_tokens):
-            logits = self.parts.features_to_logits(feature)  # [vocab]
-            if sampling.greedy:
-                tokens.append(int(torch.argmax(logits)))
-            else:
-                ids, probs = sparse_distribution(logits, sampling, max_top_k)  # [k], [k]
-                tokens.append(int(ids[int(torch.multinomial(probs, 1, generator=generator))]))
-                distributions.append(Distribution(tuple(ids.tolist()), tuple(probs.tolist())))
-            if i + 1 < num_tokens:
-                ids = torch.tensor(tokens[-1:], device=self.device)
-                pos = torch.tensor([ctx.end + i], device=self.device)
-                out, nk, nv = self.head(self.parts.embed(ids).to(self.dtype), feature[None], pos, k, v)
-                k, v = torch.cat([k, nk], dim=1), torch.cat([v, nv], dim=1)
-                feature = self.parts.final_norm(out[0])
-        return DraftTree.chain(sequence_id, tokens, distributions)
+        return self.chains([ctx], [sequence_id], [num_tokens], [sampling], [generator], max_top_k)[0]
+
+    @torch.inference_mode()
+    def chains(self, ctxs: Sequence[HeadContext], sequence_ids: Sequence[str], num_tokens: Sequence[int],
+               samplings: Sequence[DraftSampling], generators: Sequence[torch.Generator | None],
+               max_top_k: int) -> list[DraftTree]:
+        """`chain` for several sequences at once: one head forward per depth for all of them, their
+        cached keys padded to the longest context (padding masked out)."""
+        b, depth = len(ctxs), max(num_tokens)
+        width = max(c.end - c.start for c in ctxs)
+        k = ctxs[0].k.new_zeros(b, *ctxs[0].k.shape[:1], width, ctxs[0].k.shape[2])  # [b, heads, width, head_dim]
+        v = torch.zeros_like(k)
+        visible = torch.zeros(b, width, dtype=torch.bool, device=self.device)  # [b, keys]
+        for i, c in enumerate(ctxs):
+            k[i, :, :c.k.shape[1]], v[i, :, :c.v.shape[1]] = c.k, c.v
+            visible[i, :c.k.shape[1]] = True
+        feature = torch.stack([c.last for c in ctxs])  # [b, hidden]
+        ends = torch.tensor([c.end for c in ctxs], device=self.device)  # [b]
+        tokens: list[list[int]] = [[] for _ in ctxs]
+        distributions: list[list[Distribution]] = [[] for _ in ctxs]
+        for step in range(depth):
+            logits = self.parts.features_to_logits(feature)  # [b, vocab]
+            for i in range(b):
+                if step < num_tokens[i]:
+                    self._pick(logits[i], samplings[i], generators[i], max_top_k, tokens[i], distributions[i])
+            if step + 1 < depth:
+                ids = torch.tensor([t[-1] for t in tokens], device=self.device)[:, None]  # [b, 1]
+                visible = torch.cat([visible, visible.new_ones(b, 1)], dim=1)  # the new row sees itself
+                out, nk, nv = self.head(self.parts.embed(ids).to(self.dtype), feature[:, None],
+                                        (ends + step)[:, None], k, v, visible[:, None, None])  # out [b, 1, hidden]
+                k, v = torch.cat([k, nk], dim=-2), torch.cat([v, nv], dim=-2)
+                feature = self.parts.final_norm(out[:, 0])
+        return [DraftTree.chain(sid, t, d) for sid, t, d in zip(sequence_ids, tokens, distributions)]
+
+    @staticmethod
+    def _pick(logits: torch.Tensor, sampling: DraftSampling, generator: torch.Generator | None, max_top_k: int,
+              tokens: list[int], distributions: list[Distribution]) -> None:
+        """Appends the next draft token of logits [vocab]: argmax, or drawn from the sparse q sent with it."""
+        if sampling.greedy:
+            tokens.append(int(torch.argmax(logits)))  # first maximum: ties go to the lowest id
+            return
+        ids, probs = sparse_distribution(logits, sampling, max_top_k)  # [k], [k]
+        tokens.append(int(ids[int(torch.multinomial(probs, 1, generator=generator))]))
+        distributions.append(Distribution(tuple(ids.tolist()), tuple(probs.tolist())))
 
     @torch.inference_mode()
     def tree(self, ctx: HeadContext, sequence_id: str, max_depth: int, max_nodes: int,

@@ -89,15 +89,16 @@ class FeatureHead(nn.Module):
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 past_k: torch.Tensor | None = None, past_v: torch.Tensor | None = None,
                 mask: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """embeds, features: [n, hidden] (one sequence); positions: [n] head positions;
-        past_k / past_v: [heads, s, head_dim] cached keys and values (RoPE'd) or None;
-        mask: [n, s + n] bool (True = may attend) or None for causal over the new rows with
-        every past key visible. Returns (output [n, hidden] pre-norm, k [heads, n, head_dim],
+        """embeds, features: [n, hidden] (one sequence; or [b, n, hidden] for a batch, every
+        shape below then with a leading b); positions: [n] head positions; past_k / past_v:
+        [heads, s, head_dim] cached keys and values (RoPE'd) or None; mask: [n, s + n] bool
+        (True = may attend; [b, 1, n, s + n] for a batch) or None for causal over the new rows
+        with every past key visible. Returns (output [n, hidden] pre-norm, k [heads, n, head_dim],
         v [heads, n, head_dim]) of the new rows."""
         x = self._input(embeds, features)  # [n, hidden]
         q, k, v = self._qkv(self.attn_norm(x), positions)  # [heads, n, head_dim] each
-        keys = k if past_k is None else torch.cat([past_k, k], dim=1)  # [heads, s + n, head_dim]
-        values = v if past_v is None else torch.cat([past_v, v], dim=1)
+        keys = k if past_k is None else torch.cat([past_k, k], dim=-2)  # [heads, s + n, head_dim]
+        values = v if past_v is None else torch.cat([past_v, v], dim=-2)
         if mask is None:
             n, s = q.shape[1], keys.shape[1] - q.shape[1]
             mask = torch.ones(n, s + n, dtype=torch.bool, device=q.device)

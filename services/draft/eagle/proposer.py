@@ -88,7 +88,32 @@ class EagleProposer(Proposer):
     def propose(self, states: Sequence[SequenceState], max_depth: int, max_nodes: int) -> list[DraftTree]:
         if max_depth < 1 or max_nodes < 1:
             raise ValueError(f"max_depth and max_nodes must be >= 1, got {max_depth}, {max_nodes}")
-        return [self._propose_one(state, max_depth, max_nodes) for state in states]
+        return self.propose_batch(states, [max_depth] * len(states), [max_nodes] * len(states))
+
+    def propose_batch(self, states: Sequence[SequenceState], max_depths: Sequence[int],
+                      max_nodes: Sequence[int]) -> list[DraftTree]:
+        """Every chain of the batch in one head forward per depth; trees one sequence at a time."""
+        trees: list[DraftTree | None] = [None] * len(states)
+        chains: list[int] = []
+        for i, (state, depth, nodes) in enumerate(zip(states, max_depths, max_nodes, strict=True)):
+            if depth < 1 or nodes < 1:
+                raise ValueError(f"max_depth and max_nodes must be >= 1, got {depth}, {nodes}")
+            seq = self._seqs.setdefault(state.sequence_id, _SequenceHead())
+            self._feed(seq, state)
+            if seq.context.last is None or seq.context.end != state.num_tokens - 1:
+                trees[i] = DraftTree.empty(state.sequence_id)  # no feature of the newest position
+            elif seq.sampling.greedy and nodes > depth:
+                trees[i] = self.drafter.tree(seq.context, state.sequence_id, depth, nodes, self.top_k)
+            else:
+                chains.append(i)
+        if chains:
+            seqs = [self._seqs[states[i].sequence_id] for i in chains]
+            drafted = self.drafter.chains([s.context for s in seqs], [states[i].sequence_id for i in chains],
+                                          [min(max_depths[i], max_nodes[i]) for i in chains],
+                                          [s.sampling for s in seqs], [s.generator for s in seqs], self.max_top_k)
+            for i, tree in zip(chains, drafted):
+                trees[i] = tree
+        return trees  # type: ignore[return-value]
 
     def context_span(self, sequence_id: str) -> tuple[int, int]:
         """Head positions [start, end) the sequence's context holds ((0, 0) when unknown)."""
@@ -97,15 +122,6 @@ class EagleProposer(Proposer):
 
     # ---- helpers ------------------------------------------------------------------------
 
-    def _propose_one(self, state: SequenceState, max_depth: int, max_nodes: int) -> DraftTree:
-        seq = self._seqs.setdefault(state.sequence_id, _SequenceHead())
-        self._feed(seq, state)
-        if seq.context.last is None or seq.context.end != state.num_tokens - 1:
-            return DraftTree.empty(state.sequence_id)  # no feature of the newest position: decode plainly
-        if seq.sampling.greedy and max_nodes > max_depth:
-            return self.drafter.tree(seq.context, state.sequence_id, max_depth, max_nodes, self.top_k)
-        return self.drafter.chain(seq.context, state.sequence_id, min(max_depth, max_nodes),
-                                  seq.sampling, seq.generator, self.max_top_k)
 
     def _feed(self, seq: _SequenceHead, state: SequenceState) -> None:
         """Feeds the pending features that have their next token; restarts the context at a gap."""
