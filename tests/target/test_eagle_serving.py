@@ -49,11 +49,10 @@ class LeastLikelyHeadWithRealQ(HeadDrafter):
     """Broken: sends each node's sampled q but drafts the least likely token of it (a draft whose
     q does not describe how its tokens were drawn)."""
 
-    def chain(self, ctx, sequence_id, num_tokens, sampling, generator, max_top_k):
-        tree = super().chain(ctx, sequence_id, num_tokens, sampling, generator, max_top_k)
-        if not tree.distributions:
-            return tree
-        return DraftTree.chain(sequence_id, [d.token_ids[-1] for d in tree.distributions], tree.distributions)
+    def chains(self, ctxs, sequence_ids, num_tokens, samplings, generators, max_top_k):
+        trees = super().chains(ctxs, sequence_ids, num_tokens, samplings, generators, max_top_k)
+        return [DraftTree.chain(t.sequence_id, [d.token_ids[-1] for d in t.distributions], t.distributions)
+                if t.distributions else t for t in trees]
 
 
 class LosesFeatures(EagleProposer):
