@@ -201,3 +201,38 @@ def test_a_batch_of_sequences_gets_the_chains_and_trees_of_single_calls(drafter)
         for a, b in zip(got.distributions, want.distributions):
             assert a.token_ids == b.token_ids
             assert a.probs == pytest.approx(b.probs, abs=1e-5)
+
+
+def _eagle_sequence(sequence_id, tokens, features=None, **fields):
+    from specmesh.proto.v1 import common_pb2, draft_service_pb2
+    return draft_service_pb2.DraftSequence(sequence_id=sequence_id, new_token_ids=tokens, max_depth=3,
+                                           method=common_pb2.SPECULATION_METHOD_EAGLE, features=features, **fields)
+
+
+def test_the_draft_service_checks_features_and_drafts_from_them(drafter):
+    import grpc
+    from services.common import feature_rows
+    from services.draft.config import DraftConfig
+    from services.draft.service import DraftService, RequestError
+    from specmesh.proto.v1 import draft_service_pb2
+
+    hidden = drafter.head.config.hidden_size
+    rows = drafter.parts.final_norm(torch.randn(3, hidden))  # [3, hidden]
+    service = DraftService(DraftConfig(), eagle=EagleProposer(drafter))
+    bad = {"wrong hidden size": feature_rows.encode(0, torch.randn(3, hidden + 1)),
+           "past the last token": feature_rows.encode(1, rows),
+           "short data": draft_service_pb2.FeatureRows(start=0, num_rows=3, hidden_size=hidden, data=b"\0" * 10)}
+    for what, features in bad.items():
+        with pytest.raises(RequestError) as info:
+            service.propose(draft_service_pb2.ProposeRequest(sequences=[_eagle_sequence("a", [1, 5, 6, 7], features)]))
+        assert info.value.code == grpc.StatusCode.INVALID_ARGUMENT, what
+        assert "a" not in service.store  # nothing changed
+    answer = service.propose(draft_service_pb2.ProposeRequest(
+        sequences=[_eagle_sequence("a", [1, 5, 6, 7], feature_rows.encode(0, rows))]))
+    assert len(answer.trees[0].token_ids) == 3
+    no_features = service.propose(draft_service_pb2.ProposeRequest(sequences=[_eagle_sequence("a", [8])]))
+    assert len(no_features.trees[0].token_ids) == 0  # the newest position's feature is missing: no draft
+    without_head = DraftService(DraftConfig())
+    with pytest.raises(RequestError) as info:
+        without_head.propose(draft_service_pb2.ProposeRequest(sequences=[_eagle_sequence("b", [1, 2])]))
+    assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "feature head" in str(info.value)
