@@ -106,8 +106,11 @@ def build_server(service: str, settings: Settings, config: ServerConfig | None =
         from services.draft.config import DraftConfig
         draft_model = settings.draft.draft_model
         draft_dir = resolve_model(settings, draft_model) if draft_model else None
+        head = settings.draft.eagle_head
         return build_draft_server(DraftConfig(server=config, draft_model_dir=draft_dir,
-                                              draft_model_dtype=settings.dtype))
+                                              draft_model_dtype=settings.dtype,
+                                              eagle_head_path=Path(head) if head else None,
+                                              eagle_target_dir=resolve_model(settings) if head else None))
     if service == "cache":
         from services.cache.app import build_cache_server
         return build_cache_server(cache_config(settings, config, mesh))

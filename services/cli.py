@@ -1,4 +1,4 @@
-"""`specmesh` command line: models prepare, up, serve SERVICE, generate PROMPT."""
+"""`specmesh` command line: models prepare, up, serve SERVICE, generate PROMPT, draft train."""
 
 from __future__ import annotations
 
@@ -97,9 +97,30 @@ def _parser() -> argparse.ArgumentParser:
                             "token", "router_ca", "tls_dir", "dev"))
     status.set_defaults(func=_cmd_status)
 
+    draft = sub.add_parser("draft", help="draft heads")
+    draft_sub = draft.add_subparsers(dest="draft_command", required=True)
+    train = draft_sub.add_parser("train", help="train a feature head (eagle) for the target model on its own "
+                                 "greedy and sampled continuations (resumable)")
+    _common_flags(train)
+    _train_flags(train)
+    train.set_defaults(func=_cmd_draft_train)
+
     sub.add_parser("bench", add_help=False, help="open-loop load against a router: per-bucket "
                    "latency report and plots (`specmesh bench --help`); `specmesh bench compare A B`")
     return parser
+
+
+def _train_flags(p: argparse.ArgumentParser) -> None:
+    from services.draft.eagle.train_defaults import DEFAULTS
+    p.add_argument("--out", help="the head's file (default MODEL_CACHE/heads/<model>.eagle.safetensors); "
+                   "its checkpoint and recorded data go beside it")
+    p.add_argument("--prompts", dest="prompts_file", help="prompts, one per line or JSON lines with "
+                   "\"prompt\" (default: the built-in open-text set)")
+    for name, (kind, help_text) in DEFAULTS.items():
+        p.add_argument(f"--{name.replace('_', '-')}", dest=name, type=kind, default=None,
+                       help=help_text)
+    p.add_argument("--no-resume", dest="resume", action="store_false", help="start afresh even if a "
+                   "checkpoint exists")
 
 
 def _common_flags(p: argparse.ArgumentParser) -> None:
@@ -187,6 +208,25 @@ def _cmd_status(args, settings: Settings) -> int:
 def _cmd_generate(args, settings: Settings) -> int:
     from services.common.client import stream_generate
     return asyncio.run(stream_generate(settings, args))
+
+
+def _cmd_draft_train(args, settings: Settings) -> int:
+    from services.builders import resolve_model
+    from services.draft.eagle.train import TrainConfig, train_head
+    from services.draft.eagle.train_defaults import DEFAULTS
+
+    model_dir = resolve_model(settings)
+    out = Path(args.out) if args.out else (Path(settings.model_cache).expanduser() / "heads"
+                                           / f"{model_dir.name}.eagle.safetensors")
+    given = {name: getattr(args, name) for name in DEFAULTS if getattr(args, name) is not None}
+    config = TrainConfig(model_dir=model_dir, out=out, resume=args.resume,
+                         prompts_file=Path(args.prompts_file) if args.prompts_file else None, **given)
+    result = train_head(config)
+    first, last = result.losses[:1], result.losses[-1:]
+    print(f"feature head for {model_dir} saved to {result.path} ({result.path.stat().st_size / 2**20:.1f} MiB; "
+          f"{result.steps} steps on {result.num_tokens} tokens; loss {first and first[0]:.3f} -> {last and last[0]:.3f})")
+    print(f"serve it with: specmesh up --speculation eagle --eagle-head {result.path}")
+    return 0
 
 
 def _default_model_dir(settings: Settings) -> Path:

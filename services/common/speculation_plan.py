@@ -8,7 +8,7 @@ from typing import Literal, get_args
 
 # Method names as settings and metric labels spell them (SpeculationMethod in common.proto,
 # without the prefix, lowercase).
-SpeculationMethodName = Literal["off", "prompt_lookup", "suffix", "draft_model", "dynamic_tree", "grammar"]
+SpeculationMethodName = Literal["off", "prompt_lookup", "suffix", "draft_model", "dynamic_tree", "grammar", "eagle"]
 SPECULATION_METHODS: tuple[str, ...] = get_args(SpeculationMethodName)
 
 # "fixed": every request gets the configured plan; "adaptive": depth per bucket and per step

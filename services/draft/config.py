@@ -42,10 +42,20 @@ class DraftConfig:
     draft_model_prefill_chunk: int = 512  # prompt tokens per draft forward pass
     # Dynamic trees: children per expanded node, and nodes expanded per depth.
     dynamic_tree_top_k: int = 4
+    # Feature head (enables EAGLE): a head file from `specmesh draft train` and the target model
+    # directory it was trained for (its embedding, final norm and LM head are loaded from there;
+    # a head for another model is refused). None = EAGLE answers FAILED_PRECONDITION.
+    eagle_head_path: Path | None = None
+    eagle_target_dir: Path | None = None
 
     def __post_init__(self) -> None:
         if self.draft_model_dir is not None:
             object.__setattr__(self, "draft_model_dir", Path(self.draft_model_dir).expanduser())
+        for name in ("eagle_head_path", "eagle_target_dir"):
+            if getattr(self, name) is not None:
+                object.__setattr__(self, name, Path(getattr(self, name)).expanduser())
+        if (self.eagle_head_path is None) != (self.eagle_target_dir is None):
+            raise ValueError("eagle_head_path and eagle_target_dir go together (the head and its target)")
         if self.draft_model_dtype not in MODEL_DTYPES:
             raise ValueError(f"draft_model_dtype must be one of {MODEL_DTYPES}, "
                              f"got {self.draft_model_dtype!r}")

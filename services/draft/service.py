@@ -10,8 +10,10 @@ phases with no await in between, so requests never interleave:
    request with all its sequences.
 
 Methods: PROMPT_LOOKUP (also for UNSPECIFIED) and SUFFIX always; DRAFT_MODEL and
-DYNAMIC_TREE when a draft model is configured (`DraftConfig.draft_model_dir`), else
-they answer FAILED_PRECONDITION.
+DYNAMIC_TREE when a draft model is configured (`DraftConfig.draft_model_dir`), EAGLE when a
+feature head is (`DraftConfig.eagle_head_path`, services/draft/eagle), else they answer
+FAILED_PRECONDITION. EAGLE sequences carry the target's features (checked in phase 1,
+handed to the proposer in phase 2).
 
 Requests that run the draft model go to a worker thread, so the event loop keeps
 answering health checks meanwhile; one lock serializes every Propose and Release, and a
@@ -51,7 +53,11 @@ from services.draft.telemetry import DraftTelemetry
 log = logging.getLogger(__name__)
 SERVICE_NAME = draft_service_pb2.DESCRIPTOR.services_by_name["DraftService"].full_name
 _MAX_REPORTED_PROBLEMS = 5
-_MODEL_METHODS = (common_pb2.SPECULATION_METHOD_DRAFT_MODEL, common_pb2.SPECULATION_METHOD_DYNAMIC_TREE)
+_MODEL_METHODS = (common_pb2.SPECULATION_METHOD_DRAFT_MODEL, common_pb2.SPECULATION_METHOD_DYNAMIC_TREE,
+                  common_pb2.SPECULATION_METHOD_EAGLE)
+_EAGLE = common_pb2.SPECULATION_METHOD_EAGLE
+_NO_HEAD = ("needs a feature head and this draft server has none; train one with `specmesh draft train` and "
+            "start the draft with --eagle-head <file>, or use another method")
 _NO_DRAFT_MODEL = ("needs a draft model and this draft server has none; start it with "
                    "DraftConfig(draft_model_dir=<local Hugging Face causal LM directory that shares the "
                    "target's tokenizer>) or use SPECULATION_METHOD_PROMPT_LOOKUP or SPECULATION_METHOD_SUFFIX")
@@ -76,12 +82,14 @@ class _Plan:
     max_nodes: int
     tenant_salt: str
     sampling: DraftSampling
+    features: object = None  # FeatureRows (EAGLE), checked; None = none this step
 
 
 class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
-    def __init__(self, config: DraftConfig, draft_model=None) -> None:
+    def __init__(self, config: DraftConfig, draft_model=None, eagle=None) -> None:
         """`draft_model`: an already loaded `DraftModel` to use instead of loading
-        `config.draft_model_dir` (e.g. shared within one process)."""
+        `config.draft_model_dir` (e.g. shared within one process); `eagle`: an already loaded
+        `EagleProposer` instead of loading `config.eagle_head_path`."""
         self.config = config
         self.store = DraftStateStore()
         self.proposers: dict[int, Proposer] = {
@@ -101,6 +109,14 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
             self.proposers[common_pb2.SPECULATION_METHOD_DRAFT_MODEL] = DraftModelProposer(draft_model)
             self.proposers[common_pb2.SPECULATION_METHOD_DYNAMIC_TREE] = DynamicTreeProposer(
                 draft_model, config.dynamic_tree_top_k)
+        if eagle is None and config.eagle_head_path is not None:
+            from services.draft.eagle.proposer import EagleProposer
+            from services.draft.proposers.draft_model import DTYPES
+            eagle = EagleProposer.load(config.eagle_head_path, config.eagle_target_dir,
+                                       DTYPES[config.draft_model_dtype], config.draft_model_device,
+                                       config.dynamic_tree_top_k)
+        if eagle is not None:
+            self.proposers[_EAGLE] = eagle
         self._draining = False
         self._lock = asyncio.Lock()
         self.telemetry = DraftTelemetry()
@@ -137,6 +153,10 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
             if plan.new_token_ids:
                 self.store.append(plan.sequence_id, plan.new_token_ids, plan.tenant_salt, plan.method)
                 self.proposers[plan.method].observe(plan.sequence_id, plan.new_token_ids)
+            if plan.features is not None and plan.features.num_rows:
+                from services.common.feature_rows import decode
+                self.proposers[plan.method].add_features(plan.sequence_id, plan.features.start,
+                                                         decode(plan.features))
             self.proposers[plan.method].set_sampling(plan.sequence_id, plan.sampling)
         trees = self._propose(plans)
         self.telemetry.proposed(_planned_messages(request, plans),
@@ -243,7 +263,7 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
         method = seq.method or common_pb2.SPECULATION_METHOD_PROMPT_LOOKUP
         proposer = self.proposers.get(method)
         if method in _MODEL_METHODS and proposer is None:
-            missing.append(f"{where}: method {_method_name(method)} {_NO_DRAFT_MODEL}")
+            missing.append(f"{where}: method {_method_name(method)} {_NO_HEAD if method == _EAGLE else _NO_DRAFT_MODEL}")
         elif proposer is None:
             problems.append(f"{where}: method {_method_name(seq.method)} not supported by this draft server")
         if not 1 <= seq.max_depth <= cfg.max_depth_limit:
@@ -269,6 +289,12 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
         if num_tokens > cfg.max_history_tokens:
             problems.append(f"{where}: history of {num_tokens} tokens is above the limit of "
                             f"{cfg.max_history_tokens}")
+        features = seq.features if seq.HasField("features") and method == _EAGLE else None
+        if features is not None and proposer is not None:
+            from services.common.feature_rows import problem
+            trouble = problem(features, proposer.hidden_size, num_tokens)
+            if trouble:
+                problems.append(f"{where}: {trouble}")
         denied: list[str] = []
         if state is not None and not problems:
             if state.tenant_salt != seq.tenant_salt:
@@ -282,7 +308,7 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
         sampling = DraftSampling(seq.temperature, seq.top_k, seq.top_p,
                                  seq.seed if seq.has_seed else None)
         return _Plan(seq.sequence_id, new_token_ids, method, seq.max_depth, max_nodes, seq.tenant_salt,
-                     sampling), [], [], []
+                     sampling, features), [], [], []
 
     def _propose(self, plans: list[_Plan]) -> list[DraftTree]:
         """One tree per plan, in order; each method's proposer is called once."""

@@ -15,3 +15,5 @@ from services.common.settings_group import SettingsGroup
 class DraftSettings(SettingsGroup):
     draft_model: str = Field("", description="draft LM for draft_model / dynamic_tree: 'default' "
                              "or a local Hugging Face directory")
+    eagle_head: str = Field("", description="feature head file for eagle (from `specmesh draft train`, "
+                            "trained for the target `model`); empty = eagle unavailable")

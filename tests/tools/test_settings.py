@@ -94,7 +94,7 @@ def test_invalid_values_name_the_setting_and_the_allowed_values(tmp_path):
         read_settings({"SPECMESH_SPECULATION_METHOD": "medusa"})
     assert str(exc.value) == ("invalid setting speculation_method='medusa' (from "
                               "SPECMESH_SPECULATION_METHOD): Input should be 'off', 'prompt_lookup', "
-                              "'suffix', 'draft_model', 'dynamic_tree' or 'grammar'")
+                              "'suffix', 'draft_model', 'dynamic_tree', 'grammar' or 'eagle'")
     with pytest.raises(ValueError) as exc:
         read_settings({"SPECMESH_CONFIG": write_config(tmp_path, {"num_blocks": 0})})
     assert str(exc.value) == (f"invalid setting num_blocks=0 (from config file {tmp_path}/mesh.yaml): "

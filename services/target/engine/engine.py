@@ -435,10 +435,16 @@ class Engine:
         self.runner.copy_blocks(self.blocks.take_copies())  # copy-on-write, before any KV is written
         proposals = self.speculator.propose(batch) if self.speculator else {}
         inputs, trees = self._step_inputs(batch, proposals)
+        want = self.speculator.feature_seqs(batch) if self.speculator else frozenset()
         with verify_span(trees, batch, self.speculator):
-            logits = self.runner.forward(inputs)  # [num_rows, vocab]
+            if want:  # EAGLE: the features of those sequences' rows too
+                logits, features = self.runner.forward_with_features(inputs, want)
+            else:
+                logits, features = self.runner.forward(inputs), {}  # [num_rows, vocab]
         rows = split_logits(logits, inputs)  # per batch item: [num_logits, vocab]
         verified, failed = self.speculator.verify(batch, rows, trees) if trees else ({}, {})
+        if features:
+            self.speculator.keep_features(inputs, features, trees)
         sampled, sampling_failed = sample_plain(batch, rows, trees)
         return {**verified, **sampled}, {**failed, **sampling_failed}
 

@@ -191,13 +191,15 @@ class Gemma3PagedForward:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logit_rows: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
+                 meta: AttentionMetadata, feature_rows: torch.Tensor | None = None):
+        """-> logits [R, vocab]; with `feature_rows` [F] also the features of those rows (the last
+        layer's output after the final norm, [F, hidden]): (logits, features)."""
         embed = self.embed
         h = nn.functional.embedding(input_ids, embed.weight, embed.padding_idx)
         h = h * embed.embed_scale.to(embed.weight.dtype)  # [T, hidden]
         rope = self._cos_sin(position_ids, h.dtype)
         if self.row_ops:
-            return self._call_row_ops(h, rope, logit_rows, meta)
+            return self._call_row_ops(h, rope, logit_rows, meta, feature_rows)
         num_tokens, eps = h.shape[0], self.eps
         for layer in self.layers:
             cos, sin = rope[layer.rope]
@@ -217,8 +219,10 @@ class Gemma3PagedForward:
             gate_up = layer.gate_up_proj(x)  # [T, 2 * intermediate]
             x = layer.down_proj(self.act(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:])
             h = h + _rms_norm(x, layer.post_feedforward_norm, eps)
-        h = _rms_norm(h.index_select(0, logit_rows), self.final_norm, eps)  # norm is per row
-        return self._logits(h)
+        logits = self._logits(_rms_norm(h.index_select(0, logit_rows), self.final_norm, eps))  # norm is per row
+        if feature_rows is None:
+            return logits
+        return logits, _rms_norm(h.index_select(0, feature_rows), self.final_norm, eps)
 
     def _logits(self, h: torch.Tensor) -> torch.Tensor:  # [R, hidden] normed -> [R, vocab]
         logits = self.lm_head(h)
@@ -227,7 +231,7 @@ class Gemma3PagedForward:
         return logits
 
     def _call_row_ops(self, h: torch.Tensor, rope: dict, logit_rows: torch.Tensor,
-                      meta: AttentionMetadata) -> torch.Tensor:
+                      meta: AttentionMetadata, feature_rows: torch.Tensor | None = None):
         """The loop of __call__ with each layer's norms, residual adds and q/k norm + RoPE fused
         into three C++ row ops: each residual add runs with the norm after it (the next layer's
         input norm, or the final norm, which is per row, so computing it on every row and
@@ -248,4 +252,5 @@ class Gemma3PagedForward:
                 d = layer.down_proj(self.act(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:])
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
             h, x = cpu_rowops.add_rms_norm(h, d, layer.post_feedforward_norm, next_norm, eps)
-        return self._logits(x.index_select(0, logit_rows))
+        logits = self._logits(x.index_select(0, logit_rows))
+        return logits if feature_rows is None else (logits, x.index_select(0, feature_rows))

@@ -125,7 +125,9 @@ class LlamaPagedForward:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logit_rows: torch.Tensor,
-                 meta: AttentionMetadata) -> torch.Tensor:
+                 meta: AttentionMetadata, feature_rows: torch.Tensor | None = None):
+        """-> logits [R, vocab]; with `feature_rows` [F] also (logits, features [F, hidden] after the
+        final norm)."""
         embed = self.embed
         h = nn.functional.embedding(input_ids, embed.weight, embed.padding_idx)  # [T, hidden]
         cos, sin = self._cos_sin(position_ids, h.dtype)
@@ -145,5 +147,7 @@ class LlamaPagedForward:
             x = _rms_norm(h, layer.post_attention_norm, eps)
             gate_up = layer.gate_up_proj(x)  # [T, 2 * intermediate]
             h = h + layer.down_proj(self.act(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:])
-        h = _rms_norm(h.index_select(0, logit_rows), self.final_norm, eps)  # the norm is per row
-        return self.lm_head(h)  # [R, vocab]
+        logits = self.lm_head(_rms_norm(h.index_select(0, logit_rows), self.final_norm, eps))  # [R, vocab]
+        if feature_rows is None:
+            return logits
+        return logits, _rms_norm(h.index_select(0, feature_rows), self.final_norm, eps)  # the norm is per row

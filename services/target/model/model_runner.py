@@ -63,10 +63,17 @@ class ModelRunner:
         self._lean_forward = forward
         self.kernels = get_kernels(self._kernel_backend, cpp_attention=getattr(forward, "row_ops", False))
 
-    @torch.inference_mode()
     def forward(self, inputs: list[StepInput]) -> torch.Tensor:
         """Computes and stores KV for every input token; returns logits [num_rows, vocab]
         (float32): each input's `num_logits` last rows, inputs in order."""
+        return self.forward_with_features(inputs)[0]
+
+    @torch.inference_mode()
+    def forward_with_features(self, inputs: list[StepInput], feature_seqs: frozenset[str] = frozenset(),
+                              ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """`forward`, and for the inputs of `feature_seqs` the features of all their rows (the last
+        layer's output after the final norm: [q_len, hidden] per sequence, the feature head's
+        input). Only a lean forward computes features; otherwise the dict is empty."""
         ids, positions, slots, logit_rows, q_lens, ctx_lens, tables = [], [], [], [], [], [], []
         for inp in inputs:
             n = len(inp.token_ids)
@@ -78,23 +85,33 @@ class ModelRunner:
             ctx_lens.append(inp.context_len)
             tables.append(self.blocks.block_table(inp.seq_id))
         meta = self._metadata(slots, positions, q_lens, ctx_lens, tables, _tree_mask(inputs, self.device))
+        feature_rows, offset = {}, 0
+        for inp in inputs:
+            if inp.seq_id in feature_seqs:
+                feature_rows[inp.seq_id] = range(offset, offset + len(inp.token_ids))
+            offset += len(inp.token_ids)
         start = time.perf_counter()
-        logits = self._forward(ids, positions, logit_rows, meta)
+        logits, features = self._forward(ids, positions, logit_rows, meta, feature_rows)
         tier = self.blocks.host_tier
         if tier is not None and len(ids) >= 4 * self.blocks.block_size:  # prefill-sized: a recompute's cost
             if logits.device.type != "cpu":
                 torch.cuda.synchronize(logits.device)
             tier.observe_recompute(time.perf_counter() - start, len(ids))
-        return logits
+        return logits, features
 
-    def _forward(self, ids: list[int], positions: list[int], logit_rows: list[int],
-                 meta: AttentionMetadata) -> torch.Tensor:
+    def _forward(self, ids: list[int], positions: list[int], logit_rows: list[int], meta: AttentionMetadata,
+                 feature_rows: dict[str, range]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         dev = self.device
         if self.lean_forward is not None:
-            return self.lean_forward(torch.tensor(ids, dtype=torch.long, device=dev),
-                                     torch.tensor(positions, dtype=torch.long, device=dev),
-                                     torch.tensor(logit_rows, dtype=torch.long, device=dev),
-                                     meta).float()  # [num_rows, vocab]
+            args = (torch.tensor(ids, dtype=torch.long, device=dev),
+                    torch.tensor(positions, dtype=torch.long, device=dev),
+                    torch.tensor(logit_rows, dtype=torch.long, device=dev), meta)
+            if not feature_rows:
+                return self.lean_forward(*args).float(), {}  # [num_rows, vocab]
+            rows = torch.tensor([r for span in feature_rows.values() for r in span], dtype=torch.long, device=dev)
+            logits, features = self.lean_forward(*args, feature_rows=rows)  # features [F, hidden]
+            split = features.split([len(span) for span in feature_rows.values()])
+            return logits.float(), dict(zip(feature_rows, split))
         out = self.model(
             input_ids=torch.tensor([ids], dtype=torch.long, device=dev),
             position_ids=torch.tensor([positions], dtype=torch.long, device=dev),
@@ -102,7 +119,7 @@ class ModelRunner:
             logits_to_keep=torch.tensor(logit_rows, dtype=torch.long, device=dev),
             specmesh_meta=meta,
         )
-        return out.logits[0].float()  # [num_rows, vocab]
+        return out.logits[0].float(), {}  # [num_rows, vocab]; no features on this path
 
     def move_kv(self, seq_id: str, src: list[int], dst: list[int]) -> None:
         """Copies the KV of sequence indices `src` to indices `dst` in every layer (accepted tree paths)."""

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 
 import grpc
 
+from services.common import feature_rows
 from services.common.draft_tree import DraftTree
 from specmesh.proto.v1 import draft_service_pb2, draft_service_pb2_grpc
 from services.common.tls import MeshTls, internal_sync_channel
@@ -43,6 +44,7 @@ class DraftRequest:
     span_context: object = None  # the request's span: its trace context goes with a full history
     sampling: object = None  # the request's SamplingConfig: a sampling draft drafts as it samples
     draft_seed: int | None = None  # seeds the draft's own sampler (`draft_seed`); None = random
+    features: tuple[int, object] | None = None  # EAGLE: (start, rows [m, hidden]) of new committed positions
 
 
 # What the draft holds of a sequence, in `DraftClient._synced`: absent = nothing (never sent,
@@ -172,7 +174,8 @@ class DraftClient:
             tenant_salt=request.tenant_salt, traceparent=traceparent(request.span_context) if full else "",
             temperature=0.0 if sampling is None or sampling.greedy else sampling.temperature,
             top_k=0 if sampling is None else sampling.top_k, top_p=0.0 if sampling is None else sampling.top_p,
-            seed=(seed or 0) % 2**64, has_seed=seed is not None)
+            seed=(seed or 0) % 2**64, has_seed=seed is not None,
+            features=None if request.features is None else feature_rows.encode(*request.features))
 
     def _ensure_stream(self) -> bool:
         """True when the stream is up; otherwise starts a background (re)connect and returns False.

@@ -20,6 +20,8 @@ import torch
 from services.common.draft_tree import DraftTree
 from services.common.speculation_cost import LoadAwareDepth, expected_tokens, sequence_alpha
 from services.target.speculation.draft_client import DraftClient, DraftRequest, draft_seed
+from services.target.speculation.features import FeatureBuffer
+from specmesh.proto.v1 import common_pb2
 from services.target.model.logits_processors import tree_paths
 from services.target.model.logprobs import token_logprobs
 from services.target.model.sampler import target_probs
@@ -70,6 +72,8 @@ class Speculator:
         self.queue_length: Callable[[], int] = lambda: 0  # requests waiting for the step, set by the engine
         # The last step's (draft call seconds, draft nodes verified, trees) for the step log.
         self.last_step: tuple[float, int, int] = (0.0, 0, 0)
+        self.features = FeatureBuffer()  # EAGLE: features of committed positions not yet sent
+        self._committed_rows: dict[str, list[int]] = {}  # this step's verified trees: rows committed
 
     def propose(self, batch: list[ScheduledSeq]) -> dict[str, DraftTree]:
         """One batched draft call for every decoding sequence with a plan; {} on fallback."""
@@ -85,7 +89,8 @@ class Speculator:
             seed = None if seq.generator is None else draft_seed(seq.generator.initial_seed())
             requests.append(DraftRequest(seq.seq_id, seq.token_ids, draft_service_method(seq.plan), depth,
                                          min(max(seq.plan.max_nodes, depth), slots[seq.seq_id]),
-                                         seq.tenant_salt, seq.span_context, seq.sampling, seed))
+                                         seq.tenant_salt, seq.span_context, seq.sampling, seed,
+                                         self.features.take(seq.seq_id) if self.wants_features(seq) else None))
         if not requests:
             return forced
         start = time.monotonic()
@@ -118,6 +123,8 @@ class Speculator:
                 continue
             try:
                 path, bonus, logprobs = self.accept(seq, item_rows, tree)
+                if self.wants_features(seq):
+                    self._committed_rows[seq.seq_id] = [0, *(node + 1 for node in path)]
                 if seq.confidence is not None:
                     seq.confidence.add_tree(item_rows, tree, path, bonus)
                 with self.engine_lock:
@@ -212,8 +219,33 @@ class Speculator:
         return draft_probs, True
 
     def release(self, seq: Sequence) -> None:
+        self.features.drop(seq.seq_id)
         if seq.plan is not None:
             self.client.release([seq.seq_id])  # no-op for sequences never sent
+
+    @staticmethod
+    def wants_features(seq: Sequence) -> bool:
+        """Whether the sequence speculates with the feature head (its forward rows' features are kept)."""
+        return seq.plan is not None and seq.plan.method == common_pb2.SPECULATION_METHOD_EAGLE
+
+    def feature_seqs(self, batch: list[ScheduledSeq]) -> frozenset[str]:
+        """The sequences of the step whose features the forward pass returns."""
+        return frozenset(item.seq.seq_id for item in batch if self.wants_features(item.seq))
+
+    def keep_features(self, inputs: list, features: dict[str, torch.Tensor], trees: dict[str, DraftTree]) -> None:
+        """After verify: the features ([q_len, hidden] per sequence) of the rows this step committed
+        go to the buffer: every row of a chunk, the root and accepted nodes of a verified tree."""
+        committed, self._committed_rows = self._committed_rows, {}
+        for inp in inputs:
+            rows = features.get(inp.seq_id)
+            if rows is None:
+                continue
+            if inp.seq_id in trees:
+                keep = committed.get(inp.seq_id)
+                if keep is None:  # its verify failed
+                    continue
+                rows = rows[keep]  # [1 + accepted, hidden]: at positions context_len .. after compaction
+            self.features.add(inp.seq_id, inp.context_len, rows)
 
     def _depths(self, batch: list[ScheduledSeq]) -> list[tuple[Sequence, int]]:
         """(sequence, depth >= 1) for the sequences that speculate this step. Load-aware plans

@@ -24,6 +24,7 @@ class SpeculationMethod(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     SPECULATION_METHOD_DRAFT_MODEL: _ClassVar[SpeculationMethod]
     SPECULATION_METHOD_DYNAMIC_TREE: _ClassVar[SpeculationMethod]
     SPECULATION_METHOD_GRAMMAR: _ClassVar[SpeculationMethod]
+    SPECULATION_METHOD_EAGLE: _ClassVar[SpeculationMethod]
 FINISH_REASON_UNSPECIFIED: FinishReason
 FINISH_REASON_STOP: FinishReason
 FINISH_REASON_LENGTH: FinishReason
@@ -35,6 +36,7 @@ SPECULATION_METHOD_SUFFIX: SpeculationMethod
 SPECULATION_METHOD_DRAFT_MODEL: SpeculationMethod
 SPECULATION_METHOD_DYNAMIC_TREE: SpeculationMethod
 SPECULATION_METHOD_GRAMMAR: SpeculationMethod
+SPECULATION_METHOD_EAGLE: SpeculationMethod
 
 class SamplingParams(_message.Message):
     __slots__ = ("max_tokens", "temperature", "top_k", "top_p", "seed", "has_seed", "stop", "skip_special_tokens", "presence_penalty", "frequency_penalty", "repetition_penalty", "logit_bias", "min_tokens", "logprobs", "top_logprobs", "raw_logprobs", "n", "constraint")

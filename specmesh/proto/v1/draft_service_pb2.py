@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from specmesh.proto.v1 import common_pb2 as specmesh_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fspecmesh/v1/draft_service.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\x8e\x02\n\rDraftSequence\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12.\n\x06method\x18\x03 \x01(\x0e\x32\x1e.specmesh.v1.SpeculationMethod\x12\x11\n\tmax_depth\x18\x04 \x01(\x05\x12\x11\n\tmax_nodes\x18\x05 \x01(\x05\x12\x13\n\x0btenant_salt\x18\x06 \x01(\t\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\x12\x13\n\x0btemperature\x18\x08 \x01(\x02\x12\r\n\x05top_k\x18\t \x01(\x05\x12\r\n\x05top_p\x18\n \x01(\x02\x12\x0c\n\x04seed\x18\x0b \x01(\x04\x12\x10\n\x08has_seed\x18\x0c \x01(\x08\"M\n\x0eProposeRequest\x12-\n\tsequences\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.DraftSequence\x12\x0c\n\x04step\x18\x02 \x01(\x04\"{\n\tDraftTree\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12\x35\n\rdistributions\x18\x04 \x03(\x0b\x32\x1e.specmesh.v1.DraftDistribution\"5\n\x11\x44raftDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"F\n\x0fProposeResponse\x12%\n\x05trees\x18\x01 \x03(\x0b\x32\x16.specmesh.v1.DraftTree\x12\x0c\n\x04step\x18\x02 \x01(\x04\"S\n\x14ProposeStreamRequest\x12-\n\tsequences\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.DraftSequence\x12\x0c\n\x04step\x18\x02 \x01(\x04\"L\n\x15ProposeStreamResponse\x12%\n\x05trees\x18\x01 \x03(\x0b\x32\x16.specmesh.v1.DraftTree\x12\x0c\n\x04step\x18\x02 \x01(\x04\"&\n\x0eReleaseRequest\x12\x14\n\x0csequence_ids\x18\x01 \x03(\t\"4\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\x12\x0f\n\x07unknown\x18\x02 \x01(\x05\x32\xf6\x01\n\x0c\x44raftService\x12\x44\n\x07Propose\x12\x1b.specmesh.v1.ProposeRequest\x1a\x1c.specmesh.v1.ProposeResponse\x12Z\n\rProposeStream\x12!.specmesh.v1.ProposeStreamRequest\x1a\".specmesh.v1.ProposeStreamResponse(\x01\x30\x01\x12\x44\n\x07Release\x12\x1b.specmesh.v1.ReleaseRequest\x1a\x1c.specmesh.v1.ReleaseResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fspecmesh/v1/draft_service.proto\x12\x0bspecmesh.v1\x1a\x18specmesh/v1/common.proto\"\xba\x02\n\rDraftSequence\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x15\n\rnew_token_ids\x18\x02 \x03(\x05\x12.\n\x06method\x18\x03 \x01(\x0e\x32\x1e.specmesh.v1.SpeculationMethod\x12\x11\n\tmax_depth\x18\x04 \x01(\x05\x12\x11\n\tmax_nodes\x18\x05 \x01(\x05\x12\x13\n\x0btenant_salt\x18\x06 \x01(\t\x12\x13\n\x0btraceparent\x18\x07 \x01(\t\x12\x13\n\x0btemperature\x18\x08 \x01(\x02\x12\r\n\x05top_k\x18\t \x01(\x05\x12\r\n\x05top_p\x18\n \x01(\x02\x12\x0c\n\x04seed\x18\x0b \x01(\x04\x12\x10\n\x08has_seed\x18\x0c \x01(\x08\x12*\n\x08\x66\x65\x61tures\x18\r \x01(\x0b\x32\x18.specmesh.v1.FeatureRows\"Q\n\x0b\x46\x65\x61tureRows\x12\r\n\x05start\x18\x01 \x01(\x05\x12\x10\n\x08num_rows\x18\x02 \x01(\x05\x12\x13\n\x0bhidden_size\x18\x03 \x01(\x05\x12\x0c\n\x04\x64\x61ta\x18\x04 \x01(\x0c\"M\n\x0eProposeRequest\x12-\n\tsequences\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.DraftSequence\x12\x0c\n\x04step\x18\x02 \x01(\x04\"{\n\tDraftTree\x12\x13\n\x0bsequence_id\x18\x01 \x01(\t\x12\x11\n\ttoken_ids\x18\x02 \x03(\x05\x12\x0f\n\x07parents\x18\x03 \x03(\x05\x12\x35\n\rdistributions\x18\x04 \x03(\x0b\x32\x1e.specmesh.v1.DraftDistribution\"5\n\x11\x44raftDistribution\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12\r\n\x05probs\x18\x02 \x03(\x02\"F\n\x0fProposeResponse\x12%\n\x05trees\x18\x01 \x03(\x0b\x32\x16.specmesh.v1.DraftTree\x12\x0c\n\x04step\x18\x02 \x01(\x04\"S\n\x14ProposeStreamRequest\x12-\n\tsequences\x18\x01 \x03(\x0b\x32\x1a.specmesh.v1.DraftSequence\x12\x0c\n\x04step\x18\x02 \x01(\x04\"L\n\x15ProposeStreamResponse\x12%\n\x05trees\x18\x01 \x03(\x0b\x32\x16.specmesh.v1.DraftTree\x12\x0c\n\x04step\x18\x02 \x01(\x04\"&\n\x0eReleaseRequest\x12\x14\n\x0csequence_ids\x18\x01 \x03(\t\"4\n\x0fReleaseResponse\x12\x10\n\x08released\x18\x01 \x01(\x05\x12\x0f\n\x07unknown\x18\x02 \x01(\x05\x32\xf6\x01\n\x0c\x44raftService\x12\x44\n\x07Propose\x12\x1b.specmesh.v1.ProposeRequest\x1a\x1c.specmesh.v1.ProposeResponse\x12Z\n\rProposeStream\x12!.specmesh.v1.ProposeStreamRequest\x1a\".specmesh.v1.ProposeStreamResponse(\x01\x30\x01\x12\x44\n\x07Release\x12\x1b.specmesh.v1.ReleaseRequest\x1a\x1c.specmesh.v1.ReleaseResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,23 +33,25 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.draft_service_p
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DRAFTSEQUENCE']._serialized_start=75
-  _globals['_DRAFTSEQUENCE']._serialized_end=345
-  _globals['_PROPOSEREQUEST']._serialized_start=347
-  _globals['_PROPOSEREQUEST']._serialized_end=424
-  _globals['_DRAFTTREE']._serialized_start=426
-  _globals['_DRAFTTREE']._serialized_end=549
-  _globals['_DRAFTDISTRIBUTION']._serialized_start=551
-  _globals['_DRAFTDISTRIBUTION']._serialized_end=604
-  _globals['_PROPOSERESPONSE']._serialized_start=606
-  _globals['_PROPOSERESPONSE']._serialized_end=676
-  _globals['_PROPOSESTREAMREQUEST']._serialized_start=678
-  _globals['_PROPOSESTREAMREQUEST']._serialized_end=761
-  _globals['_PROPOSESTREAMRESPONSE']._serialized_start=763
-  _globals['_PROPOSESTREAMRESPONSE']._serialized_end=839
-  _globals['_RELEASEREQUEST']._serialized_start=841
-  _globals['_RELEASEREQUEST']._serialized_end=879
-  _globals['_RELEASERESPONSE']._serialized_start=881
-  _globals['_RELEASERESPONSE']._serialized_end=933
-  _globals['_DRAFTSERVICE']._serialized_start=936
-  _globals['_DRAFTSERVICE']._serialized_end=1182
+  _globals['_DRAFTSEQUENCE']._serialized_end=389
+  _globals['_FEATUREROWS']._serialized_start=391
+  _globals['_FEATUREROWS']._serialized_end=472
+  _globals['_PROPOSEREQUEST']._serialized_start=474
+  _globals['_PROPOSEREQUEST']._serialized_end=551
+  _globals['_DRAFTTREE']._serialized_start=553
+  _globals['_DRAFTTREE']._serialized_end=676
+  _globals['_DRAFTDISTRIBUTION']._serialized_start=678
+  _globals['_DRAFTDISTRIBUTION']._serialized_end=731
+  _globals['_PROPOSERESPONSE']._serialized_start=733
+  _globals['_PROPOSERESPONSE']._serialized_end=803
+  _globals['_PROPOSESTREAMREQUEST']._serialized_start=805
+  _globals['_PROPOSESTREAMREQUEST']._serialized_end=888
+  _globals['_PROPOSESTREAMRESPONSE']._serialized_start=890
+  _globals['_PROPOSESTREAMRESPONSE']._serialized_end=966
+  _globals['_RELEASEREQUEST']._serialized_start=968
+  _globals['_RELEASEREQUEST']._serialized_end=1006
+  _globals['_RELEASERESPONSE']._serialized_start=1008
+  _globals['_RELEASERESPONSE']._serialized_end=1060
+  _globals['_DRAFTSERVICE']._serialized_start=1063
+  _globals['_DRAFTSERVICE']._serialized_end=1309
 # @@protoc_insertion_point(module_scope)

@@ -8,7 +8,7 @@ from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
 DESCRIPTOR: _descriptor.FileDescriptor
 
 class DraftSequence(_message.Message):
-    __slots__ = ("sequence_id", "new_token_ids", "method", "max_depth", "max_nodes", "tenant_salt", "traceparent", "temperature", "top_k", "top_p", "seed", "has_seed")
+    __slots__ = ("sequence_id", "new_token_ids", "method", "max_depth", "max_nodes", "tenant_salt", "traceparent", "temperature", "top_k", "top_p", "seed", "has_seed", "features")
     SEQUENCE_ID_FIELD_NUMBER: _ClassVar[int]
     NEW_TOKEN_IDS_FIELD_NUMBER: _ClassVar[int]
     METHOD_FIELD_NUMBER: _ClassVar[int]
@@ -21,6 +21,7 @@ class DraftSequence(_message.Message):
     TOP_P_FIELD_NUMBER: _ClassVar[int]
     SEED_FIELD_NUMBER: _ClassVar[int]
     HAS_SEED_FIELD_NUMBER: _ClassVar[int]
+    FEATURES_FIELD_NUMBER: _ClassVar[int]
     sequence_id: str
     new_token_ids: _containers.RepeatedScalarFieldContainer[int]
     method: _common_pb2.SpeculationMethod
@@ -33,7 +34,20 @@ class DraftSequence(_message.Message):
     top_p: float
     seed: int
     has_seed: bool
-    def __init__(self, sequence_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., method: _Optional[_Union[_common_pb2.SpeculationMethod, str]] = ..., max_depth: _Optional[int] = ..., max_nodes: _Optional[int] = ..., tenant_salt: _Optional[str] = ..., traceparent: _Optional[str] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ...) -> None: ...
+    features: FeatureRows
+    def __init__(self, sequence_id: _Optional[str] = ..., new_token_ids: _Optional[_Iterable[int]] = ..., method: _Optional[_Union[_common_pb2.SpeculationMethod, str]] = ..., max_depth: _Optional[int] = ..., max_nodes: _Optional[int] = ..., tenant_salt: _Optional[str] = ..., traceparent: _Optional[str] = ..., temperature: _Optional[float] = ..., top_k: _Optional[int] = ..., top_p: _Optional[float] = ..., seed: _Optional[int] = ..., has_seed: _Optional[bool] = ..., features: _Optional[_Union[FeatureRows, _Mapping]] = ...) -> None: ...
+
+class FeatureRows(_message.Message):
+    __slots__ = ("start", "num_rows", "hidden_size", "data")
+    START_FIELD_NUMBER: _ClassVar[int]
+    NUM_ROWS_FIELD_NUMBER: _ClassVar[int]
+    HIDDEN_SIZE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    start: int
+    num_rows: int
+    hidden_size: int
+    data: bytes
+    def __init__(self, start: _Optional[int] = ..., num_rows: _Optional[int] = ..., hidden_size: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class ProposeRequest(_message.Message):
     __slots__ = ("sequences", "step")

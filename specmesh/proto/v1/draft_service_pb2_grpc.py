@@ -62,7 +62,8 @@ class DraftServiceServicer:
         token list on a new sequence, unknown method, token id out of the draft
         model's vocabulary), PERMISSION_DENIED (a sequence of another tenant),
         FAILED_PRECONDITION (draft_model / dynamic_tree without a draft model
-        configured), RESOURCE_EXHAUSTED (too many open sequences), UNAVAILABLE
+        configured, eagle without a feature head; also malformed features for eagle
+        are INVALID_ARGUMENT), RESOURCE_EXHAUSTED (too many open sequences), UNAVAILABLE
         (shutting down).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)

@@ -1,0 +1,240 @@
+"""`specmesh draft train`: trains a feature head for a target model directory.
+
+1. data (services/draft/eagle/data.py): the target's own greedy and sampled continuations of
+   a prompt set with its features and next-token distributions; cached beside the checkpoint
+   so a resumed run does not generate again;
+2. training, EAGLE-3 style (training-time test): step 1 feeds the true features; step s feeds
+   the head's own predicted features of step s - 1 (and the true next tokens), attending the
+   true-feature context plus its own earlier steps, as drafting at depth s does. Loss per
+   step: cross-entropy of the head's logits against the target's top-k distribution, plus
+   `feature_weight` times smooth L1 between the predicted and the true feature;
+3. the head saved as small safetensors (bf16) with the target's identity; a checkpoint (head,
+   optimizer, step, losses) is written every `checkpoint_every` steps and resumed from.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import math
+import random
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+from torch.nn import functional as F
+from torch.utils.checkpoint import checkpoint
+
+from services.draft.eagle.checkpoint import save_head
+from services.draft.eagle.data import Rollout, build_prompts, record_rollouts
+from services.draft.eagle.head import FeatureHead, HeadConfig
+from services.draft.eagle.target_parts import TargetParts
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class TrainConfig:
+    model_dir: Path
+    out: Path  # the head's safetensors; `<out>.ckpt` and `<out>.data` beside it
+    prompts_file: Path | None = None
+    num_prompts: int = 200
+    max_new_tokens: int = 96
+    sampled_share: float = 0.5
+    temperature: float = 0.8
+    label_top_k: int = 8
+    seed: int = 0
+    epochs: int = 2
+    batch_size: int = 4
+    lr: float = 1e-3
+    ttt_steps: int = 3  # recursion steps trained (EAGLE-3's training-time test)
+    feature_weight: float = 0.1
+    max_length: int = 512  # tokens per rollout used
+    checkpoint_every: int = 20  # optimizer steps
+    resume: bool = True
+    loss_chunk_rows: int = 256  # rows whose full-vocabulary logits live at once
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "model_dir", Path(self.model_dir).expanduser())
+        object.__setattr__(self, "out", Path(self.out).expanduser())
+        for name in ("num_prompts", "max_new_tokens", "label_top_k", "epochs", "batch_size", "ttt_steps",
+                     "max_length", "checkpoint_every", "loss_chunk_rows"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if not (0.0 <= self.sampled_share <= 1.0 and self.temperature > 0 and self.lr > 0
+                and self.feature_weight >= 0):
+            raise ValueError("need 0 <= sampled_share <= 1, temperature > 0, lr > 0, feature_weight >= 0")
+
+    @property
+    def checkpoint_path(self) -> Path:
+        return self.out.with_name(self.out.name + ".ckpt")
+
+    @property
+    def data_path(self) -> Path:
+        return self.out.with_name(self.out.name + ".data")
+
+    def data_key(self) -> dict:
+        keys = ("prompts_file", "num_prompts", "max_new_tokens", "sampled_share", "temperature", "label_top_k", "seed")
+        return {k: str(getattr(self, k)) for k in keys}
+
+
+@dataclass
+class TrainResult:
+    path: Path
+    losses: list[float] = field(default_factory=list)  # per optimizer step
+    steps: int = 0
+    resumed_from: int = 0
+    num_tokens: int = 0
+
+
+def train_head(config: TrainConfig, progress: bool = True) -> TrainResult:
+    from tqdm import tqdm
+    from services.common.models.loading import load_causal_lm
+
+    torch.manual_seed(config.seed)
+    model, tokenizer = load_causal_lm(config.model_dir, torch.float32, "cpu")
+    model.eval()
+    parts = TargetParts.from_model(model, config.model_dir)
+    rollouts = _data(config, model, tokenizer, parts, progress)
+    head = FeatureHead(HeadConfig.for_target(parts.text_config))
+    optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
+    result = TrainResult(config.out, num_tokens=sum(len(r.token_ids) for r in rollouts))
+    batches_per_epoch = math.ceil(len(rollouts) / config.batch_size)
+    total = config.epochs * batches_per_epoch
+    step = _resume(config, parts.identity, head, optimizer, result)
+    bar = tqdm(total=total, initial=step, desc="training head", unit="step", disable=not progress)
+    while step < total:
+        epoch, index = divmod(step, batches_per_epoch)
+        order = list(range(len(rollouts)))
+        random.Random(config.seed * 7919 + epoch).shuffle(order)
+        batch = [rollouts[i] for i in order[index * config.batch_size:(index + 1) * config.batch_size]]
+        loss = _loss(head, parts, batch, config)
+        optimizer.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
+        optimizer.step()
+        step += 1
+        result.losses.append(float(loss.detach()))
+        bar.update(1)
+        bar.set_postfix(loss=f"{result.losses[-1]:.3f}")
+        if step % config.checkpoint_every == 0 or step == total:
+            _save_checkpoint(config, parts.identity, head, optimizer, step, result.losses)
+    bar.close()
+    result.steps = step
+    save_head(config.out, head, parts.identity,
+              {"target_dir": str(config.model_dir), "train": {k: str(v) for k, v in asdict(config).items()}})
+    return result
+
+
+def batch_loss(head: FeatureHead, parts: TargetParts, batch: list[Rollout], config: TrainConfig) -> torch.Tensor:
+    """The training loss of one batch (public for tests): mean over steps and valid rows."""
+    return _loss(head, parts, batch, config)
+
+
+# ---- helpers ------------------------------------------------------------------------------
+
+def _data(config: TrainConfig, model, tokenizer, parts: TargetParts, progress: bool) -> list[Rollout]:
+    from tqdm import tqdm
+    key = {"identity": parts.identity, **config.data_key()}
+    path = config.data_path
+    if config.resume and path.exists():
+        saved = torch.load(path, weights_only=False)
+        if saved.get("key") == key:
+            log.info("training data: reusing %s (%d rollouts)", path, len(saved["rollouts"]))
+            return saved["rollouts"]
+    prompts = build_prompts(tokenizer, config.num_prompts, config.seed, config.prompts_file)
+    with tqdm(total=len(prompts), desc="target rollouts", unit="prompt", disable=not progress) as bar:
+        rollouts = record_rollouts(model, parts, prompts, config.max_new_tokens, config.seed,
+                                   config.sampled_share, config.temperature, config.label_top_k, bar)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save({"key": key, "rollouts": rollouts}, path)
+    return rollouts
+
+
+def _pad(batch: list[Rollout], max_length: int) -> tuple[torch.Tensor, ...]:
+    """-> tokens [b, T], features [b, T, hidden] f32, label ids [b, T, k], label probs [b, T, k],
+    lengths [b]."""
+    lengths = [min(len(r.token_ids), max_length) for r in batch]
+    t = max(lengths)
+    b, hidden, k = len(batch), batch[0].features.shape[1], batch[0].label_ids.shape[1]
+    tokens = torch.zeros(b, t, dtype=torch.long)
+    features = torch.zeros(b, t, hidden)
+    label_ids = torch.zeros(b, t, k, dtype=torch.long)
+    label_probs = torch.zeros(b, t, k)
+    for i, (r, n) in enumerate(zip(batch, lengths)):
+        tokens[i, :n], features[i, :n] = r.token_ids[:n], r.features[:n].float()
+        label_ids[i, :n], label_probs[i, :n] = r.label_ids[:n], r.label_probs[:n]
+    return tokens, features, label_ids, label_probs, torch.tensor(lengths)
+
+
+def _loss(head: FeatureHead, parts: TargetParts, batch: list[Rollout], config: TrainConfig) -> torch.Tensor:
+    tokens, features, label_ids, label_probs, lengths = _pad(batch, config.max_length)
+    b, t = tokens.shape
+    rows = torch.arange(t - 1)  # row j of every step; step s predicts position j + s
+    embeds_of = lambda idx: parts.embed(tokens.gather(1, idx[None].expand(b, -1))).float()  # noqa: E731
+    inputs = features[:, :t - 1]  # step 1: the true features f_j
+    context, diagonal, total, count = None, [], 0.0, 0
+    for s in range(1, config.ttt_steps + 1):
+        target_pos = (rows + s).clamp(max=t - 1)  # [t - 1]
+        valid = (rows + s)[None] < lengths[:, None]  # [b, t - 1]
+        if not valid.any():
+            break
+        positions = (rows + s - 1)[None].expand(b, -1)  # [b, t - 1]
+        out, k, v = head.forward_ttt(embeds_of(target_pos), inputs, positions, context, diagonal)
+        predicted = parts.final_norm(out)  # [b, t - 1, hidden]
+        ce = _soft_ce(parts, predicted[valid], label_ids[:, target_pos][valid], label_probs[:, target_pos][valid],
+                      config.loss_chunk_rows)
+        reg = F.smooth_l1_loss(predicted[valid], features[:, target_pos][valid], reduction="sum")
+        total = total + ce + config.feature_weight * reg / predicted.shape[-1]
+        count += int(valid.sum())
+        if context is None:
+            context = (k, v)
+        else:
+            diagonal.append((k, v))
+        inputs = predicted  # step s + 1 feeds the head's own predictions
+    return total / max(count, 1)
+
+
+def _soft_ce(parts: TargetParts, predicted: torch.Tensor, label_ids: torch.Tensor, label_probs: torch.Tensor,
+             chunk: int) -> torch.Tensor:
+    """Sum over rows of -sum_k p_k log q(id_k): predicted [n, hidden], labels [n, k]. Full-vocabulary
+    logits are recomputed in the backward pass, `chunk` rows at a time (memory stays bounded)."""
+    def rows_loss(h, ids, probs):
+        logp = torch.log_softmax(parts.features_to_logits(h), dim=-1)  # [c, vocab]
+        return -(probs * logp.gather(1, ids)).sum()
+    total = predicted.new_zeros(())
+    for i in range(0, len(predicted), chunk):
+        total = total + checkpoint(rows_loss, predicted[i:i + chunk], label_ids[i:i + chunk],
+                                   label_probs[i:i + chunk], use_reentrant=False)
+    return total
+
+
+def _resume(config: TrainConfig, identity: str, head: FeatureHead, optimizer, result: TrainResult) -> int:
+    path = config.checkpoint_path
+    if not (config.resume and path.exists()):
+        return 0
+    saved = torch.load(path, weights_only=False)
+    if saved.get("identity") != identity or saved.get("setup") != _setup(config):
+        log.warning("checkpoint %s is for another target or setup: starting afresh", path)
+        return 0
+    head.load_state_dict(saved["head"])
+    optimizer.load_state_dict(saved["optimizer"])
+    result.losses = list(saved["losses"])
+    result.resumed_from = saved["step"]
+    log.info("resuming from %s at step %d", path, saved["step"])
+    return saved["step"]
+
+
+def _save_checkpoint(config: TrainConfig, identity: str, head: FeatureHead, optimizer, step: int,
+                     losses: list[float]) -> None:
+    path = config.checkpoint_path
+    tmp = path.with_name(path.name + ".tmp")
+    torch.save({"identity": identity, "setup": _setup(config), "head": head.state_dict(),
+                "optimizer": optimizer.state_dict(), "step": step, "losses": losses}, tmp)
+    tmp.replace(path)
+
+
+def _setup(config: TrainConfig) -> str:
+    """What a checkpoint must agree on to be resumed (not `epochs`: a run may be extended)."""
+    fields = {k: str(v) for k, v in asdict(config).items() if k not in ("epochs", "resume", "checkpoint_every")}
+    return json.dumps(fields, sort_keys=True)

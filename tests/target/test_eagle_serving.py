@@ -1,0 +1,233 @@
+"""The feature head through real servers (tiny target, head trained in the test in about a
+second): the target sends its features on ProposeStream and the draft's eagle proposer drafts.
+
+Shown: greedy output equals the target alone token for token (chains and EAGLE-2 trees) and
+the head's drafts are accepted; the features on the wire are the target's own (its
+transformers forward's last hidden state, after the final norm, as training records them);
+sampled output follows the target's distribution (chi-square homogeneity) and a broken head
+that drafts the least likely token of the q it sends fails the same test; lost features and a draft
+that loses every sequence (as a restart does) fall back to plain decoding for those steps,
+output unchanged.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections import Counter
+
+import pytest
+import torch
+
+from services.common.draft_tree import DraftTree
+from services.common.server import GrpcServer, ServerConfig
+from services.draft.config import DraftConfig
+from services.draft.eagle.drafter import HeadDrafter
+from services.draft.eagle.proposer import EagleProposer
+from services.draft.service import SERVICE_NAME, DraftService, add_to_server
+from specmesh.proto.v1 import common_pb2
+from tests.e2e.test_structured_outputs import chi2_bound, chi2_homogeneity
+from tests.eagle_head import train_tiny_head
+from tests.mesh import collect, request, start_mesh
+
+EAGLE = common_pb2.SPECULATION_METHOD_EAGLE
+PROMPTS = ["Once upon a time", "The quick brown fox", "def fibonacci(n):", "Hello"]
+
+
+@pytest.fixture(scope="module")
+def head_path(tiny_llama_dir, tmp_path_factory):
+    """A head trained on the target's own greedy and sampled continuations of the test prompts
+    (the tiny target is random: on other text a head this small drafts almost nothing it
+    accepts, and tests that never accept a draft would show nothing)."""
+    root = tmp_path_factory.mktemp("eagle")
+    prompts = root / "prompts.txt"
+    prompts.write_text("\n".join(PROMPTS * 16 + PROMPTS[:1] * 48) + "\n")  # the sampled tests' prompt more
+    return train_tiny_head(tiny_llama_dir, root / "head.safetensors", prompts_file=prompts, num_prompts=112,
+                           max_new_tokens=24, epochs=10, batch_size=8, sampled_share=0.7).path  # a few seconds
+
+
+class LeastLikelyHeadWithRealQ(HeadDrafter):
+    """Broken: sends each node's sampled q but drafts the least likely token of it (a draft whose
+    q does not describe how its tokens were drawn)."""
+
+    def chains(self, ctxs, sequence_ids, num_tokens, samplings, generators, max_top_k):
+        trees = super().chains(ctxs, sequence_ids, num_tokens, samplings, generators, max_top_k)
+        return [DraftTree.chain(t.sequence_id, [d.token_ids[-1] for d in t.distributions], t.distributions)
+                if t.distributions else t for t in trees]
+
+
+class LosesFeatures(EagleProposer):
+    """Every fifth batch of features never arrives (as when a draft call fails)."""
+
+    def __init__(self, drafter) -> None:
+        super().__init__(drafter)
+        self.calls = self.empty_trees = 0
+
+    def add_features(self, sequence_id, start, features):
+        self.calls += 1
+        if self.calls % 5 != 3:
+            super().add_features(sequence_id, start, features)
+
+    def propose_batch(self, states, max_depths, max_nodes):
+        trees = super().propose_batch(states, max_depths, max_nodes)
+        self.empty_trees += sum(tree.num_nodes == 0 for tree in trees)
+        return trees
+
+
+class RecordsFeatures(EagleProposer):
+    def __init__(self, drafter) -> None:
+        super().__init__(drafter)
+        self.by_sequence: dict[str, dict[int, torch.Tensor]] = {}  # sequence id -> position -> feature
+        self.received: dict[int, torch.Tensor] = {}  # the latest sequence's
+
+    def add_features(self, sequence_id, start, features):
+        self.received = self.by_sequence.setdefault(sequence_id, {})
+        for i, row in enumerate(features):
+            self.received[start + i] = row.float()
+        super().add_features(sequence_id, start, features)
+
+
+class ForgetsEverything(DraftService):
+    """On its third step the draft loses every sequence, as a restarted draft server would."""
+
+    steps = 0
+
+    def propose(self, request, per_sequence=False):
+        self.steps += 1
+        if self.steps == 3:
+            self.release([seq.sequence_id for seq in request.sequences])
+        return super().propose(request, per_sequence)
+
+
+async def _run(model_dir, head_path, prompts, max_tokens, plan=None, proposer=None, drafter=None,
+               service_class=DraftService, seeds=(None,), **sampling):
+    """[(token ids, usage)] per (prompt, seed); plan None = the target alone."""
+    draft = service = None
+    if plan is not None:
+        config = DraftConfig(server=ServerConfig(port=0), draft_model_dtype="float32")
+        loaded = EagleProposer.load(head_path, model_dir)
+        if drafter is not None:
+            loaded = EagleProposer(drafter(loaded.drafter.head, loaded.drafter.parts))
+        if proposer is not None:
+            loaded = proposer(loaded.drafter)
+        service = service_class(config, eagle=loaded)
+        draft = GrpcServer(config.server, lambda server: add_to_server(server, service), [SERVICE_NAME],
+                           on_drain=service.drain)
+        await draft.start()
+    speculation = None if plan is None else {"speculation_method": "eagle", "speculation_depth": plan[0],
+                                             "speculation_nodes": plan[1]}
+    mesh = await start_mesh(model_dir, speculation=speculation, draft_address=draft.address if draft else "",
+                            max_batched_tokens=256)
+    try:
+        out = []
+        for prompt in prompts:
+            for start in range(0, len(seeds), 60):
+                batch = seeds[start:start + 60]
+                results = await asyncio.gather(*(collect(mesh.router_stub, request(
+                    prompt, max_tokens, **({} if seed is None else {"seed": seed, "has_seed": True}), **sampling))
+                    for seed in batch))
+                out += [(tuple(ids), last.usage) for ids, _, last in results]
+        return out, (service.proposers.get(EAGLE) if service else None)
+    finally:
+        await mesh.stop()
+        if draft is not None:
+            await draft.stop(grace=0.5)
+
+
+def _ids(samples):
+    return [ids for ids, _ in samples]
+
+
+@pytest.fixture(scope="module")
+def greedy_alone(tiny_llama_dir, head_path):
+    return _ids(asyncio.run(_run(tiny_llama_dir, head_path, PROMPTS, 24))[0])
+
+
+@pytest.mark.parametrize("plan", [(3, 0), (4, 10)], ids=["chain", "tree"])
+def test_greedy_output_with_the_head_equals_the_target_alone(tiny_llama_dir, head_path, greedy_alone, plan):
+    samples, _ = asyncio.run(_run(tiny_llama_dir, head_path, PROMPTS, 24, plan))
+    assert _ids(samples) == greedy_alone
+    proposed = sum(u.proposed_tokens for _, u in samples)
+    accepted = sum(u.accepted_tokens for _, u in samples)
+    print(f"plan {plan}: accepted {accepted} of {proposed} drafts, "
+          f"{sum(u.verify_passes for _, u in samples)} verify passes")
+    assert proposed > 0 and accepted > 0
+
+
+def test_the_features_on_the_wire_are_the_targets_own(tiny_llama_dir, head_path):
+    samples, proposer = asyncio.run(_run(tiny_llama_dir, head_path, PROMPTS[:1], 12, (3, 0),
+                                         proposer=RecordsFeatures))
+    tokens = list(samples[0][0])
+    from services.common.models.loading import load_causal_lm
+    model, tokenizer = load_causal_lm(tiny_llama_dir, torch.float32, "cpu")
+    prompt = tokenizer(PROMPTS[0])["input_ids"]
+    with torch.inference_mode():
+        expected = model.get_decoder()(torch.tensor([prompt + tokens])).last_hidden_state[0]  # [T, hidden]
+    positions = sorted(proposer.received)
+    assert positions == list(range(len(positions))) and len(positions) >= len(prompt) + len(tokens) // 2
+    got = torch.stack([proposer.received[p] for p in positions])
+    torch.testing.assert_close(got, expected[:len(positions)], rtol=2e-2, atol=2e-2)  # bf16 on the wire
+
+
+def test_lost_features_fall_back_to_plain_decoding(tiny_llama_dir, head_path, greedy_alone):
+    samples, proposer = asyncio.run(_run(tiny_llama_dir, head_path, PROMPTS, 24, (3, 0), proposer=LosesFeatures))
+    assert _ids(samples) == greedy_alone
+    assert proposer.empty_trees > 0  # steps without the newest feature: no draft
+    assert sum(u.proposed_tokens for _, u in samples) > 3 * proposer.empty_trees  # the others drafted
+
+
+def test_a_draft_that_loses_every_sequence_falls_back_and_recovers(tiny_llama_dir, head_path, greedy_alone):
+    samples, _ = asyncio.run(_run(tiny_llama_dir, head_path, PROMPTS[:1], 24, (3, 0),
+                                  service_class=ForgetsEverything))
+    assert _ids(samples) == greedy_alone[:1]
+    assert samples[0][1].verify_passes >= 3  # it speculated again after the loss
+
+
+CHI_SAMPLES = 360
+CHI_SAMPLING = {"temperature": 0.8, "top_k": 2}
+
+
+def _outcomes(samples) -> Counter:
+    return Counter(_ids(samples))
+
+
+@pytest.fixture(scope="module")
+def sampled_alone(tiny_llama_dir, head_path):
+    return _outcomes(asyncio.run(_run(tiny_llama_dir, head_path, PROMPTS[:1], 4, seeds=list(range(CHI_SAMPLES)),
+                                      **CHI_SAMPLING))[0])
+
+
+def test_sampling_with_the_head_follows_the_target(tiny_llama_dir, head_path, sampled_alone):
+    samples, _ = asyncio.run(_run(tiny_llama_dir, head_path, PROMPTS[:1], 4, (2, 0),
+                                  seeds=list(range(10_000, 10_000 + CHI_SAMPLES)), **CHI_SAMPLING))
+    assert sum(u.accepted_tokens for _, u in samples) > 0
+    stat, df = chi2_homogeneity(sampled_alone, _outcomes(samples))
+    print(f"eagle, real q: chi2 {stat:.1f}, df {df}, bound {chi2_bound(df):.1f}; "
+          f"accepted {sum(u.accepted_tokens for _, u in samples)} of {sum(u.proposed_tokens for _, u in samples)}")
+    assert stat < chi2_bound(df), f"chi2 {stat:.1f} >= {chi2_bound(df):.1f} (df {df})"
+
+
+def test_least_likely_head_drafts_sent_with_real_q_fail_the_check(tiny_llama_dir, head_path, sampled_alone):
+    samples, _ = asyncio.run(_run(tiny_llama_dir, head_path, PROMPTS[:1], 4, (2, 0), drafter=LeastLikelyHeadWithRealQ,
+                                  seeds=list(range(10_000, 10_000 + CHI_SAMPLES)), **CHI_SAMPLING))
+    stat, df = chi2_homogeneity(sampled_alone, _outcomes(samples))
+    print(f"eagle, least likely drafts with real q: chi2 {stat:.1f}, df {df}, bound {chi2_bound(df):.1f}; "
+          f"accepted {sum(u.accepted_tokens for _, u in samples)} of {sum(u.proposed_tokens for _, u in samples)}")
+    assert stat > chi2_bound(df), f"broken draft not detected (chi2 {stat:.1f}, df {df})"
+
+
+def test_gemma3_target_sends_its_features_and_greedy_output_is_unchanged(tiny_gemma_dir, tmp_path):
+    """Gemma 3's lean forward (scaled embedding, sliding-window layers) sends the same features
+    its transformers forward computes, and greedy output with its head is the target's."""
+    head = train_tiny_head(tiny_gemma_dir, tmp_path / "gemma.safetensors").path
+    alone, _ = asyncio.run(_run(tiny_gemma_dir, head, PROMPTS[:2], 16))
+    samples, proposer = asyncio.run(_run(tiny_gemma_dir, head, PROMPTS[:2], 16, (3, 8), proposer=RecordsFeatures))
+    assert _ids(samples) == _ids(alone)
+    assert sum(u.proposed_tokens for _, u in samples) > 0
+    from services.common.models.loading import load_causal_lm
+    model, tokenizer = load_causal_lm(tiny_gemma_dir, torch.float32, "cpu")
+    tokens = tokenizer(PROMPTS[1])["input_ids"] + list(samples[1][0])  # the last sequence's features
+    with torch.inference_mode():
+        expected = model.get_decoder()(torch.tensor([tokens])).last_hidden_state[0]  # [T, hidden]
+    assert sorted(proposer.received) == list(range(len(proposer.received)))
+    got = torch.stack([proposer.received[p] for p in sorted(proposer.received)])
+    torch.testing.assert_close(got, expected[:len(got)], rtol=2e-2, atol=2e-2)
