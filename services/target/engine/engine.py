@@ -183,9 +183,9 @@ class Engine:
                     log.exception("engine loop ended with an error")
         # Joined, not only told to stop: a process that exits while this thread still runs
         # torch aborts at exit ("terminate called without an active exception", status 134).
+        if self.ranks is not None:  # on the thread that started them and sent them every step
+            self._torch_thread.submit(self.ranks.stop)
         self._torch_thread.shutdown(timeout)
-        if self.ranks is not None:
-            self.ranks.stop()
         self.grammars.close()
         if self.speculator is not None:
             self.speculator.client.close()

@@ -32,7 +32,6 @@ class PoolShape:
 
     num_blocks: int
     block_size: int
-    host_tier = None
 
 
 def main(argv: list[str]) -> int:
@@ -67,7 +66,8 @@ def main(argv: list[str]) -> int:
 
 
 def _die_with_parent() -> None:
-    """Linux: this process gets SIGKILL when rank 0's process ends, however it ends."""
+    """Linux: this process gets SIGKILL when rank 0's thread that started it ends (the engine's torch
+    thread, which lives as long as the engine), however rank 0 ends."""
     try:
         ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
     except OSError:
