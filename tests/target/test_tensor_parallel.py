@@ -200,3 +200,13 @@ def test_the_generic_path_and_uneven_heads_are_refused(tiny_llama_dir):
         load_model(tiny_llama_dir, torch.float32, fuse=False, tp=_Rank(2))
     with pytest.raises(ValueError, match="must divide num_attention_heads 4, num_key_value_heads 2"):
         load_model(tiny_llama_dir, torch.float32, tp=_Rank(3))
+
+
+def test_the_setting_reaches_the_engine_from_flag_and_environment(tiny_llama_dir):
+    from services.builders import engine_config
+    from services.settings import read_settings
+    assert engine_config(read_settings({}, tensor_parallel=2), tiny_llama_dir).tensor_parallel == 2
+    assert engine_config(read_settings({"SPECMESH_TENSOR_PARALLEL": "4"}), tiny_llama_dir).tensor_parallel == 4
+    assert engine_config(read_settings({}), tiny_llama_dir).tensor_parallel == 1
+    with pytest.raises(ValueError, match="tensor_parallel"):
+        EngineConfig(model_dir=tiny_llama_dir, tensor_parallel=0)

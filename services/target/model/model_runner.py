@@ -17,6 +17,7 @@ from services.target.model.attention import (
     register_paged_attention,
 )
 from services.target.engine.block_manager import BlockManager, TierMoves
+from services.target.engine.engine_types import RankLost
 from services.target.model import lean_forward
 from services.target.kernels.select import get_kernels
 from services.target.model.linear import prepack_linears, resolve_weight_format
@@ -77,11 +78,18 @@ class ModelRunner:
         (float32): each input's `num_logits` last rows, inputs in order. With tensor parallelism
         the step's plan goes to the other ranks first (one message), and they compute it alongside."""
         plan = self.plan(inputs)
-        if self.tp is not None:
+        start = time.perf_counter()
+        if self.tp is None:
+            logits = self.execute(plan)
+        else:
             plan.copies, self._copies = self._copies, []  # ran here already; the other ranks run them first
             self.tp.send_step(plan.encode())
-        start = time.perf_counter()
-        logits = self.execute(plan)
+            try:
+                logits = self.execute(plan)
+            except RankLost:
+                raise
+            except Exception as exc:  # the other ranks went on with this plan: they are out of step now
+                raise self.tp.lose(f"rank 0's forward failed ({type(exc).__name__}: {exc})") from exc
         tier = self.blocks.host_tier
         if tier is not None and len(plan.token_ids) >= 4 * self.blocks.block_size:  # prefill-sized: a recompute's cost
             if logits.device.type != "cpu":
