@@ -68,9 +68,10 @@ def draft_dirs(tmp_path_factory, tiny_llama_dir, tiny_gemma_dir):
 
 
 @contextlib.asynccontextmanager
-async def _target(model_dir, tensor_parallel: int, draft_address: str = ""):
+async def _target(model_dir, tensor_parallel: int, draft_address: str = "", kv_dtype: str = "auto"):
     config = EngineConfig(model_dir=model_dir, dtype="float32", tensor_parallel=tensor_parallel, num_blocks=256,
-                          block_size=4, kv_host_bytes=0, draft_address=draft_address, draft_timeout_s=10.0)
+                          block_size=4, kv_host_bytes=0, draft_address=draft_address, draft_timeout_s=10.0,
+                          kv_dtype=kv_dtype)
     engine = await asyncio.to_thread(Engine.load, config)
     server = build_target_server(ServerConfig(port=0), engine, "tiny")
     await server.start()
@@ -147,6 +148,16 @@ async def test_two_ranks_generate_what_one_rank_generates(arch, tiny_llama_dir, 
     verified = [usage for case, (_, usage) in two.items() if case.startswith("tree")]
     assert sum(u.verify_passes for u in verified) > 0 and sum(u.accepted_tokens for u in verified) > 0
     assert [u.accepted_tokens for u in verified] == [one[f"tree-{i}"][1].accepted_tokens for i in range(3)]
+
+
+async def test_two_ranks_with_fp8_kv_generate_what_one_rank_generates(tiny_gemma_dir):
+    """fp8 KV scales are per head, so each rank's shard quantizes its heads as one rank does."""
+    outputs = []
+    for tensor_parallel in (1, 2):
+        async with _target(tiny_gemma_dir, tensor_parallel, kv_dtype="fp8") as (_, stub, _channel):
+            outputs.append([(await _generate(stub, _request(f"fp8-{i}", SHARED + prompt)))[0]
+                            for i, prompt in enumerate(PROMPTS)])
+    assert outputs[1] == outputs[0] and all(ids[0] for ids in outputs[0])
 
 
 async def _health(channel) -> int:

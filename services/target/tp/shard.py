@@ -41,7 +41,8 @@ def shard_model(model: nn.Module, tp) -> None:
     inter_rows = _slice(rank, world, inter)
     for i, layer in enumerate(model.model.layers[:config.num_hidden_layers]):
         setattr(fused, f"qkv_{i}", _rows(getattr(fused, f"qkv_{i}"), qkv_rows))
-        setattr(fused, f"gate_up_{i}", _rows(getattr(fused, f"gate_up_{i}"), torch.cat([inter_rows, inter + inter_rows])))
+        gate_up_rows = torch.cat([inter_rows, inter + inter_rows])  # this rank's gate columns, then its up columns
+        setattr(fused, f"gate_up_{i}", _rows(getattr(fused, f"gate_up_{i}"), gate_up_rows))
         layer.self_attn.o_proj = RowParallelLinear(layer.self_attn.o_proj, q_rows, tp)
         layer.mlp.down_proj = RowParallelLinear(layer.mlp.down_proj, inter_rows, tp)
     vocab_rows = _slice(rank, world, model.lm_head.out_features)
