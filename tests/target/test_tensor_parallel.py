@@ -150,6 +150,21 @@ async def test_two_ranks_generate_what_one_rank_generates(arch, tiny_llama_dir, 
     assert [u.accepted_tokens for u in verified] == [one[f"tree-{i}"][1].accepted_tokens for i in range(3)]
 
 
+@pytest.mark.parametrize("arch, overrides", [("qwen2", {"num_key_value_heads": 2}), ("qwen3", {}), ("mistral", {})])
+async def test_the_rest_of_the_llama_family_splits_too(arch, overrides, tmp_path):
+    """Qwen2's q/k/v biases cut with their columns, Qwen3's per-head q/k norms and head_dim * heads
+    != hidden, Mistral's sliding window on every layer (seeded vectors: a bias or norm cut wrongly
+    changes the logits)."""
+    from services.common.models.tiny import build_tiny_model
+    model_dir = build_tiny_model(tmp_path / arch, arch=arch, seed=3, **overrides)
+    outputs = []
+    for tensor_parallel in (1, 2):
+        async with _target(model_dir, tensor_parallel) as (_, stub, _channel):
+            outputs.append([(await _generate(stub, _request(f"{arch}-{i}", prompt, 16)))[0]
+                            for i, prompt in enumerate([*PROMPTS, SHARED + PROMPTS[0]])])
+    assert outputs[1] == outputs[0] and all(ids[0] for ids in outputs[0])
+
+
 async def test_two_ranks_with_fp8_kv_generate_what_one_rank_generates(tiny_gemma_dir):
     """fp8 KV scales are per head, so each rank's shard quantizes its heads as one rank does."""
     outputs = []
