@@ -43,6 +43,7 @@ class EngineConfig:
     draft_address: str = ""  # draft service for speculative decoding; "" = never speculate
     chat_template: str = _TARGET.chat_template  # --chat-template FILE|NAME (services/common/models/chat_templates.py); "" = the model's own
     weights: str = _TARGET.weights  # linear-layer format (services/target/model/linear.py)
+    tensor_parallel: int = _TARGET.tensor_parallel  # ranks of this target (services/target/tp/); 1 = one process
     draft_timeout_s: float = _TARGET.draft_timeout_ms / 1000  # per-step deadline of a draft call; past it the step decodes normally
     # The target's mesh identity for its calls to the draft service (services/common/tls.py
     # MeshTls); None = plaintext (dev mode, tests).

@@ -60,6 +60,9 @@ class TargetSettings(SettingsGroup):
                                    "target; more are refused with RESOURCE_EXHAUSTED")
     draft_timeout_ms: int = Field(500, gt=0, le=MAX_DRAFT_TIMEOUT_MS,
                                   description="per-step deadline of the target's draft call (ms)")
+    tensor_parallel: int = Field(1, ge=1, le=64, description="ranks of one target, one process each, over "
+                                 "torch.distributed (gloo on the CPU, NCCL on CUDA: rank r on cuda:r): weights "
+                                 "and KV heads split N ways; the lean forwards only (Gemma 3, the Llama family)")
     fault_injection: bool = Field(False, description="testing only: SIGUSR1 makes the target's engine "
                                   "loop fail once outside a step (exercises its supervision and restart)")
 

@@ -23,7 +23,7 @@ from services.target.speculation.confidence import Confidence
 from services.target.output.detokenizer import IncrementalDetokenizer
 from services.target.speculation.draft_client import DraftClient
 from services.target.engine.engine_types import (DuplicateRequest, EngineFailed, EngineStats, InvalidRequest,
-                                                 Overloaded)
+                                                 Overloaded, RankLost)
 from services.target.engine.fault_point import FaultPoint
 from services.target.speculation.no_draft_service import NoDraftService
 from services.target.structured.compiler import ConstraintCompiler
@@ -43,6 +43,7 @@ from services.target.engine.step_log import FirstToken, StepLog, StepRecord
 from services.target.engine.sequence import FinishReason, Sequence, SpeculationPlan, StepOutput
 from services.target.speculation.speculator import Speculator, verify_span
 from services.target.engine.torch_thread import TorchThread, run_task
+from services.target.tp.launch import start_ranks
 
 log = logging.getLogger(__name__)
 _ENGINE_IDS = itertools.count()
@@ -50,7 +51,7 @@ _ENGINE_IDS = itertools.count()
 
 class Engine:
     def __init__(self, config: EngineConfig, model, tokenizer, spec,
-                 torch_thread: TorchThread | None = None) -> None:
+                 torch_thread: TorchThread | None = None, ranks=None) -> None:
         self.config = config
         self.tokenizer = tokenizer
         self.spec = spec
@@ -58,8 +59,13 @@ class Engine:
         self.instance_id = f"{self.name}-{next(_ENGINE_IDS)}"
         self.blocks = BlockManager(config.num_blocks, config.block_size, config.enable_prefix_caching)
         self.kv_events = KVEventLog()
-        self.runner = ModelRunner(model, spec, self.blocks, config.torch_kv_dtype, config.kernels)
-        self.blocks.attach_host_tier(build_host_tier(config.kv_host_bytes, self.name,
+        # The other ranks of a tensor-parallel target (services/target/tp/launch.py), or None.
+        self.ranks = ranks
+        self.runner = ModelRunner(model, spec, self.blocks, config.torch_kv_dtype, config.kernels,
+                                  tp=ranks.tp if ranks else None)
+        if ranks is not None and config.kv_host_bytes:
+            log.warning("host tier off: it does not hold a tensor-parallel target's KV shards yet")
+        self.blocks.attach_host_tier(build_host_tier(config.kv_host_bytes if ranks is None else 0, self.name,
                                                      config.torch_kv_dtype,
                                                      config.block_size, self.runner.kv_block_bytes))
         self._lock = threading.Condition()
@@ -71,6 +77,7 @@ class Engine:
         self._queued_tokens = 0  # prompt tokens of requests not yet admitted; guarded by _lock
         self._queued: set[str] = set()  # the requests (leaders) counted in _queued_tokens; guarded by _lock
         self._stopped = False
+        self._rank_lost: RankLost | None = None  # a rank died while no step ran (`_lose_rank`)
         # All torch work of the engine runs on this one thread (see `load`).
         self._torch_thread = torch_thread or TorchThread()
         self._loop_future = None
@@ -96,6 +103,8 @@ class Engine:
         if self.speculator is not None:
             self.speculator.arrival_rate = self.scheduler.arrival_rate  # arrivals wait for the step
             self.speculator.queue_length = self._queue_length  # so do requests already queued
+        if ranks is not None:
+            ranks.tp.on_lost(self._lose_rank)
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":
@@ -104,9 +113,18 @@ class Engine:
         torch_thread = TorchThread()
 
         def build() -> "Engine":
-            model, tokenizer, spec = load_model(config.model_dir, config.torch_dtype, config.device,
-                                               config.weights, chat_template=config.chat_template)
-            return cls(config, model, tokenizer, spec, torch_thread)
+            ranks = start_ranks(config) if config.tensor_parallel > 1 else None  # from this thread: see follower.py
+            try:
+                model, tokenizer, spec = load_model(config.model_dir, config.torch_dtype, config.device,
+                                                   config.weights, chat_template=config.chat_template,
+                                                   tp=ranks.tp if ranks else None)
+                if ranks is not None:
+                    ranks.tp.barrier()  # every rank loaded its shard
+                return cls(config, model, tokenizer, spec, torch_thread, ranks)
+            except BaseException:
+                if ranks is not None:
+                    ranks.kill()
+                raise
         return torch_thread.submit(build).result()
 
     # ---- public API (any thread) ----------------------------------------
@@ -165,6 +183,8 @@ class Engine:
                     log.exception("engine loop ended with an error")
         # Joined, not only told to stop: a process that exits while this thread still runs
         # torch aborts at exit ("terminate called without an active exception", status 134).
+        if self.ranks is not None:  # on the thread that started them and sent them every step
+            self._torch_thread.submit(self.ranks.stop)
         self._torch_thread.shutdown(timeout)
         self.grammars.close()
         if self.speculator is not None:
@@ -307,10 +327,12 @@ class Engine:
         while True:
             with self._lock:
                 while not (self._stopped or self._incoming or self._aborts or self._tasks
-                           or self.scheduler.has_work or self.loop_fault.armed):
+                           or self.scheduler.has_work or self.loop_fault.armed or self._rank_lost):
                     self._lock.wait()
                 if self._stopped:
                     return
+                if self._rank_lost is not None:
+                    raise self._rank_lost
                 tasks, self._tasks = self._tasks, []
             for fn, args, future in tasks:
                 run_task(fn, args, future)
@@ -329,6 +351,8 @@ class Engine:
                     log.exception("engine step metrics failed")
                 try:
                     self._run_step(batch)
+                except RankLost:  # the replica cannot compute any step: the engine fails (`_loop`)
+                    raise
                 except Exception as exc:  # a failing step fails its requests, never the engine
                     log.exception("engine step failed")
                     with self._lock:
@@ -375,8 +399,8 @@ class Engine:
     def _fail(self, exc: BaseException) -> None:
         """The loop died outside a step: end every live request with an error at once, refuse
         new ones, and tell the `on_failure` callbacks. Touches no scheduler or block state."""
-        error = EngineFailed(f"engine failed outside a step ({type(exc).__name__}: {exc}); "
-                             "the replica stops and restarts")
+        error = exc if isinstance(exc, RankLost) else EngineFailed(
+            f"engine failed outside a step ({type(exc).__name__}: {exc}); the replica stops and restarts")
         with self._lock:
             self.failure = error
             self._stopped = True
@@ -402,6 +426,13 @@ class Engine:
                 callback(error)
             except Exception:
                 log.exception("engine failure callback failed")
+
+    def _lose_rank(self, error: RankLost) -> None:
+        """A rank of this tensor-parallel target died (any thread): the loop fails with `error`
+        at once, busy or idle (`_loop`, `_fail`)."""
+        with self._lock:
+            self._rank_lost = error
+            self._lock.notify_all()
 
     def _take_incoming(self) -> None:
         for seq in self._incoming:

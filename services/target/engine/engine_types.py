@@ -56,3 +56,10 @@ class EngineFailed(RuntimeError):
     """The engine's loop failed outside a step and stopped: its state can no longer be trusted.
     Live requests end with INTERNAL; new ones are refused (maps to UNAVAILABLE: another replica,
     or this one once its supervisor restarted it)."""
+
+
+class RankLost(EngineFailed):
+    """A rank of a tensor-parallel target died or stopped answering (services/target/tp/): the
+    replica cannot compute a step. The engine fails as a whole (`EngineFailed`), and its live
+    requests end with UNAVAILABLE, not INTERNAL: nothing was wrong with them, another replica
+    (or this one, restarted) can serve them."""

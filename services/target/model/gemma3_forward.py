@@ -163,7 +163,8 @@ class Gemma3PagedForward:
         self.scaling = text.layers[0].self_attn.scaling  # every layer's: query_pre_attn_scalar ** -0.5
         self.act = text.layers[0].mlp.act_fn  # config.hidden_activation, the same in every layer
         if row_ops is None:
-            row_ops = isinstance(self.lm_head, AVX512LinearBF16) and self.embed.weight.dtype == torch.bfloat16
+            lm_head = getattr(self.lm_head, "shard", self.lm_head)  # a tensor-parallel rank's (tp/shard.py)
+            row_ops = isinstance(lm_head, AVX512LinearBF16) and self.embed.weight.dtype == torch.bfloat16
         if row_ops and not cpu_linear.available():
             raise ValueError(f"row_ops cannot run here: {cpu_linear.unavailable_reason()}")
         self.row_ops = row_ops

@@ -196,6 +196,7 @@ def prepack_linears(model: nn.Module, weights: str) -> int:
     cls = classes[weights]
     native_bf16 = native_bf16_cpu()
     lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    lm_head = getattr(lm_head, "shard", lm_head)  # a tensor-parallel rank's slice of it (tp/shard.py)
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     for name, module in targets:
         parent_name, _, attr = name.rpartition(".")

@@ -6,7 +6,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -17,10 +17,12 @@ from services.target.model.attention import (
     register_paged_attention,
 )
 from services.target.engine.block_manager import BlockManager, TierMoves
+from services.target.engine.engine_types import RankLost
 from services.target.model import lean_forward
 from services.target.kernels.select import get_kernels
 from services.target.model.linear import prepack_linears, resolve_weight_format
 from services.target.model.model_runner_inputs import StepInput
+from services.target.model.step_plan import BLOCKS, SLOTS, KVCopy, StepPlan, tree_mask
 
 log = logging.getLogger(__name__)
 
@@ -30,7 +32,7 @@ class ModelSpec:
     """What the engine needs to know about the loaded model."""
 
     num_layers: int
-    num_kv_heads: int
+    num_kv_heads: int  # the KV heads this process holds: its shard's under tensor parallelism
     head_dim: int
     vocab_size: int
     max_context: int
@@ -38,13 +40,20 @@ class ModelSpec:
 
 
 class ModelRunner:
-    """Owns the model and the KV pool; one forward per engine step."""
+    """Owns the model and the KV pool; one forward per engine step.
+
+    With tensor parallelism (`tp`, services/target/tp/) the model and the pool are this rank's
+    shards. Rank 0's runner holds the block manager and sends each step's plan to the other ranks;
+    theirs (services/target/tp/follower.py) get only the pool's size as `block_manager` and run
+    the plans they receive (`run_copies`, `execute`)."""
 
     def __init__(self, model, spec: ModelSpec, block_manager: BlockManager,
-                 kv_dtype: torch.dtype, kernels: str = "auto") -> None:
+                 kv_dtype: torch.dtype, kernels: str = "auto", tp=None) -> None:
         self.model = model
         self.spec = spec
         self.blocks = block_manager
+        self.tp = tp  # services/target/tp/group.py TensorParallel (rank 0 sends plans), or None
+        self._copies: list[KVCopy] = []  # KV copies run here since the last plan went out (tp only)
         self.device = next(model.parameters()).device
         self._kernel_backend = kernels
         self.kv_pool = KVPool.allocate(spec.num_layers, block_manager.num_blocks,
@@ -65,7 +74,8 @@ class ModelRunner:
 
     def forward(self, inputs: list[StepInput]) -> torch.Tensor:
         """Computes and stores KV for every input token; returns logits [num_rows, vocab]
-        (float32): each input's `num_logits` last rows, inputs in order."""
+        (float32): each input's `num_logits` last rows, inputs in order. With tensor parallelism
+        the step's plan goes to the other ranks first (one message), and they compute it alongside."""
         return self.forward_with_features(inputs)[0]
 
     @torch.inference_mode()
@@ -74,30 +84,60 @@ class ModelRunner:
         """`forward`, and for the inputs of `feature_seqs` the features of all their rows (the last
         layer's output after the final norm: [q_len, hidden] per sequence, the feature head's
         input). Only a lean forward computes features; otherwise the dict is empty."""
-        ids, positions, slots, logit_rows, q_lens, ctx_lens, tables = [], [], [], [], [], [], []
-        for inp in inputs:
-            n = len(inp.token_ids)
-            ids.extend(inp.token_ids)
-            positions.extend(inp.positions)
-            slots.extend(self.blocks.slots(inp.seq_id, inp.context_len, inp.context_len + n))
-            logit_rows.extend(range(len(ids) - inp.num_logits, len(ids)))
-            q_lens.append(n)
-            ctx_lens.append(inp.context_len)
-            tables.append(self.blocks.block_table(inp.seq_id))
-        meta = self._metadata(slots, positions, q_lens, ctx_lens, tables, _tree_mask(inputs, self.device))
+        plan = self.plan(inputs)
         feature_rows, offset = {}, 0
         for inp in inputs:
             if inp.seq_id in feature_seqs:
                 feature_rows[inp.seq_id] = range(offset, offset + len(inp.token_ids))
             offset += len(inp.token_ids)
         start = time.perf_counter()
-        logits, features = self._forward(ids, positions, logit_rows, meta, feature_rows)
+        if self.tp is None:
+            logits, features = self._execute(plan, feature_rows)
+        else:
+            plan.copies, self._copies = self._copies, []  # ran here already; the other ranks run them first
+            self.tp.send_step(plan.encode())
+            try:
+                logits, features = self._execute(plan, feature_rows)
+            except RankLost:
+                raise
+            except Exception as exc:  # the other ranks went on with this plan: they are out of step now
+                raise self.tp.lose(f"rank 0's forward failed ({type(exc).__name__}: {exc})") from exc
         tier = self.blocks.host_tier
-        if tier is not None and len(ids) >= 4 * self.blocks.block_size:  # prefill-sized: a recompute's cost
+        if tier is not None and len(plan.token_ids) >= 4 * self.blocks.block_size:  # prefill-sized: a recompute's cost
             if logits.device.type != "cpu":
                 torch.cuda.synchronize(logits.device)
-            tier.observe_recompute(time.perf_counter() - start, len(ids))
+            tier.observe_recompute(time.perf_counter() - start, len(plan.token_ids))
         return logits, features
+
+    def plan(self, inputs: list[StepInput]) -> StepPlan:
+        """The step as host lists: the block manager's slots and block tables for each input."""
+        plan = StepPlan([], [], [], [], [], [], [])
+        trees = any(inp.parents is not None for inp in inputs)
+        plan.parents = [] if trees else None
+        for inp in inputs:
+            n = len(inp.token_ids)
+            plan.token_ids.extend(inp.token_ids)
+            plan.positions.extend(inp.positions)
+            plan.slots.extend(self.blocks.slots(inp.seq_id, inp.context_len, inp.context_len + n))
+            plan.logit_rows.extend(range(len(plan.token_ids) - inp.num_logits, len(plan.token_ids)))
+            plan.q_lens.append(n)
+            plan.context_lens.append(inp.context_len)
+            plan.block_tables.append(self.blocks.block_table(inp.seq_id))
+            if trees:  # a chunk's rows as a chain: its causal mask
+                plan.parents.extend(inp.parents if inp.parents is not None else range(-1, n - 1))
+        return plan
+
+    def execute(self, plan: StepPlan) -> torch.Tensor:
+        """Runs one plan's forward on this rank's weights and KV shard -> logits [num_rows, vocab] f32
+        (its KV copies are the caller's: `run_copies`)."""
+        return self._execute(plan, {})[0]
+
+    @torch.inference_mode()
+    def _execute(self, plan: StepPlan, feature_rows: dict[str, range],
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        meta = self._metadata(plan.slots, plan.positions, plan.q_lens, plan.context_lens, plan.block_tables,
+                              tree_mask(plan.q_lens, plan.parents, self.device))
+        return self._forward(plan.token_ids, plan.positions, plan.logit_rows, meta, feature_rows)
 
     def _forward(self, ids: list[int], positions: list[int], logit_rows: list[int], meta: AttentionMetadata,
                  feature_rows: dict[str, range]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -123,27 +163,29 @@ class ModelRunner:
 
     def move_kv(self, seq_id: str, src: list[int], dst: list[int]) -> None:
         """Copies the KV of sequence indices `src` to indices `dst` in every layer (accepted tree paths)."""
-        if not src:
-            return
-        dev = self.device
-        src_slots = torch.tensor(self.blocks.slots_at(seq_id, src), dtype=torch.long, device=dev)
-        dst_slots = torch.tensor(self.blocks.slots_at(seq_id, dst), dtype=torch.long, device=dev)
-        pool = self.kv_pool
-        caches = [*pool.k_caches, *pool.v_caches, *(pool.k_scales or []), *(pool.v_scales or [])]
-        for cache in caches:
-            flat = cache.view(-1, *cache.shape[2:])  # [num_slots, ...]
-            flat[dst_slots] = flat[src_slots]
+        if src:
+            self.copy_kv(KVCopy(SLOTS, self.blocks.slots_at(seq_id, src), self.blocks.slots_at(seq_id, dst)))
 
     def copy_blocks(self, copies: list[tuple[int, int]]) -> None:
         """Copies whole KV blocks (source, destination) in every layer (copy-on-write); every source
         is read before any destination is written."""
-        if not copies:
-            return
-        src = torch.tensor([a for a, _ in copies], dtype=torch.long, device=self.device)
-        dst = torch.tensor([b for _, b in copies], dtype=torch.long, device=self.device)
-        pool = self.kv_pool
-        for cache in [*pool.k_caches, *pool.v_caches, *(pool.k_scales or []), *(pool.v_scales or [])]:
-            cache[dst] = cache[src]  # [num_blocks, block_size, ...]
+        if copies:
+            self.copy_kv(KVCopy(BLOCKS, [a for a, _ in copies], [b for _, b in copies]))
+
+    def copy_kv(self, copy: KVCopy) -> None:
+        """Runs one KV copy here; with tensor parallelism the next plan carries it to the other ranks."""
+        self.run_copies([copy])
+        if self.tp is not None:
+            self._copies.append(copy)
+
+    def run_copies(self, copies: list[KVCopy]) -> None:
+        """KV copies in order, in every tensor of the pool: whole blocks, or single slots."""
+        for copy in copies:
+            src = torch.tensor(copy.src, dtype=torch.long, device=self.device)
+            dst = torch.tensor(copy.dst, dtype=torch.long, device=self.device)
+            for cache in self._caches():  # [num_blocks, block_size, ...]
+                target = cache if copy.kind == BLOCKS else cache.view(-1, *cache.shape[2:])  # [num_slots, ...]
+                target[dst] = target[src]
 
     @property
     def kv_block_bytes(self) -> int:
@@ -212,34 +254,15 @@ class ModelRunner:
         )
 
 
-def _tree_mask(inputs: list[StepInput], device: torch.device) -> torch.Tensor | None:
-    """[num_tokens, max_q_len] bool on `device`: ancestors-and-self for tree rows, causal for the
-    rest (built as host lists, then copied once)."""
-    if not any(inp.parents is not None for inp in inputs):
-        return None
-    width = max(len(inp.token_ids) for inp in inputs)
-    rows: list[list[bool]] = []
-    for inp in inputs:
-        n = len(inp.token_ids)
-        if inp.parents is None:
-            mask = [[j <= i for j in range(n)] for i in range(n)]
-        else:
-            mask = []
-            for i, parent in enumerate(inp.parents):
-                row = list(mask[parent]) if parent >= 0 else [False] * n
-                row[i] = True
-                mask.append(row)
-        rows.extend(row + [False] * (width - n) for row in mask)
-    return torch.tensor(rows, dtype=torch.bool, device=device)
-
-
 def load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu", weights: str = "none",
-               fuse: bool = True, chat_template: str = ""):
+               fuse: bool = True, chat_template: str = "", tp=None):
     """Loads any local Hugging Face causal LM with paged attention; returns (model, tokenizer, spec).
 
     `weights` picks how linear layers are stored and multiplied (services/target/model/linear.py).
     `fuse`: the projections fused for the model's lean forward, where it has one (False:
     transformers' modules as they are, and transformers' forward).
+    `tp`: this rank's shard of a tensor-parallel target (services/target/tp/shard.py), cut from
+    the fused weights before packing; the spec then counts this rank's KV heads.
     """
     from services.common.models.loading import load_causal_lm
 
@@ -251,6 +274,10 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu", weights
     spec = model_spec(model, tokenizer)
     if fuse:
         lean_forward.fuse(model)  # before packing: the fused weights get packed
+    if tp is not None and tp.world > 1:
+        from services.target.tp.shard import shard_model
+        shard_model(model, tp)
+        spec = replace(spec, num_kv_heads=spec.num_kv_heads // tp.world)
     weight_format = resolve_weight_format(weights, dtype, device)
     packed = prepack_linears(model, weight_format)
     log.info("linear layers: %s (asked: %s), %d packed", weight_format, weights, packed)

@@ -32,7 +32,7 @@ from services.target.server.chat import ChatTemplateError, chat_prompt_ids
 from services.target.server.logprob_chunks import TokenTexts, logprobs_proto
 from services.target.structured.request import compile_constraint
 from services.target.engine.engine import Engine, InvalidRequest, Overloaded
-from services.target.engine.engine_types import DuplicateRequest, EngineFailed
+from services.target.engine.engine_types import DuplicateRequest, EngineFailed, RankLost
 from services.target.engine.sequence import FinishReason, SpeculationPlan, StepOutput
 
 log = logging.getLogger(__name__)
@@ -171,8 +171,9 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
         phase = tracer.start_span("decode", context=trace.set_span_in_context(span))
         try:
             while True:
-                if out.error is not None:
-                    await context.abort(grpc.StatusCode.INTERNAL, f"generation failed: {out.error}")
+                if out.error is not None:  # a lost rank: nothing wrong with the request, another replica serves it
+                    code = grpc.StatusCode.UNAVAILABLE if isinstance(out.error, RankLost) else grpc.StatusCode.INTERNAL
+                    await context.abort(code, f"generation failed: {out.error}")
                 if out.finish_reason is not None and out.ends_request:
                     outputs.finished = True
                     _record_usage(span, out)
