@@ -53,6 +53,9 @@ class ReplicaStats:
     host_tier_bytes: int = 0  # the host tier below the pool (zeros when off)
     host_tier_capacity_bytes: int = 0
     host_tier_restored_blocks: int = 0
+    shared_tier_bytes: int = 0  # the replica's entries in the shared tier (zeros when off)
+    shared_tier_capacity_bytes: int = 0
+    shared_tier_restored_blocks: int = 0
 
 
 class Replica:
@@ -101,7 +104,8 @@ class Replica:
         self.failed_checks = 0
         self.stats = ReplicaStats(s.running_requests, s.waiting_requests, s.queued_tokens, s.num_blocks,
                                   s.free_blocks, s.cached_blocks, s.block_size or 16, s.cache_model_id,
-                                  s.host_tier_bytes, s.host_tier_capacity_bytes, s.host_tier_restored_blocks)
+                                  s.host_tier_bytes, s.host_tier_capacity_bytes, s.host_tier_restored_blocks,
+                                  s.shared_tier_bytes, s.shared_tier_capacity_bytes, s.shared_tier_restored_blocks)
         if not self.healthy:
             log.info("replica %s rejoined", self.address)
         self.healthy = True

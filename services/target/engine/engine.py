@@ -14,7 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from services.common.block_hash import extra_key
+from services.common.block_hash import block_hash, extra_key
 from services.common.sampling_params import SamplingConfig
 from services.target import metrics
 from services.target.engine.block_manager import BlockManager
@@ -30,6 +30,7 @@ from services.target.structured.compiler import ConstraintCompiler
 from services.target.structured.grammar_state import GrammarState
 from services.target.structured.hooks import servable_plan
 from services.target.engine.host_tier import build_host_tier, engine_stat_fields
+from services.target.engine import shared_tier
 from services.target.engine.kv_events import KVEventLog
 from services.target.model.model_runner import ModelRunner, load_model
 from services.target.model.model_runner_inputs import StepInput, split_logits
@@ -62,6 +63,10 @@ class Engine:
         self.blocks.attach_host_tier(build_host_tier(config.kv_host_bytes, self.name,
                                                      config.torch_kv_dtype,
                                                      config.block_size, self.runner.kv_block_bytes))
+        if self.blocks.host_tier is not None:
+            self.blocks.attach_shared_tier(shared_tier.build_shared_tier(
+                config.kv_shared_url, config.kv_shared_prefix, config.kv_shared_bytes, config.kv_shared_ttl_s,
+                config.kv_shared_timeout_ms / 1000, self.blocks.host_tier.identity))
         self._lock = threading.Condition()
         self._incoming: list[Sequence] = []
         self._aborts: set[str] = set()
@@ -167,8 +172,25 @@ class Engine:
         # torch aborts at exit ("terminate called without an active exception", status 134).
         self._torch_thread.shutdown(timeout)
         self.grammars.close()
+        if self.blocks.shared_tier is not None:
+            self.blocks.shared_tier.close()
         if self.speculator is not None:
             self.speculator.client.close()
+
+    def prefetch_shared(self, prompt_ids: list[int], tenant_salt: str = "") -> int:
+        """Loads the prompt's blocks that the shared tier holds, past those this replica holds,
+        into the host tier (blocking: call it off the engine thread and the event loop, before
+        `submit`); returns how many. 0 when the shared tier is off, empty or down."""
+        shared, host = self.blocks.shared_tier, self.blocks.host_tier
+        if shared is None or host is None:
+            return 0
+        key_extra, bs = extra_key(self.name, tenant_salt), self.blocks.block_size
+        chain, parent = [], None
+        for i in range((len(prompt_ids) - 1) // bs):  # as match_prefix: the last token is computed
+            key = (parent, tuple(prompt_ids[i * bs:(i + 1) * bs]), key_extra)
+            parent = block_hash(*key)
+            chain.append((parent, key))
+        return shared_tier.prefetch(self.blocks, host, shared, chain)
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt).input_ids
@@ -272,7 +294,8 @@ class Engine:
                 kv_bytes=self.runner.kv_pool.num_bytes,
                 fragmentation=(allocated - used) / allocated if allocated else 0.0,
                 prompt_tokens_computed=self.scheduler.prompt_tokens_computed,
-                **engine_stat_fields(self.blocks.host_tier, self.blocks.block_size))
+                **engine_stat_fields(self.blocks.host_tier, self.blocks.block_size),
+                **shared_tier.engine_stat_fields(self.blocks.shared_tier))
 
     def live_request_ids(self) -> set[str]:
         """Requests the engine holds any state for (queued, running or holding blocks)."""
@@ -493,6 +516,7 @@ class Engine:
         seq.emit(StepOutput([], "", finish_reason=reason, prompt_tokens=seq.num_prompt_tokens,
                             cached_prompt_tokens=seq.num_cached_prompt,
                             host_cached_prompt_tokens=seq.num_host_cached_prompt,
+                            shared_cached_prompt_tokens=seq.num_shared_cached_prompt,
                             completion_tokens=seq.num_output_tokens, error=error,
                             speculation=seq.spec if seq.plan is not None else None,
                             confidence=seq.confidence))

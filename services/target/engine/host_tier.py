@@ -44,10 +44,11 @@ class HostEntry:
     identity: TierIdentity
     data: torch.Tensor  # [block_bytes] uint8 on the host
     checksum: bytes
+    origin: str = "host"  # "host": evicted from this pool; "shared": loaded from the shared tier
 
     @classmethod
-    def build(cls, key: tuple, data: torch.Tensor, identity: TierIdentity) -> "HostEntry":
-        return cls(key, identity, data, checksum(data))
+    def build(cls, key: tuple, data: torch.Tensor, identity: TierIdentity, origin: str = "host") -> "HostEntry":
+        return cls(key, identity, data, checksum(data), origin)
 
     @property
     def num_bytes(self) -> int:
@@ -63,8 +64,9 @@ class HostTierStats:
     capacity_bytes: int
     used_bytes: int
     entries: int
-    stored_blocks: int  # entries put (evicted device blocks kept)
+    stored_blocks: int  # evicted device blocks kept (not counting shared-tier loads)
     restored_blocks: int  # entries served back to the device pool
+    restored_shared_blocks: int  # of those, entries loaded from the shared tier
     dropped_blocks: int  # entries dropped to keep the byte bound
     rejected_blocks: int  # entries that failed the identity, length or checksum check
     store_seconds: float  # copying out and checksumming
@@ -83,13 +85,13 @@ class HostTier:
         self._entries: OrderedDict[int, tuple[HostEntry, int]] = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
-        self._stored = self._restored = self._dropped = self._rejected = 0
+        self._stored = self._restored = self._restored_shared = self._dropped = self._rejected = 0
         self._store_s = self._restore_s = 0.0
         self._recompute_s_per_block: float | None = None  # measured by the model runner (EWMA)
 
-    def entry(self, key: tuple, data: torch.Tensor) -> HostEntry:
+    def entry(self, key: tuple, data: torch.Tensor, origin: str = "host") -> HostEntry:
         """An entry of this tier's own identity."""
-        return HostEntry.build(key, data, self.identity)
+        return HostEntry.build(key, data, self.identity, origin)
 
     def has(self, block_hash: int, key: tuple) -> bool:
         """An entry is held under `block_hash` with this key (cheap: no checksum; `take` checks)."""
@@ -113,12 +115,17 @@ class HostTier:
                 self._dropped += 1
             self._entries[block_hash] = (entry, size)
             self._used += size
-            self._stored += 1
+            self._stored += entry.origin == "host"  # shared-tier loads are counted there
             return True
 
     def take(self, block_hash: int, key: tuple) -> torch.Tensor | None:
         """Removes and returns the entry's bytes when it is intact and of this tier's identity;
         None otherwise (a bad entry is dropped: the caller recomputes the block)."""
+        entry = self.take_entry(block_hash, key)
+        return entry.data if entry is not None else None
+
+    def take_entry(self, block_hash: int, key: tuple) -> HostEntry | None:
+        """`take`, returning the checked entry (its origin says which tier it came from)."""
         with self._lock:
             held = self._entries.get(block_hash)
             if held is None or held[0].key != key:
@@ -131,9 +138,10 @@ class HostTier:
         with self._lock:
             if ok:
                 self._restored += 1
+                self._restored_shared += entry.origin == "shared"
             else:
                 self._rejected += 1
-        return entry.data if ok else None
+        return entry if ok else None
 
     def entry_of(self, block_hash: int) -> HostEntry | None:
         """The entry held under `block_hash` (tests and diagnostics)."""
@@ -169,7 +177,7 @@ class HostTier:
     def stats(self) -> HostTierStats:
         with self._lock:
             return HostTierStats(self.capacity_bytes, self._used, len(self._entries), self._stored,
-                                 self._restored, self._dropped, self._rejected, self._store_s,
+                                 self._restored, self._restored_shared, self._dropped, self._rejected, self._store_s,
                                  self._restore_s)
 
 
@@ -186,8 +194,11 @@ def engine_stat_fields(tier: HostTier | None, block_size: int) -> dict:
     if tier is None:
         return {}
     s = tier.stats()
+    own = s.restored_blocks - s.restored_shared_blocks  # restored by tier: the rest are the shared tier's
     return dict(host_tier_capacity_bytes=s.capacity_bytes, host_tier_bytes=s.used_bytes,
                 host_tier_blocks=s.entries, host_tier_stored_blocks=s.stored_blocks,
-                host_tier_restored_blocks=s.restored_blocks, host_tier_restored_tokens=s.restored_blocks * block_size,
+                host_tier_restored_blocks=own, host_tier_restored_tokens=own * block_size,
+                shared_tier_restored_blocks=s.restored_shared_blocks,
+                shared_tier_restored_tokens=s.restored_shared_blocks * block_size,
                 host_tier_dropped_blocks=s.dropped_blocks, host_tier_rejected_blocks=s.rejected_blocks,
                 host_tier_store_seconds=s.store_seconds, host_tier_restore_seconds=s.restore_seconds)
