@@ -50,7 +50,7 @@ async def test_a_prefix_computed_on_one_replica_is_loaded_by_another(tiny_llama_
         assert stats.shared_tier_loaded_blocks == stats.shared_tier_restored_blocks > 0
         assert stats.shared_tier_load_seconds > 0 and stats.shared_tier_rejected_blocks == 0
         assert stats.host_tier_restored_blocks == 0  # counted by tier: none of them evicted here
-        assert stats.prompt_tokens_computed == usage.prompt_tokens - usage.cached_prompt_tokens
+        assert b.engine.stats().prompt_tokens_computed == usage.prompt_tokens - usage.cached_prompt_tokens
     finally:
         await a.stop()
         await b.stop()
