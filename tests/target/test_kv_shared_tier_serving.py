@@ -12,7 +12,8 @@ import struct
 import redis
 import torch
 
-from specmesh.proto.v1 import target_service_pb2
+from specmesh.proto.v1 import router_service_pb2, target_service_pb2
+from services.status import replica_line
 from services.target.engine.shared_tier import MAGIC
 from tests.e2e.test_generate import hf_greedy
 from tests.mesh import AUTH_A, AUTH_B, collect, request, start_mesh
@@ -27,6 +28,17 @@ def _shared(prefix: str, url: str = URL, **kw) -> dict:
 
 async def _stats(mesh):
     return await mesh.target_stub().GetStats(target_service_pb2.GetStatsRequest())
+
+
+async def _router_view(mesh, restored_blocks: int):
+    """The router's view of the mesh's replica once its stats show `restored_blocks` shared-tier loads."""
+    for _ in range(100):
+        pools = (await mesh.router_stub.ListModels(router_service_pb2.ListModelsRequest(), metadata=AUTH_A)).pools
+        replica = pools[0].replicas[0]
+        if replica.shared_tier_restored_blocks == restored_blocks:
+            return replica
+        await asyncio.sleep(0.05)
+    raise AssertionError(f"the router never saw {restored_blocks} restored blocks: {replica}")
 
 
 async def _pair(model_dir, prefix, **kw):
@@ -51,6 +63,12 @@ async def test_a_prefix_computed_on_one_replica_is_loaded_by_another(tiny_llama_
         assert stats.shared_tier_load_seconds > 0 and stats.shared_tier_rejected_blocks == 0
         assert stats.host_tier_restored_blocks == 0  # counted by tier: none of them evicted here
         assert b.engine.stats().prompt_tokens_computed == usage.prompt_tokens - usage.cached_prompt_tokens
+        replica = await _router_view(b, stats.shared_tier_restored_blocks)  # what `specmesh status` prints
+        assert replica.shared_tier_capacity_bytes == 1 << 30
+        assert f"shared tier 0.0/1024.0 MiB written, {stats.shared_tier_restored_blocks} blocks loaded" \
+            in replica_line(replica)
+        assert b.engine.blocks.shared_tier.flush()
+        assert (await _stats(b)).shared_tier_written_blocks == 0  # all B committed, A had written: not again
     finally:
         await a.stop()
         await b.stop()
