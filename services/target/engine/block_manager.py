@@ -65,6 +65,7 @@ class KVEvent:
     parent_hash: int | None
     num_tokens: int
     scope: str  # short digest of the extra key: groups a tenant's blocks, reveals no salt
+    tier: str = "device"  # "device" (this pool) | "host" | "shared" (see tier_event)
 
 
 @dataclass(frozen=True)
@@ -447,6 +448,13 @@ class BlockManager:
             self._evictions += 1
         self._blocks[block_id].ref_count = 1
         return block_id
+
+
+def tier_event(kind: str, tier: str, block_hash: int, key: tuple) -> KVEvent:
+    """A change of what the host or shared tier holds (`HostTier.on_event`, `SharedTier.on_event`),
+    for the same subscribers as the pool's own events."""
+    parent, tokens, extra_key = key
+    return KVEvent(kind, block_hash, parent, len(tokens), _scope(extra_key), tier)
 
 
 def _scope(extra_key: str) -> str:

@@ -7,6 +7,7 @@ frees a request's blocks at the next step boundary.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -17,7 +18,7 @@ from concurrent.futures import Future
 from services.common.block_hash import block_hash, extra_key
 from services.common.sampling_params import SamplingConfig
 from services.target import metrics
-from services.target.engine.block_manager import BlockManager
+from services.target.engine.block_manager import BlockManager, tier_event
 from services.target.config import EngineConfig
 from services.target.speculation.confidence import Confidence
 from services.target.output.detokenizer import IncrementalDetokenizer
@@ -67,6 +68,9 @@ class Engine:
             self.blocks.attach_shared_tier(shared_tier.build_shared_tier(
                 config.kv_shared_url, config.kv_shared_prefix, config.kv_shared_bytes, config.kv_shared_ttl_s,
                 config.kv_shared_timeout_ms / 1000, self.blocks.host_tier.identity))
+            for name, tier in (("host", self.blocks.host_tier), ("shared", self.blocks.shared_tier)):
+                if tier is not None:  # what the tiers hold reaches the prefix index as KV events
+                    tier.on_event = functools.partial(self._tier_event, name)
         self._lock = threading.Condition()
         self._incoming: list[Sequence] = []
         self._aborts: set[str] = set()
@@ -304,9 +308,18 @@ class Engine:
                     | self.blocks.seq_ids())
 
     def kv_snapshot(self):
-        """(sequence number, cached blocks) taken together, so events after the number apply on top."""
+        """(sequence number, cached blocks of every tier) taken together, so events after the number
+        apply on top (tier events may also be in both: applying them again changes nothing)."""
         with self._lock:
-            return self.kv_events.last_sequence, self.blocks.cached_blocks()
+            after, blocks = self.kv_events.last_sequence, self.blocks.cached_blocks()
+            for name, tier in (("host", self.blocks.host_tier), ("shared", self.blocks.shared_tier)):
+                if tier is not None:
+                    blocks += [tier_event("stored", name, h, key) for h, key in tier.held()]
+            return after, blocks
+
+    def _tier_event(self, tier: str, kind: str, block_hash: int, key: tuple) -> None:
+        """A host- or shared-tier entry came or went (any thread): one KV event."""
+        self.kv_events.append([tier_event(kind, tier, block_hash, key)])
 
     # ---- engine thread ----------------------------------------------------
     def _loop(self) -> None:

@@ -63,6 +63,7 @@ class EngineStats:
     shared_tier_errors: int = 0  # Redis calls failed or timed out: recomputed (counter)
     shared_tier_write_seconds: float = 0.0  # framing and writing, off the engine thread (counter)
     shared_tier_load_seconds: float = 0.0  # fetching and checking, before requests queue (counter)
+    recompute_seconds_per_block: float = 0.0  # measured (host tier on); the router prices tier hits with it
 
 
 class EngineFailed(RuntimeError):

@@ -21,12 +21,15 @@ device pool owns a block in use), an eviction stores it again.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TierIdentity:
@@ -88,6 +91,9 @@ class HostTier:
         self._stored = self._restored = self._restored_shared = self._dropped = self._rejected = 0
         self._store_s = self._restore_s = 0.0
         self._recompute_s_per_block: float | None = None  # measured by the model runner (EWMA)
+        # Called (kind "stored" | "removed", block hash, key) as entries come and go: the engine
+        # turns these into KV events for the prefix index (block_manager.tier_event).
+        self.on_event: Callable[[str, int, tuple], None] | None = None
 
     def entry(self, key: tuple, data: torch.Tensor, origin: str = "host") -> HostEntry:
         """An entry of this tier's own identity."""
@@ -108,13 +114,17 @@ class HostTier:
                 self._used -= old[1]
             size = entry.num_bytes
             if size > self.capacity_bytes:
+                if old is not None:
+                    self._event("removed", block_hash, old[0].key)
                 return False
             while self._used + size > self.capacity_bytes:
-                _, (_, dropped) = self._entries.popitem(last=False)
+                h, (gone, dropped) = self._entries.popitem(last=False)
                 self._used -= dropped
                 self._dropped += 1
+                self._event("removed", h, gone.key)
             self._entries[block_hash] = (entry, size)
             self._used += size
+            self._event("stored", block_hash, entry.key)
             self._stored += entry.origin == "host"  # shared-tier loads are counted there
             return True
 
@@ -133,6 +143,7 @@ class HostTier:
             del self._entries[block_hash]
             entry, size = held
             self._used -= size
+            self._event("removed", block_hash, entry.key)  # to the pool, or dropped as bad
         ok = (entry.identity == self.identity and entry.data.dtype == torch.uint8
               and entry.num_bytes == self.identity.block_bytes and checksum(entry.data) == entry.checksum)
         with self._lock:
@@ -149,6 +160,11 @@ class HostTier:
             held = self._entries.get(block_hash)
             return held[0] if held else None
 
+    def held(self) -> list[tuple[int, tuple]]:
+        """(hash, key) of every entry, oldest first (a snapshot for the prefix index)."""
+        with self._lock:
+            return [(h, entry.key) for h, (entry, _) in self._entries.items()]
+
     def hashes(self) -> list[int]:
         """Block hashes held, oldest first."""
         with self._lock:
@@ -160,6 +176,12 @@ class HostTier:
         with self._lock:
             old = self._recompute_s_per_block
             self._recompute_s_per_block = per_block if old is None else 0.8 * old + 0.2 * per_block
+
+    @property
+    def recompute_s_per_block(self) -> float:
+        """Measured cost of recomputing one block (0 until measured)."""
+        with self._lock:
+            return self._recompute_s_per_block or 0.0
 
     def restore_pays(self) -> bool:
         """Restoring a block costs less than recomputing it, as measured so far (True until both
@@ -173,6 +195,14 @@ class HostTier:
         with self._lock:
             self._store_s += store_s
             self._restore_s += restore_s
+
+    def _event(self, kind: str, block_hash: int, key: tuple) -> None:
+        """Tells `on_event` (lock held: events of one tier stay in order)."""
+        if self.on_event is not None:
+            try:
+                self.on_event(kind, block_hash, key)
+            except Exception:  # the index resyncs by snapshot; the tier must not fail for it
+                log.exception("host tier: KV event callback failed")
 
     def stats(self) -> HostTierStats:
         with self._lock:
@@ -201,4 +231,5 @@ def engine_stat_fields(tier: HostTier | None, block_size: int) -> dict:
                 shared_tier_restored_blocks=s.restored_shared_blocks,
                 shared_tier_restored_tokens=s.restored_shared_blocks * block_size,
                 host_tier_dropped_blocks=s.dropped_blocks, host_tier_rejected_blocks=s.rejected_blocks,
-                host_tier_store_seconds=s.store_seconds, host_tier_restore_seconds=s.restore_seconds)
+                host_tier_store_seconds=s.store_seconds, host_tier_restore_seconds=s.restore_seconds,
+                recompute_seconds_per_block=tier.recompute_s_per_block)

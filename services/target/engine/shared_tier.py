@@ -35,6 +35,7 @@ import struct
 import threading
 import time
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import redis
@@ -76,7 +77,11 @@ class SharedTier:
         self.ttl_s = ttl_s
         self._queue: queue.Queue = queue.Queue(maxsize=queue_size)
         self._lock = threading.Lock()
-        self._known: OrderedDict[int, int] = OrderedDict()  # hash -> bytes this replica accounts (0: not ours)
+        # hash -> (bytes this replica accounts: 0 = not ours, key); oldest first
+        self._known: OrderedDict[int, tuple[int, tuple]] = OrderedDict()
+        # Called (kind "stored" | "removed", block hash, key) for this replica's own entries (the
+        # engine turns these into KV events for the prefix index). Entries that expire are not told.
+        self.on_event: Callable[[str, int, tuple], None] | None = None
         self._queued: set[int] = set()
         self._used = 0
         self._written = self._deleted = self._dropped = self._loaded = self._rejected = self._errors = 0
@@ -165,6 +170,11 @@ class SharedTier:
             return None
         return data
 
+    def held(self) -> list[tuple[int, tuple]]:
+        """(hash, key) of this replica's own entries as accounted, oldest first (a snapshot)."""
+        with self._lock:
+            return [(h, key) for h, (size, key) in self._known.items() if size]
+
     def stats(self) -> SharedTierStats:
         with self._lock:
             return SharedTierStats(self.capacity_bytes, self._used, self._written, self._deleted, self._dropped,
@@ -234,15 +244,20 @@ class SharedTier:
             with self._lock:
                 self._dropped += len(batch)
             return
+        keys = {h: key for h, key, _ in batch}
         with self._lock:
             for (h, value), written in zip(values, results):
                 ours = len(value) if written else 0  # not written: already there (another writer's)
-                self._known[h] = ours
+                self._known[h] = (ours, keys[h])
                 self._used += ours
                 self._written += 1 if written else 0
+                if written:
+                    self._event("stored", h, keys[h])
             while len(self._known) > _MAX_KNOWN:
-                _, size = self._known.popitem(last=False)
+                h, (size, key) = self._known.popitem(last=False)
                 self._used -= size  # forgotten: left to its TTL
+                if size:
+                    self._event("removed", h, key)
             self._write_s += time.perf_counter() - start
 
     def _make_room(self, incoming: int) -> list[int]:
@@ -252,12 +267,20 @@ class SharedTier:
             for h in list(self._known):
                 if self._used + incoming <= self.capacity_bytes:
                     break
-                size = self._known.pop(h)
+                size, key = self._known.pop(h)
                 if size:
                     self._used -= size
                     self._deleted += 1
                     out.append(h)
+                    self._event("removed", h, key)
         return out
+
+    def _event(self, kind: str, block_hash: int, key: tuple) -> None:
+        if self.on_event is not None:
+            try:
+                self.on_event(kind, block_hash, key)
+            except Exception:  # the index resyncs by snapshot; writing must not fail for it
+                log.exception("shared tier: KV event callback failed")
 
     def _is_down(self) -> bool:
         return time.monotonic() < self._down_until

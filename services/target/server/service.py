@@ -51,7 +51,8 @@ _HOST_TIER_STATS = ("host_tier_capacity_bytes", "host_tier_bytes", "host_tier_bl
                     "shared_tier_capacity_bytes", "shared_tier_bytes", "shared_tier_written_blocks",
                     "shared_tier_deleted_blocks", "shared_tier_dropped_writes", "shared_tier_loaded_blocks",
                     "shared_tier_restored_blocks", "shared_tier_restored_tokens", "shared_tier_rejected_blocks",
-                    "shared_tier_errors", "shared_tier_write_seconds", "shared_tier_load_seconds")
+                    "shared_tier_errors", "shared_tier_write_seconds", "shared_tier_load_seconds",
+                    "recompute_seconds_per_block")
 SERVICE_NAME = target_service_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
@@ -235,12 +236,15 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
 
 _EVENT_KINDS = {"stored": target_service_pb2.KV_EVENT_KIND_BLOCK_STORED,
                 "removed": target_service_pb2.KV_EVENT_KIND_BLOCK_REMOVED}
+_TIERS = {"device": target_service_pb2.KV_TIER_DEVICE, "host": target_service_pb2.KV_TIER_HOST,
+          "shared": target_service_pb2.KV_TIER_SHARED}
 
 
 def _event_proto(sequence: int, event) -> target_service_pb2.KVEvent:
     return target_service_pb2.KVEvent(
         sequence=sequence, kind=_EVENT_KINDS[event.kind], block_hash=event.block_hash,
-        parent_hash=event.parent_hash or 0, num_tokens=event.num_tokens, scope=event.scope)
+        parent_hash=event.parent_hash or 0, num_tokens=event.num_tokens, scope=event.scope,
+        tier=_TIERS[event.tier])
 
 
 def _plan(message: common_pb2.SpeculationPlan) -> SpeculationPlan | None:
