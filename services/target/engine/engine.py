@@ -186,15 +186,19 @@ class Engine:
         into the host tier (blocking: call it off the engine thread and the event loop, before
         `submit`); returns how many. 0 when the shared tier is off, empty or down."""
         shared, host = self.blocks.shared_tier, self.blocks.host_tier
-        if shared is None or host is None:
-            return 0
+        if shared is None or host is None or not host.restore_pays():
+            return 0  # off, or restoring is measured dearer than recomputing: nothing would be restored
         key_extra, bs = extra_key(self.name, tenant_salt), self.blocks.block_size
         chain, parent = [], None
         for i in range((len(prompt_ids) - 1) // bs):  # as match_prefix: the last token is computed
             key = (parent, tuple(prompt_ids[i * bs:(i + 1) * bs]), key_extra)
             parent = block_hash(*key)
             chain.append((parent, key))
-        return shared_tier.prefetch(self.blocks, host, shared, chain)
+        try:
+            return shared_tier.prefetch(self.blocks, host, shared, chain)
+        except Exception:  # a shared-tier fault costs a recompute, never the request
+            log.exception("shared tier: prefetch failed")
+            return 0
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt).input_ids
