@@ -5,14 +5,20 @@
 2. Multi-turn chat: conversations of several turns, each turn appending to its history, arriving
    as a Poisson process, on a device pool holding about a quarter of the working set; TTFT P50
    and P99 with the host tier and without it, and whether the outputs are the same.
+3. Cross-replica (with --shared-url): replica A computes a prefix and writes it to the shared
+   tier in Redis; replica B's TTFT for that prefix, loaded from there (prefetch included),
+   against B's TTFT for a prefix of the same length it recomputes; load cost per block.
 
     python benchmarks/kv_host_tier.py [--conversations 40 --turns 6]
+    python benchmarks/kv_host_tier.py --skip-costs --skip-multi-turn --shared-url redis://127.0.0.1:6379/0 \
+        --prefix-tokens 2000
 """
 
 from __future__ import annotations
 
 import argparse
 import random
+import uuid
 import statistics
 import threading
 import time
@@ -25,8 +31,9 @@ from services.target.config import EngineConfig
 from services.target.engine.engine import Engine
 
 
-def run(engine: Engine, prompt_ids: list[int], max_tokens: int) -> tuple[float, list[int], int, int]:
-    """(TTFT seconds, output tokens, cached prompt tokens, of those from the host tier) of one request."""
+def run(engine: Engine, prompt_ids: list[int], max_tokens: int) -> tuple[float, list[int], int, int, int]:
+    """(TTFT seconds, output tokens, cached prompt tokens, of those from the host tier, and from the
+    shared tier) of one request."""
     first, tokens, done, info = [], [], threading.Event(), {}
 
     def emit(out):
@@ -34,7 +41,8 @@ def run(engine: Engine, prompt_ids: list[int], max_tokens: int) -> tuple[float, 
             first.append(time.perf_counter())
         tokens.extend(out.token_ids)
         if out.finish_reason is not None:
-            info.update(cached=out.cached_prompt_tokens, host=out.host_cached_prompt_tokens, error=out.error)
+            info.update(cached=out.cached_prompt_tokens, host=out.host_cached_prompt_tokens,
+                        shared=out.shared_cached_prompt_tokens, error=out.error)
             done.set()
     start = time.perf_counter()
     engine.submit(f"bench-{time.monotonic_ns()}-{random.random()}", prompt_ids,
@@ -42,7 +50,7 @@ def run(engine: Engine, prompt_ids: list[int], max_tokens: int) -> tuple[float, 
     done.wait()
     if info["error"] is not None:
         raise info["error"]
-    return first[0] - start, tokens, info["cached"], info["host"]
+    return first[0] - start, tokens, info["cached"], info["host"], info["shared"]
 
 
 def document(tokenizer, num_tokens: int, salt: int) -> list[int]:
@@ -58,10 +66,10 @@ def per_block_costs(model_dir: Path, prefix_tokens: int, block_size: int) -> Non
     try:
         tok = engine.tokenizer
         prefix, other = document(tok, prefix_tokens, 1), document(tok, prefix_tokens, 2)
-        cold, cold_out, _, _ = run(engine, prefix, 8)  # recomputed: nothing cached
+        cold, cold_out, _, _, _ = run(engine, prefix, 8)  # recomputed: nothing cached
         run(engine, other, 1)  # evicts the prefix's blocks into the host tier
         before = engine.stats()
-        warm, warm_out, cached, host = run(engine, prefix, 8)
+        warm, warm_out, cached, host, _ = run(engine, prefix, 8)
         after = engine.stats()
     finally:
         engine.shutdown()
@@ -73,6 +81,45 @@ def per_block_costs(model_dir: Path, prefix_tokens: int, block_size: int) -> Non
           f"({cached} cached, {host} from the host tier; same tokens: {cold_out == warm_out})")
     print(f"   recompute per block {cold / blocks * 1000:7.3f} ms   restore per block "
           f"{restore_s / max(restored, 1) * 1000:7.3f} ms (check + copy)   store per block {store_s * 1000:7.3f} ms")
+
+
+def cross_replica(model_dir: Path, prefix_tokens: int, block_size: int, url: str) -> None:
+    """Replica B's TTFT for a prefix replica A computed (loaded from the shared tier) against
+    B's TTFT for a same-length prefix it recomputes; both engines in this process, one Redis."""
+    import redis
+    key_prefix = f"specmesh-bench:{uuid.uuid4().hex}"
+    config = EngineConfig(model_dir=model_dir, dtype="bfloat16", block_size=block_size,
+                          num_blocks=prefix_tokens // block_size + 16, max_batched_tokens=512,
+                          kv_shared_url=url, kv_shared_prefix=key_prefix)
+    a, b = Engine.load(config), Engine.load(config)
+    for engine in (a, b):
+        engine.start()
+    try:
+        tok = a.tokenizer
+        shared_doc, local_doc = document(tok, prefix_tokens, 3), document(tok, prefix_tokens, 4)
+        computed_on_a, a_out, _, _, _ = run(a, shared_doc, 8)
+        a.blocks.shared_tier.flush(120.0)
+        recompute = run(b, local_doc, 8)[0]  # B computes a prefix nobody has
+        start = time.perf_counter()
+        loaded_blocks = b.prefetch_shared(shared_doc)  # what the target's Generate does before submit
+        prefetch_s = time.perf_counter() - start
+        loaded, b_out, cached, _, shared_tokens = run(b, shared_doc, 8)
+        s = b.stats()
+    finally:
+        for engine in (a, b):
+            engine.shutdown()
+        client = redis.Redis.from_url(url)
+        for key in client.scan_iter(f"{key_prefix}:*"):
+            client.delete(key)
+        client.close()
+    blocks = prefix_tokens // block_size
+    print(f"\n3. cross-replica: prefix {prefix_tokens} tokens computed on A ({computed_on_a * 1000:.1f} ms TTFT), "
+          f"{loaded_blocks} blocks loaded by B")
+    print(f"   B TTFT recompute {recompute * 1000:8.1f} ms   from the shared tier {(prefetch_s + loaded) * 1000:8.1f} ms "
+          f"(prefetch {prefetch_s * 1000:.1f} ms; {cached} cached, {shared_tokens} from the shared tier; "
+          f"same tokens as A: {a_out == b_out})  ratio {recompute / (prefetch_s + loaded):.2f}x")
+    print(f"   per block: recompute {recompute / blocks * 1000:7.3f} ms   load {s.shared_tier_load_seconds / max(s.shared_tier_loaded_blocks, 1) * 1000:7.3f} ms "
+          f"(fetch + check)   restore {s.host_tier_restore_seconds / max(s.shared_tier_restored_blocks, 1) * 1000:7.3f} ms")
 
 
 def conversation_prompts(tok, conversations: int, turns: int) -> list[list[list[int]]]:
@@ -106,7 +153,7 @@ def multi_turn(engine: Engine, convs, max_tokens: int, rate: float, seed: int = 
         history = list(convs[c][0])
         for turn, user in enumerate(convs[c][1:]):
             history += user
-            first, answer, cached, host = run(engine, history, max_tokens)
+            first, answer, cached, host, _ = run(engine, history, max_tokens)
             history += answer
             with lock:
                 ttfts.append(first)
@@ -136,12 +183,19 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--rate", type=float, default=2.0, help="conversations arriving per second")
     parser.add_argument("--skip-costs", action="store_true")
+    parser.add_argument("--skip-multi-turn", action="store_true")
+    parser.add_argument("--shared-url", default="", help="Redis URL: also measure the cross-replica "
+                        "load from the shared tier (keys under a fresh prefix, deleted after)")
     parser.add_argument("--without-first", action="store_true", help="run without the tier first "
                         "(on a shared machine, swap the order to see the drift)")
     args = parser.parse_args()
     model_dir = resolve_model_dir(args.model, Path(read_settings().model_cache).expanduser())
     if not args.skip_costs:
         per_block_costs(model_dir, args.prefix_tokens, args.block_size)
+    if args.shared_url:
+        cross_replica(model_dir, args.prefix_tokens, args.block_size, args.shared_url)
+    if args.skip_multi_turn:
+        return
     probe = Engine.load(EngineConfig(model_dir=model_dir, dtype="bfloat16", num_blocks=64))
     convs = conversation_prompts(probe.tokenizer, args.conversations, args.turns)
     probe.shutdown()

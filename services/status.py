@@ -76,6 +76,8 @@ def replica_line(r: router_service_pb2.ReplicaStatus) -> str:
         return f"replica {r.address}  {state}  (no stats yet)"
     host = (f"  host tier {r.host_tier_bytes / 2**20:.1f}/{r.host_tier_capacity_bytes / 2**20:.1f} MiB, "
             f"{r.host_tier_restored_blocks} blocks restored" if r.host_tier_capacity_bytes else "")
+    host += (f"  shared tier {r.shared_tier_bytes / 2**20:.1f}/{r.shared_tier_capacity_bytes / 2**20:.1f} MiB written, "
+             f"{r.shared_tier_restored_blocks} blocks loaded" if r.shared_tier_capacity_bytes else "")
     return (f"replica {r.address}  {state}  KV {r.num_blocks - r.free_blocks}/{r.num_blocks} blocks used, "
             f"{r.cached_blocks} cached, {r.free_blocks} free{host}  running {r.running_requests}  "
             f"waiting {r.waiting_requests}  queued tokens {r.queued_tokens}")

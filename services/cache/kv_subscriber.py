@@ -19,7 +19,7 @@ import logging
 
 import grpc
 
-from services.cache.prefix_index import REMOVED, STORED, PrefixIndex
+from services.cache.prefix_index import DEVICE, HOST, REMOVED, SHARED, STORED, PrefixIndex
 from services.common.dns_replicas import DnsReplicas
 from specmesh.proto.v1 import target_service_pb2, target_service_pb2_grpc
 from services.common.tls import MeshTls, internal_channel
@@ -28,6 +28,9 @@ log = logging.getLogger(__name__)
 RESOLVE_SECONDS = 2.0  # dns:/// entries: re-resolution period (the router's poll is 1 s in deploy/k8s)
 _KINDS = {target_service_pb2.KV_EVENT_KIND_BLOCK_STORED: STORED,
           target_service_pb2.KV_EVENT_KIND_BLOCK_REMOVED: REMOVED}
+_TIERS = {target_service_pb2.KV_TIER_UNSPECIFIED: DEVICE,  # a target from before tiers
+          target_service_pb2.KV_TIER_DEVICE: DEVICE, target_service_pb2.KV_TIER_HOST: HOST,
+          target_service_pb2.KV_TIER_SHARED: SHARED}
 
 
 class _Gap(Exception):
@@ -121,7 +124,8 @@ class KVSubscribers:
         try:
             async for message in call:
                 if message.is_snapshot:
-                    self.index.apply_snapshot(replica, (b.block_hash for b in message.snapshot_blocks))
+                    self.index.apply_snapshot(replica, ((b.block_hash, _TIERS.get(b.tier, DEVICE))
+                                                        for b in message.snapshot_blocks))
                     last = message.snapshot_sequence
                     continue
                 for event in message.events:
@@ -129,7 +133,9 @@ class KVSubscribers:
                         raise _Gap()
                     if event.sequence <= last:
                         continue  # already in the snapshot
-                    self.index.apply_event(replica, _KINDS[event.kind], event.block_hash)
+                    tier = _TIERS.get(event.tier)
+                    if tier is not None:  # a tier newer than this index: skipped
+                        self.index.apply_event(replica, _KINDS[event.kind], event.block_hash, tier)
                     last = event.sequence
         finally:
             call.cancel()

@@ -81,7 +81,8 @@ class CacheService(cache_service_pb2_grpc.CacheServiceServicer):
             span.set_attribute("specmesh.prefix_hit_blocks", best)
             metrics.count_lookup("prefix", "hit" if best else "miss")
         return pb.PrefixMatchResponse(matches=[
-            pb.ReplicaPrefixMatch(replica=m.replica, matched_blocks=m.matched_blocks, synced=m.synced)
+            pb.ReplicaPrefixMatch(replica=m.replica, matched_blocks=m.matched_blocks, synced=m.synced,
+                                  host_blocks=m.host_blocks, shared_blocks=m.shared_blocks)
             for m in matches])
 
     # ---- tool results -------------------------------------------------------------------------

@@ -27,4 +27,6 @@ def _replica(replica) -> router_service_pb2.ReplicaStatus:
         status.free_blocks, status.cached_blocks = s.free_blocks, s.cached_blocks
         status.host_tier_bytes, status.host_tier_capacity_bytes = s.host_tier_bytes, s.host_tier_capacity_bytes
         status.host_tier_restored_blocks = s.host_tier_restored_blocks
+        status.shared_tier_bytes, status.shared_tier_capacity_bytes = s.shared_tier_bytes, s.shared_tier_capacity_bytes
+        status.shared_tier_restored_blocks = s.shared_tier_restored_blocks
     return status

@@ -84,7 +84,8 @@ class PrefixLookup:
         self._stub = cache_service_pb2_grpc.CacheServiceStub(channel) if channel is not None else None
 
     async def cached_tokens(self, hashes: list[int], replicas: list[Replica], block_size: int) -> dict[str, int]:
-        """address -> cached leading prompt tokens; {} when the index is unavailable."""
+        """address -> cached leading prompt tokens, tier hits priced at their load cost
+        (`Replica.cached_tokens`); {} when the index is unavailable."""
         if self._stub is None or not hashes or not replicas:
             return {}
         try:
@@ -94,7 +95,10 @@ class PrefixLookup:
         except grpc.aio.AioRpcError as exc:
             log.debug("prefix index unavailable: %s", exc.code().name)
             return {}
-        return {m.replica: m.matched_blocks * block_size for m in response.matches}
+        by_address = {r.address: r for r in replicas}
+        return {m.replica: by_address[m.replica].cached_tokens(m.matched_blocks, m.host_blocks, m.shared_blocks,
+                                                               block_size)
+                for m in response.matches if m.replica in by_address}
 
     async def close(self) -> None:
         if self._channel is not None:

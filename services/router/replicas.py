@@ -15,6 +15,9 @@ Replica choice (`choose`), per `policy`:
 - `kv_aware` (default): the least `uncached prompt tokens + load_weight · load_tokens`, where
   the cached prefix comes from the cache service's prefix index. Ties go to the replica with
   the least KV holding cached prefixes (a new prefix evicts less there), then in turn.
+  A prefix held below the pool (the replica's host tier, or the shared tier) counts at its
+  load cost (`Replica.cached_tokens`): each such block saves a recompute but costs its bytes
+  over the replica's measured bandwidth for that tier, in recompute-equivalent tokens.
 """
 
 from __future__ import annotations
@@ -53,6 +56,14 @@ class ReplicaStats:
     host_tier_bytes: int = 0  # the host tier below the pool (zeros when off)
     host_tier_capacity_bytes: int = 0
     host_tier_restored_blocks: int = 0
+    shared_tier_bytes: int = 0  # the replica's entries in the shared tier (zeros when off)
+    shared_tier_capacity_bytes: int = 0
+    shared_tier_restored_blocks: int = 0
+    # Measured costs per block (0 = not measured yet): restoring from the host tier (its bytes
+    # over its measured copy bandwidth), loading from the shared tier, and recomputing.
+    host_restore_s_per_block: float = 0.0
+    shared_load_s_per_block: float = 0.0
+    recompute_s_per_block: float = 0.0
 
 
 class Replica:
@@ -73,6 +84,18 @@ class Replica:
         of what this router sent there (stats lag behind by up to one poll)."""
         queued = self.stats.queued_tokens if self.stats else 0
         return queued + self.in_flight_tokens
+
+    def cached_tokens(self, device_blocks: int, host_blocks: int, shared_blocks: int, block_size: int) -> int:
+        """Prefix tokens the replica would not recompute, as its score counts them: pool blocks in
+        full; host- and shared-tier blocks less their load cost relative to recomputing (a tier
+        the replica lacks, or one measured dearer than recompute, counts nothing; an unmeasured
+        one counts in full, as the target itself restores until it has measured)."""
+        s = self.stats or ReplicaStats()
+        host_cost = _ratio(s.host_restore_s_per_block, s.recompute_s_per_block)
+        shared_cost = _ratio(s.shared_load_s_per_block + s.host_restore_s_per_block, s.recompute_s_per_block)
+        host = host_blocks * (1 - host_cost) if s.host_tier_capacity_bytes else 0.0
+        shared = shared_blocks * (1 - shared_cost) if s.shared_tier_capacity_bytes else 0.0
+        return round((device_blocks + host + shared) * block_size)
 
     @property
     def cached_fraction(self) -> float:
@@ -99,9 +122,14 @@ class Replica:
                 self.healthy = False
             return False
         self.failed_checks = 0
+        restored = s.host_tier_restored_blocks + s.shared_tier_restored_blocks  # both go through the host tier
         self.stats = ReplicaStats(s.running_requests, s.waiting_requests, s.queued_tokens, s.num_blocks,
                                   s.free_blocks, s.cached_blocks, s.block_size or 16, s.cache_model_id,
-                                  s.host_tier_bytes, s.host_tier_capacity_bytes, s.host_tier_restored_blocks)
+                                  s.host_tier_bytes, s.host_tier_capacity_bytes, s.host_tier_restored_blocks,
+                                  s.shared_tier_bytes, s.shared_tier_capacity_bytes, s.shared_tier_restored_blocks,
+                                  s.host_tier_restore_seconds / restored if restored else 0.0,
+                                  s.shared_tier_load_seconds / s.shared_tier_loaded_blocks
+                                  if s.shared_tier_loaded_blocks else 0.0, s.recompute_seconds_per_block)
         if not self.healthy:
             log.info("replica %s rejoined", self.address)
         self.healthy = True
@@ -229,3 +257,10 @@ class ReplicaSet:
     def _add(self, addresses) -> None:
         for address in addresses:
             self._replicas[address] = Replica(address, self._channel_factory(address))
+
+
+def _ratio(load_s: float, recompute_s: float) -> float:
+    """A tier block's load cost as a share of recomputing it, in [0, 1]; 0 while unmeasured."""
+    if load_s <= 0 or recompute_s <= 0:
+        return 0.0
+    return min(1.0, load_s / recompute_s)

@@ -31,6 +31,13 @@ class EngineConfig:
     block_size: int = _TARGET.block_size
     num_blocks: int = _TARGET.num_blocks
     kv_host_bytes: int = _TARGET.kv_host_bytes  # host tier bound (services/target/engine/host_tier.py); 0 = off
+    # The shared tier (services/target/engine/shared_tier.py): Redis URL ("" = off), this replica's
+    # byte bound there, entry lifetime, per-call timeout and key prefix.
+    kv_shared_url: str = _TARGET.kv_shared_url
+    kv_shared_bytes: int = _TARGET.kv_shared_bytes
+    kv_shared_ttl_s: int = _TARGET.kv_shared_ttl_s
+    kv_shared_timeout_ms: int = _TARGET.kv_shared_timeout_ms
+    kv_shared_prefix: str = _TARGET.kv_shared_prefix
     max_num_seqs: int = _TARGET.max_num_seqs
     max_batched_tokens: int = _TARGET.max_batched_tokens
     max_queued_requests: int = _TARGET.max_queued_requests
@@ -62,6 +69,9 @@ class EngineConfig:
         if not 0 < self.draft_timeout_s <= MAX_DRAFT_TIMEOUT_MS / 1000:
             raise ValueError(f"draft_timeout_s must be in (0, {MAX_DRAFT_TIMEOUT_MS / 1000:g}], "
                              f"got {self.draft_timeout_s}")
+        if self.kv_shared_url and not (self.kv_host_bytes and self.enable_prefix_caching):
+            raise ValueError("kv_shared_url needs kv_host_bytes > 0 and prefix caching: shared-tier "
+                             "entries are loaded through the host tier")
         if not 0 < self.grammar_compile_timeout_s <= 600 or self.grammar_max_bytes <= 0:
             raise ValueError("grammar_compile_timeout_s must be in (0, 600] and grammar_max_bytes > 0")
 

@@ -45,6 +45,8 @@ _GAUGES = {
     "specmesh.kv.host.bytes": ("host_tier_bytes", "By", "bytes held by the host tier below the KV pool"),
     "specmesh.kv.host.capacity": ("host_tier_capacity_bytes", "By", "byte bound of the host tier"),
     "specmesh.kv.host.blocks": ("host_tier_blocks", "{block}", "KV blocks held by the host tier"),
+    "specmesh.kv.shared.bytes": ("shared_tier_bytes", "By", "bytes of this replica's entries in the shared tier"),
+    "specmesh.kv.shared.capacity": ("shared_tier_capacity_bytes", "By", "this replica's byte bound in the shared tier"),
 }
 _COUNTERS = {
     "specmesh.kv.evictions": ("evictions", "{block}", "cached blocks evicted"),
@@ -63,6 +65,19 @@ _COUNTERS = {
     "specmesh.kv.host.store_time": ("host_tier_store_seconds", "s", "time spent storing blocks in the host tier"),
     "specmesh.kv.host.restore_time": ("host_tier_restore_seconds", "s",
                                       "time spent checking and restoring host-tier blocks"),
+    "specmesh.kv.shared.written": ("shared_tier_written_blocks", "{block}", "KV blocks written to the shared tier"),
+    "specmesh.kv.shared.dropped": ("shared_tier_dropped_writes", "{block}",
+                                   "shared-tier writes dropped (queue full, too big or Redis down)"),
+    "specmesh.kv.shared.loaded": ("shared_tier_loaded_blocks", "{block}", "checked shared-tier blocks loaded"),
+    "specmesh.kv.shared.hits": ("shared_tier_restored_blocks", "{block}",
+                                "KV blocks restored from the shared tier instead of recomputed"),
+    "specmesh.kv.shared.hit_tokens": ("shared_tier_restored_tokens", "{token}",
+                                      "prompt tokens restored from the shared tier (part of hit_tokens)"),
+    "specmesh.kv.shared.rejected": ("shared_tier_rejected_blocks", "{block}",
+                                    "shared-tier entries failing their identity, key or checksum check"),
+    "specmesh.kv.shared.errors": ("shared_tier_errors", "{call}", "shared-tier Redis calls failed or timed out"),
+    "specmesh.kv.shared.write_time": ("shared_tier_write_seconds", "s", "time spent writing to the shared tier"),
+    "specmesh.kv.shared.load_time": ("shared_tier_load_seconds", "s", "time spent loading from the shared tier"),
 }
 
 
@@ -162,7 +177,8 @@ class TargetMetrics:
             _writer().put((seq.span_context, timeline.arrival, timeline.admitted, timeline.first_token,
                            now, list(seq.spec.passes), seq.spec.fallback_steps, status,
                            {"specmesh.cached_prompt_tokens": seq.num_cached_prompt,
-                            "specmesh.host_cached_prompt_tokens": seq.num_host_cached_prompt}))
+                            "specmesh.host_cached_prompt_tokens": seq.num_host_cached_prompt,
+                            "specmesh.shared_cached_prompt_tokens": seq.num_shared_cached_prompt}))
 
 
 def flush_traces(timeout: float = 10.0) -> bool:

@@ -51,6 +51,17 @@ class TargetSettings(SettingsGroup):
     kv_host_bytes: int = Field(1 << 30, ge=0, description="host tier below the target's KV pool: bytes of "
                                "evicted prefix blocks kept in host memory and restored instead of "
                                "recomputed; 0 = none")
+    kv_shared_url: str = Field("", description="shared tier below the host tier: a Redis URL "
+                               "(redis://host:port/db) where committed prefix blocks are written and from which "
+                               "blocks other replicas computed are loaded instead of recomputed; needs "
+                               "kv_host_bytes > 0 (loads go through the host tier); empty = none")
+    kv_shared_bytes: int = Field(1 << 30, gt=0, description="bytes of shared-tier entries this replica keeps "
+                                 "written; past it its own oldest entries are deleted")
+    kv_shared_ttl_s: int = Field(3600, gt=0, description="seconds a shared-tier entry lives in Redis")
+    kv_shared_timeout_ms: int = Field(100, gt=0, le=10_000, description="timeout of one shared-tier Redis "
+                                      "call (ms); past it, or with Redis down, the prefix is recomputed")
+    kv_shared_prefix: str = Field("specmesh:kv", min_length=1, description="key prefix of the shared tier's "
+                                  "entries in Redis (the model id and block hash follow)")
     max_num_seqs: int = Field(32, gt=0, description="sequences the target runs at once")
     max_batched_tokens: int = Field(512, gt=0, description="tokens per engine step "
                                     "(prefill chunks + decodes + verify trees)")

@@ -24,15 +24,16 @@ from services.common.tls import MeshTls, internal_channel, make_dev_certs
 from services.target.server.app import build_target_server
 from services.target.config import EngineConfig
 from services.target.engine.engine import Engine
+from tests.target.shared_redis import URL, kv_prefix  # noqa: F401 (fixture)
 
 SALT = "salt-a"
 
 
 class Replica:
-    def __init__(self, model_dir, num_blocks: int, certs=None) -> None:
+    def __init__(self, model_dir, num_blocks: int, certs=None, **config) -> None:
         self.engine = Engine.load(EngineConfig(
             model_dir=model_dir, dtype="float32", num_blocks=num_blocks, block_size=4,
-            max_batched_tokens=64, max_tokens_limit=64, kernels="reference"))
+            max_batched_tokens=64, max_tokens_limit=64, kernels="reference", **config))
         self.certs = certs  # mesh certificates: the target serves mutual TLS, we call as the router
         tls = MeshTls.from_dir(certs, "target").server_tls() if certs else None
         self.server = build_target_server(ServerConfig(port=0, tls=tls), self.engine, "tiny")
@@ -50,8 +51,8 @@ class Replica:
         async for _ in stub.Generate(request):
             pass
 
-    def cached(self) -> set[int]:
-        return {b.block_hash for b in self.engine.kv_snapshot()[1]}
+    def cached(self, tier: str = "device") -> set[int]:
+        return {b.block_hash for b in self.engine.kv_snapshot()[1] if b.tier == tier}
 
     def hashes(self, prompt: str) -> list[int]:
         return chained_block_hashes(self.engine.tokenize(prompt), 4, extra_key(self.engine.name, SALT))
@@ -225,3 +226,54 @@ def test_tracked_replicas_join_unsynced_and_dropped_ones_take_their_blocks():
     index.forget("pod-0.svc:1")  # its follower's last word after the drop: no effect
     assert index.replicas == ("a:1",) and index.size == 0
     assert index.match([7], ["pod-0.svc:1"])[0].synced is False
+
+
+def test_match_follows_the_tiers_in_the_targets_order():
+    index = PrefixIndex(["r1", "r2"])
+    # r1: blocks 1-2 in its pool, 3-4 in its host tier; 5-6 written to the shared tier by r2.
+    index.apply_snapshot("r1", [1, 2, (3, "host"), (4, "host"), (6, "host")])
+    index.apply_snapshot("r2", [(5, "shared"), (6, "shared"), (9, "device")])
+    matches = index.match([1, 2, 3, 4, 5, 6, 7])
+    assert [(m.matched_blocks, m.host_blocks, m.shared_blocks) for m in matches] == [(2, 2, 2), (0, 0, 0)]
+    assert [(m.matched_blocks, m.host_blocks, m.shared_blocks) for m in index.match([5, 6])] == [(0, 0, 2), (0, 0, 2)]
+    index.apply_event("r1", "stored", 3)  # restored into the pool ...
+    index.apply_event("r1", "removed", 3, "host")  # ... and gone from the host tier
+    index.apply_event("r2", "removed", 5, "shared")  # deleted for r2's byte bound
+    assert [(m.matched_blocks, m.host_blocks, m.shared_blocks) for m in index.match([1, 2, 3, 4, 5])] == [
+        (3, 1, 0), (0, 0, 0)]
+    assert index.blocks("r1", "host") == {4, 6} and index.size == 7
+    index.forget("r2")  # r2's shared entries are unknown until its next snapshot
+    assert index.match([5, 6], ["r1"])[0].shared_blocks == 0
+    with pytest.raises(ValueError):
+        index.apply_event("r1", "stored", 1, "disk")
+
+
+async def test_host_and_shared_tier_blocks_reach_the_index(tiny_llama_dir, kv_prefix):
+    shared = dict(kv_shared_url=URL, kv_shared_prefix=kv_prefix, kv_host_bytes=1 << 24)
+    a, b = Replica(tiny_llama_dir, 24, **shared), Replica(tiny_llama_dir, 64)
+    for r in (a, b):
+        await r.start()
+    cache = await start_cache([a, b])
+    index = cache.service.index
+    try:
+        prompt = "the quick brown fox jumps over the lazy dog"
+        await a.generate(prompt)
+        assert a.engine.blocks.shared_tier.flush()
+        hashes = a.hashes(prompt)
+        for i in range(6):  # a's 24 blocks overflow: the prompt's blocks move to its host tier
+            await a.generate(f"{i} other words to fill the pool of the first replica", 2)
+        assert a.cached("host").issuperset(hashes) and a.cached("shared").issuperset(hashes)
+        for _ in range(250):
+            if all(index.blocks(a.server.address, t) == a.cached(t) for t in ("device", "host", "shared")):
+                break
+            await asyncio.sleep(0.02)
+        assert [index.blocks(a.server.address, t) == a.cached(t) for t in ("device", "host", "shared")] == [True] * 3
+        async with grpc.aio.insecure_channel(cache.address) as channel:
+            reply = await cache_service_pb2_grpc.CacheServiceStub(channel).PrefixMatch(
+                pb.PrefixMatchRequest(block_hashes=hashes))
+        assert [(m.matched_blocks, m.host_blocks, m.shared_blocks) for m in reply.matches] == [
+            (0, len(hashes), 0), (0, 0, len(hashes))]  # a restores from its host tier; b could load a's entries
+    finally:
+        await cache.stop(0)
+        for r in (a, b):
+            await r.stop()

@@ -124,6 +124,7 @@ async def test_one_trace_holds_all_services_and_every_verify_pass(tiny_llama_dir
     prefill = by_name["prefill"].attributes  # cached prompt tokens by tier (here: none)
     assert prefill["specmesh.cached_prompt_tokens"] == final.usage.cached_prompt_tokens == 0
     assert prefill["specmesh.host_cached_prompt_tokens"] == final.usage.host_cached_prompt_tokens == 0
+    assert prefill["specmesh.shared_cached_prompt_tokens"] == final.usage.shared_cached_prompt_tokens == 0
     assert all(s.status != STATUS_ERROR for s in trace)
 
 

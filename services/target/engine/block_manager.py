@@ -18,6 +18,10 @@ Terms:
   the pool but are held there gets fresh blocks that the KV is restored into instead of
   being recomputed; both moves run before the next forward pass (`take_tier_moves`), and
   restored tokens count as cached for admission.
+- The *shared tier* (optional, services/target/engine/shared_tier.py) sits below the host tier,
+  in Redis: a block newly registered here is queued to be written there too (its KV copied out
+  with the step's other tier moves); what other replicas wrote reaches this pool through the
+  host tier (`shared_tier.prefetch`, before a request is queued).
 
 Check, then commit: `can_reserve` / `can_admit` before `reserve` / `admit`; a call that
 cannot be satisfied raises `OutOfBlocks` and changes nothing. Everything else in the
@@ -33,6 +37,7 @@ from time import perf_counter
 
 from services.common.block_hash import block_hash  # shared with the router
 from services.target.engine.host_tier import HostTier
+from services.target.engine.shared_tier import SharedTier
 
 
 class OutOfBlocks(RuntimeError):
@@ -60,6 +65,7 @@ class KVEvent:
     parent_hash: int | None
     num_tokens: int
     scope: str  # short digest of the extra key: groups a tenant's blocks, reveals no salt
+    tier: str = "device"  # "device" (this pool) | "host" | "shared" (see tier_event)
 
 
 @dataclass(frozen=True)
@@ -72,6 +78,7 @@ class PrefixMatch:
     num_tokens: int  # of both tiers
     host_blocks: tuple[tuple[int, tuple], ...] = ()  # (hash, key) held by the host tier, after block_ids
     num_restored_tokens: int = 0  # as admitted (`admit`): of num_tokens, those restored from the host tier
+    num_shared_tokens: int = 0  # of num_restored_tokens, those the shared tier had loaded there
 
 
 @dataclass(frozen=True)
@@ -83,6 +90,8 @@ class TierMoves:
     tier: HostTier | None
     stores: list[tuple[int, int, tuple]]  # (block id, hash, key) of evicted blocks, KV still in place
     restores: list[tuple[int, object]]  # (destination block id, the entry's bytes: [block_bytes] uint8)
+    shared: SharedTier | None = None
+    shares: list[tuple[int, int, tuple]] = field(default_factory=list)  # (block id, hash, key) to write there
 
 
 @dataclass
@@ -117,13 +126,24 @@ class BlockManager:
         self.host_tier = host_tier if enable_prefix_caching else None  # None = evicted blocks are dropped
         self._stores: list[tuple[int, int, tuple]] = []  # see take_tier_moves
         self._restores: list[tuple[int, object]] = []
+        self.shared_tier: SharedTier | None = None  # see attach_shared_tier
+        self._shares: list[tuple[int, int, tuple]] = []
         self._evictions = self._queries = self._query_tokens = self._hit_tokens = 0
 
     def attach_host_tier(self, tier: HostTier | None) -> None:
         """Evicted cached blocks go to `tier` from now on (None: dropped); off without prefix caching."""
         self.host_tier = tier if self.enable_prefix_caching else None
 
+    def attach_shared_tier(self, tier: SharedTier | None) -> None:
+        """Newly committed cached blocks are written to `tier` from now on (None: nowhere)."""
+        self.shared_tier = tier if self.enable_prefix_caching else None
+
     # ---- queries -------------------------------------------------------
+    def holds(self, block_hash: int) -> bool:
+        """The pool has a block cached under `block_hash`: safe from any thread as a hint only
+        (one dict lookup; the answer may be stale by the time it is read)."""
+        return block_hash in self._cached
+
     @property
     def num_free(self) -> int:
         return len(self._free) + len(self._evictable)
@@ -235,9 +255,10 @@ class BlockManager:
             self._acquire(block_id)
         entry = self._seqs[seq_id] = _SeqBlocks(list(match.block_ids), list(match.hashes))
         if match.host_blocks:
-            restored = self._restore_into(entry, match.host_blocks)
+            restored, shared = self._restore_into(entry, match.host_blocks)
             match = PrefixMatch(tuple(entry.table), tuple(entry.hashes), len(entry.table) * self.block_size,
-                                num_restored_tokens=restored * self.block_size)
+                                num_restored_tokens=restored * self.block_size,
+                                num_shared_tokens=shared * self.block_size)
         self._queries += 1
         self._query_tokens += num_prompt_tokens
         self._hit_tokens += match.num_tokens
@@ -282,6 +303,8 @@ class BlockManager:
                 block.hash, block.key = h, (parent, tokens, extra_key)
                 self._cached[h] = entry.table[i]
                 self._events.append(KVEvent("stored", h, parent, bs, _scope(extra_key)))
+                if self.shared_tier is not None and self.shared_tier.wants(h):
+                    self._shares.append((entry.table[i], h, block.key))
             entry.hashes.append(h)
 
     def fork(self, parent_id: str, child_id: str, num_tokens: int) -> None:
@@ -308,8 +331,8 @@ class BlockManager:
     def take_tier_moves(self) -> TierMoves:
         """Host-tier stores (evicted blocks) and restores (admitted host hits) queued since the
         last call; the engine runs them before copy-on-write copies and the next forward pass."""
-        moves = TierMoves(self.host_tier, self._stores, self._restores)
-        self._stores, self._restores = [], []
+        moves = TierMoves(self.host_tier, self._stores, self._restores, self.shared_tier, self._shares)
+        self._stores, self._restores, self._shares = [], [], []
         return moves
 
     def forget(self, block_ids: list[int]) -> None:
@@ -356,16 +379,18 @@ class BlockManager:
         return len(entry.table)
 
     # ---- helpers -------------------------------------------------------
-    def _restore_into(self, entry: _SeqBlocks, host_blocks: tuple[tuple[int, tuple], ...]) -> int:
+    def _restore_into(self, entry: _SeqBlocks, host_blocks: tuple[tuple[int, tuple], ...]) -> tuple[int, int]:
         """Appends fresh blocks for the host-tier blocks that pass the tier's check (in order,
-        up to the first that fails) and queues their restores; returns how many."""
-        start, restored = perf_counter(), 0
+        up to the first that fails) and queues their restores; returns how many, and how many of
+        those the shared tier had loaded."""
+        start, restored, shared = perf_counter(), 0, 0
         for h, key in host_blocks:
             if h in self._cached:
                 break  # also in the pool again (recomputed while its old copy was stored): the pool's wins
-            data = self.host_tier.take(h, key)
-            if data is None:
+            held = self.host_tier.take_entry(h, key)
+            if held is None:
                 break  # missing or failed its check: recomputed from here
+            data, shared = held.data, shared + (held.origin == "shared")
             block_id = self._take_free_block()
             block = self._blocks[block_id]
             block.hash, block.key = h, key
@@ -376,7 +401,7 @@ class BlockManager:
             entry.hashes.append(h)
             restored += 1
         self.host_tier.add_time(restore_s=perf_counter() - start)
-        return restored
+        return restored, shared
 
     def _missing(self, seq_id: str, num_tokens: int) -> int:
         """Blocks `reserve(seq_id, num_tokens)` takes: new ones, plus a copy-on-write copy."""
@@ -423,6 +448,13 @@ class BlockManager:
             self._evictions += 1
         self._blocks[block_id].ref_count = 1
         return block_id
+
+
+def tier_event(kind: str, tier: str, block_hash: int, key: tuple) -> KVEvent:
+    """A change of what the host or shared tier holds (`HostTier.on_event`, `SharedTier.on_event`),
+    for the same subscribers as the pool's own events."""
+    parent, tokens, extra_key = key
+    return KVEvent(kind, block_hash, parent, len(tokens), _scope(extra_key), tier)
 
 
 def _scope(extra_key: str) -> str:

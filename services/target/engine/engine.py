@@ -7,6 +7,7 @@ frees a request's blocks at the next step boundary.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import logging
 import threading
@@ -14,10 +15,10 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 
-from services.common.block_hash import extra_key
+from services.common.block_hash import block_hash, extra_key
 from services.common.sampling_params import SamplingConfig
 from services.target import metrics
-from services.target.engine.block_manager import BlockManager
+from services.target.engine.block_manager import BlockManager, tier_event
 from services.target.config import EngineConfig
 from services.target.speculation.confidence import Confidence
 from services.target.output.detokenizer import IncrementalDetokenizer
@@ -30,6 +31,7 @@ from services.target.structured.compiler import ConstraintCompiler
 from services.target.structured.grammar_state import GrammarState
 from services.target.structured.hooks import servable_plan
 from services.target.engine.host_tier import build_host_tier, engine_stat_fields
+from services.target.engine import shared_tier
 from services.target.engine.kv_events import KVEventLog
 from services.target.model.model_runner import ModelRunner, load_model
 from services.target.model.model_runner_inputs import StepInput, split_logits
@@ -68,6 +70,13 @@ class Engine:
         self.blocks.attach_host_tier(build_host_tier(config.kv_host_bytes if ranks is None else 0, self.name,
                                                      config.torch_kv_dtype,
                                                      config.block_size, self.runner.kv_block_bytes))
+        if self.blocks.host_tier is not None:
+            self.blocks.attach_shared_tier(shared_tier.build_shared_tier(
+                config.kv_shared_url, config.kv_shared_prefix, config.kv_shared_bytes, config.kv_shared_ttl_s,
+                config.kv_shared_timeout_ms / 1000, self.blocks.host_tier.identity))
+            for name, tier in (("host", self.blocks.host_tier), ("shared", self.blocks.shared_tier)):
+                if tier is not None:  # what the tiers hold reaches the prefix index as KV events
+                    tier.on_event = functools.partial(self._tier_event, name)
         self._lock = threading.Condition()
         self._incoming: list[Sequence] = []
         self._aborts: set[str] = set()
@@ -187,8 +196,29 @@ class Engine:
             self._torch_thread.submit(self.ranks.stop)
         self._torch_thread.shutdown(timeout)
         self.grammars.close()
+        if self.blocks.shared_tier is not None:
+            self.blocks.shared_tier.close()
         if self.speculator is not None:
             self.speculator.client.close()
+
+    def prefetch_shared(self, prompt_ids: list[int], tenant_salt: str = "") -> int:
+        """Loads the prompt's blocks that the shared tier holds, past those this replica holds,
+        into the host tier (blocking: call it off the engine thread and the event loop, before
+        `submit`); returns how many. 0 when the shared tier is off, empty or down."""
+        shared, host = self.blocks.shared_tier, self.blocks.host_tier
+        if shared is None or host is None or not host.restore_pays():
+            return 0  # off, or restoring is measured dearer than recomputing: nothing would be restored
+        key_extra, bs = extra_key(self.name, tenant_salt), self.blocks.block_size
+        chain, parent = [], None
+        for i in range((len(prompt_ids) - 1) // bs):  # as match_prefix: the last token is computed
+            key = (parent, tuple(prompt_ids[i * bs:(i + 1) * bs]), key_extra)
+            parent = block_hash(*key)
+            chain.append((parent, key))
+        try:
+            return shared_tier.prefetch(self.blocks, host, shared, chain)
+        except Exception:  # a shared-tier fault costs a recompute, never the request
+            log.exception("shared tier: prefetch failed")
+            return 0
 
     def tokenize(self, prompt: str) -> list[int]:
         return self.tokenizer(prompt).input_ids
@@ -292,7 +322,8 @@ class Engine:
                 kv_bytes=self.runner.kv_pool.num_bytes,
                 fragmentation=(allocated - used) / allocated if allocated else 0.0,
                 prompt_tokens_computed=self.scheduler.prompt_tokens_computed,
-                **engine_stat_fields(self.blocks.host_tier, self.blocks.block_size))
+                **engine_stat_fields(self.blocks.host_tier, self.blocks.block_size),
+                **shared_tier.engine_stat_fields(self.blocks.shared_tier))
 
     def live_request_ids(self) -> set[str]:
         """Requests the engine holds any state for (queued, running or holding blocks)."""
@@ -301,9 +332,18 @@ class Engine:
                     | self.blocks.seq_ids())
 
     def kv_snapshot(self):
-        """(sequence number, cached blocks) taken together, so events after the number apply on top."""
+        """(sequence number, cached blocks of every tier) taken together, so events after the number
+        apply on top (tier events may also be in both: applying them again changes nothing)."""
         with self._lock:
-            return self.kv_events.last_sequence, self.blocks.cached_blocks()
+            after, blocks = self.kv_events.last_sequence, self.blocks.cached_blocks()
+            for name, tier in (("host", self.blocks.host_tier), ("shared", self.blocks.shared_tier)):
+                if tier is not None:
+                    blocks += [tier_event("stored", name, h, key) for h, key in tier.held()]
+            return after, blocks
+
+    def _tier_event(self, tier: str, kind: str, block_hash: int, key: tuple) -> None:
+        """A host- or shared-tier entry came or went (any thread): one KV event."""
+        self.kv_events.append([tier_event(kind, tier, block_hash, key)])
 
     # ---- engine thread ----------------------------------------------------
     def _loop(self) -> None:
@@ -530,6 +570,7 @@ class Engine:
         seq.emit(StepOutput([], "", finish_reason=reason, prompt_tokens=seq.num_prompt_tokens,
                             cached_prompt_tokens=seq.num_cached_prompt,
                             host_cached_prompt_tokens=seq.num_host_cached_prompt,
+                            shared_cached_prompt_tokens=seq.num_shared_cached_prompt,
                             completion_tokens=seq.num_output_tokens, error=error,
                             speculation=seq.spec if seq.plan is not None else None,
                             confidence=seq.confidence))

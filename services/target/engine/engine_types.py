@@ -50,6 +50,20 @@ class EngineStats:
     host_tier_rejected_blocks: int = 0  # failed the identity, length or checksum check: recomputed (counter)
     host_tier_store_seconds: float = 0.0  # copying out and checksumming (counter)
     host_tier_restore_seconds: float = 0.0  # checking and copying back (counter)
+    # The shared tier in Redis (services/target/engine/shared_tier.py); zeros when off.
+    shared_tier_capacity_bytes: int = 0  # this replica's byte bound there
+    shared_tier_bytes: int = 0  # bytes of this replica's entries there now
+    shared_tier_written_blocks: int = 0  # entries written (counter)
+    shared_tier_deleted_blocks: int = 0  # own entries deleted for the bound (counter)
+    shared_tier_dropped_writes: int = 0  # writes dropped: queue full, too big or Redis down (counter)
+    shared_tier_loaded_blocks: int = 0  # checked entries loaded into the host tier (counter)
+    shared_tier_restored_blocks: int = 0  # of those, restored into the pool instead of recomputed (counter)
+    shared_tier_restored_tokens: int = 0  # prompt tokens those held (counter)
+    shared_tier_rejected_blocks: int = 0  # failed the identity, key, length or checksum check (counter)
+    shared_tier_errors: int = 0  # Redis calls failed or timed out: recomputed (counter)
+    shared_tier_write_seconds: float = 0.0  # framing and writing, off the engine thread (counter)
+    shared_tier_load_seconds: float = 0.0  # fetching and checking, before requests queue (counter)
+    recompute_seconds_per_block: float = 0.0  # measured (host tier on); the router prices tier hits with it
 
 
 class EngineFailed(RuntimeError):

@@ -21,12 +21,15 @@ device pool owns a block in use), an eviction stores it again.
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from collections import OrderedDict
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
+log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class TierIdentity:
@@ -44,10 +47,11 @@ class HostEntry:
     identity: TierIdentity
     data: torch.Tensor  # [block_bytes] uint8 on the host
     checksum: bytes
+    origin: str = "host"  # "host": evicted from this pool; "shared": loaded from the shared tier
 
     @classmethod
-    def build(cls, key: tuple, data: torch.Tensor, identity: TierIdentity) -> "HostEntry":
-        return cls(key, identity, data, checksum(data))
+    def build(cls, key: tuple, data: torch.Tensor, identity: TierIdentity, origin: str = "host") -> "HostEntry":
+        return cls(key, identity, data, checksum(data), origin)
 
     @property
     def num_bytes(self) -> int:
@@ -63,8 +67,9 @@ class HostTierStats:
     capacity_bytes: int
     used_bytes: int
     entries: int
-    stored_blocks: int  # entries put (evicted device blocks kept)
+    stored_blocks: int  # evicted device blocks kept (not counting shared-tier loads)
     restored_blocks: int  # entries served back to the device pool
+    restored_shared_blocks: int  # of those, entries loaded from the shared tier
     dropped_blocks: int  # entries dropped to keep the byte bound
     rejected_blocks: int  # entries that failed the identity, length or checksum check
     store_seconds: float  # copying out and checksumming
@@ -83,13 +88,16 @@ class HostTier:
         self._entries: OrderedDict[int, tuple[HostEntry, int]] = OrderedDict()
         self._used = 0
         self._lock = threading.Lock()
-        self._stored = self._restored = self._dropped = self._rejected = 0
+        self._stored = self._restored = self._restored_shared = self._dropped = self._rejected = 0
         self._store_s = self._restore_s = 0.0
         self._recompute_s_per_block: float | None = None  # measured by the model runner (EWMA)
+        # Called (kind "stored" | "removed", block hash, key) as entries come and go: the engine
+        # turns these into KV events for the prefix index (block_manager.tier_event).
+        self.on_event: Callable[[str, int, tuple], None] | None = None
 
-    def entry(self, key: tuple, data: torch.Tensor) -> HostEntry:
+    def entry(self, key: tuple, data: torch.Tensor, origin: str = "host") -> HostEntry:
         """An entry of this tier's own identity."""
-        return HostEntry.build(key, data, self.identity)
+        return HostEntry.build(key, data, self.identity, origin)
 
     def has(self, block_hash: int, key: tuple) -> bool:
         """An entry is held under `block_hash` with this key (cheap: no checksum; `take` checks)."""
@@ -106,19 +114,28 @@ class HostTier:
                 self._used -= old[1]
             size = entry.num_bytes
             if size > self.capacity_bytes:
+                if old is not None:
+                    self._event("removed", block_hash, old[0].key)
                 return False
             while self._used + size > self.capacity_bytes:
-                _, (_, dropped) = self._entries.popitem(last=False)
+                h, (gone, dropped) = self._entries.popitem(last=False)
                 self._used -= dropped
                 self._dropped += 1
+                self._event("removed", h, gone.key)
             self._entries[block_hash] = (entry, size)
             self._used += size
-            self._stored += 1
+            self._event("stored", block_hash, entry.key)
+            self._stored += entry.origin == "host"  # shared-tier loads are counted there
             return True
 
     def take(self, block_hash: int, key: tuple) -> torch.Tensor | None:
         """Removes and returns the entry's bytes when it is intact and of this tier's identity;
         None otherwise (a bad entry is dropped: the caller recomputes the block)."""
+        entry = self.take_entry(block_hash, key)
+        return entry.data if entry is not None else None
+
+    def take_entry(self, block_hash: int, key: tuple) -> HostEntry | None:
+        """`take`, returning the checked entry (its origin says which tier it came from)."""
         with self._lock:
             held = self._entries.get(block_hash)
             if held is None or held[0].key != key:
@@ -126,20 +143,27 @@ class HostTier:
             del self._entries[block_hash]
             entry, size = held
             self._used -= size
+            self._event("removed", block_hash, entry.key)  # to the pool, or dropped as bad
         ok = (entry.identity == self.identity and entry.data.dtype == torch.uint8
               and entry.num_bytes == self.identity.block_bytes and checksum(entry.data) == entry.checksum)
         with self._lock:
             if ok:
                 self._restored += 1
+                self._restored_shared += entry.origin == "shared"
             else:
                 self._rejected += 1
-        return entry.data if ok else None
+        return entry if ok else None
 
     def entry_of(self, block_hash: int) -> HostEntry | None:
         """The entry held under `block_hash` (tests and diagnostics)."""
         with self._lock:
             held = self._entries.get(block_hash)
             return held[0] if held else None
+
+    def held(self) -> list[tuple[int, tuple]]:
+        """(hash, key) of every entry, oldest first (a snapshot for the prefix index)."""
+        with self._lock:
+            return [(h, entry.key) for h, (entry, _) in self._entries.items()]
 
     def hashes(self) -> list[int]:
         """Block hashes held, oldest first."""
@@ -152,6 +176,12 @@ class HostTier:
         with self._lock:
             old = self._recompute_s_per_block
             self._recompute_s_per_block = per_block if old is None else 0.8 * old + 0.2 * per_block
+
+    @property
+    def recompute_s_per_block(self) -> float:
+        """Measured cost of recomputing one block (0 until measured)."""
+        with self._lock:
+            return self._recompute_s_per_block or 0.0
 
     def restore_pays(self) -> bool:
         """Restoring a block costs less than recomputing it, as measured so far (True until both
@@ -166,10 +196,18 @@ class HostTier:
             self._store_s += store_s
             self._restore_s += restore_s
 
+    def _event(self, kind: str, block_hash: int, key: tuple) -> None:
+        """Tells `on_event` (lock held: events of one tier stay in order)."""
+        if self.on_event is not None:
+            try:
+                self.on_event(kind, block_hash, key)
+            except Exception:  # the index resyncs by snapshot; the tier must not fail for it
+                log.exception("host tier: KV event callback failed")
+
     def stats(self) -> HostTierStats:
         with self._lock:
             return HostTierStats(self.capacity_bytes, self._used, len(self._entries), self._stored,
-                                 self._restored, self._dropped, self._rejected, self._store_s,
+                                 self._restored, self._restored_shared, self._dropped, self._rejected, self._store_s,
                                  self._restore_s)
 
 
@@ -186,8 +224,12 @@ def engine_stat_fields(tier: HostTier | None, block_size: int) -> dict:
     if tier is None:
         return {}
     s = tier.stats()
+    own = s.restored_blocks - s.restored_shared_blocks  # restored by tier: the rest are the shared tier's
     return dict(host_tier_capacity_bytes=s.capacity_bytes, host_tier_bytes=s.used_bytes,
                 host_tier_blocks=s.entries, host_tier_stored_blocks=s.stored_blocks,
-                host_tier_restored_blocks=s.restored_blocks, host_tier_restored_tokens=s.restored_blocks * block_size,
+                host_tier_restored_blocks=own, host_tier_restored_tokens=own * block_size,
+                shared_tier_restored_blocks=s.restored_shared_blocks,
+                shared_tier_restored_tokens=s.restored_shared_blocks * block_size,
                 host_tier_dropped_blocks=s.dropped_blocks, host_tier_rejected_blocks=s.rejected_blocks,
-                host_tier_store_seconds=s.store_seconds, host_tier_restore_seconds=s.restore_seconds)
+                host_tier_store_seconds=s.store_seconds, host_tier_restore_seconds=s.restore_seconds,
+                recompute_seconds_per_block=tier.recompute_s_per_block)

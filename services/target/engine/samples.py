@@ -47,6 +47,7 @@ class SampleGroup:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     host_cached_prompt_tokens: int = 0
+    shared_cached_prompt_tokens: int = 0
     spec: SpeculationStats | None = None
     confidence: Confidence | None = None
 
@@ -71,6 +72,7 @@ class SampleGroup:
         if index == 0:  # the prompt was the leader's to compute
             self.prompt_tokens, self.cached_prompt_tokens = out.prompt_tokens, out.cached_prompt_tokens
             self.host_cached_prompt_tokens = out.host_cached_prompt_tokens
+            self.shared_cached_prompt_tokens = out.shared_cached_prompt_tokens
         if out.speculation is not None:
             self.spec = _add_spec(self.spec or SpeculationStats(), out.speculation)
         if out.confidence is not None:
@@ -81,6 +83,7 @@ class SampleGroup:
         self.emit(StepOutput([], "", finish_reason=out.finish_reason, index=index,
                              prompt_tokens=self.prompt_tokens, cached_prompt_tokens=self.cached_prompt_tokens,
                              host_cached_prompt_tokens=self.host_cached_prompt_tokens,
+                             shared_cached_prompt_tokens=self.shared_cached_prompt_tokens,
                              completion_tokens=self.completion_tokens, speculation=self.spec,
                              confidence=self.confidence))
 

@@ -137,7 +137,9 @@ class Scheduler:
             seq.num_computed = match.num_tokens
             if seq.num_preemptions == 0:
                 seq.num_cached_prompt = min(match.num_tokens, seq.num_prompt_tokens)
-                seq.num_host_cached_prompt = min(match.num_restored_tokens, seq.num_cached_prompt)
+                restored = min(match.num_restored_tokens, seq.num_cached_prompt)
+                seq.num_shared_cached_prompt = min(match.num_shared_tokens, restored)
+                seq.num_host_cached_prompt = restored - seq.num_shared_cached_prompt
             seq.status = SeqStatus.RUNNING
             seq.admitted = True
             self.running.append(seq)

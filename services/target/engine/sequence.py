@@ -53,6 +53,7 @@ class StepOutput:
     prompt_tokens: int = 0
     cached_prompt_tokens: int = 0
     host_cached_prompt_tokens: int = 0  # of cached_prompt_tokens, restored from the host tier
+    shared_cached_prompt_tokens: int = 0  # of cached_prompt_tokens, loaded from the shared tier
     completion_tokens: int = 0
     error: Exception | None = None
     speculation: "SpeculationStats | None" = None
@@ -112,6 +113,7 @@ class Sequence:
     num_computed: int = 0  # tokens whose KV is in the pool
     num_cached_prompt: int = 0  # prompt tokens served from the prefix cache
     num_host_cached_prompt: int = 0  # of those, restored from the host tier
+    num_shared_cached_prompt: int = 0  # of those, loaded from the shared tier (through the host tier)
     status: SeqStatus = SeqStatus.WAITING
     num_preemptions: int = 0
     admitted: bool = False  # left the waiting queue at least once

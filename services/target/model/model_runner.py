@@ -198,6 +198,8 @@ class ModelRunner:
 
         A failed store loses only the tier copy (logged; recomputed when needed). A failed
         restore takes its blocks out of the prefix cache and fails the step's requests."""
+        if moves.shared is not None and moves.shares:
+            self._offer_shared(moves)  # before restores: one may reuse a block whose KV is being shared
         tier = moves.tier
         if tier is None or not (moves.stores or moves.restores):
             return
@@ -228,6 +230,18 @@ class ModelRunner:
                 self.blocks.forget([b for b, _ in moves.restores])
                 raise
             tier.add_time(restore_s=time.perf_counter() - start)
+
+    def _offer_shared(self, moves: TierMoves) -> None:
+        """Copies newly committed blocks' KV out for the shared tier's writer thread (which frames
+        and writes it off this thread); a full queue drops a write, never waits."""
+        try:
+            ids = torch.tensor([b for b, _, _ in moves.shares], dtype=torch.long, device=self.device)
+            rows = torch.cat([c[ids].reshape(len(ids), -1).view(torch.uint8) for c in self._caches()],
+                             dim=1).cpu()  # [num_shares, block_bytes]
+            for (_, h, key), row in zip(moves.shares, rows):
+                moves.shared.offer(h, key, row)
+        except Exception:
+            log.exception("shared tier: copying %d committed blocks out failed", len(moves.shares))
 
     def _caches(self) -> list[torch.Tensor]:
         """Every KV tensor of the pool, in a fixed order: [num_blocks, block_size, ...] each."""

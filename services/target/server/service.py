@@ -47,7 +47,12 @@ RETRY_PUSHBACK_MS = 250
 # EngineStats fields GetStats reports under the same names (services/target/engine/host_tier.py).
 _HOST_TIER_STATS = ("host_tier_capacity_bytes", "host_tier_bytes", "host_tier_blocks", "host_tier_stored_blocks",
                     "host_tier_restored_blocks", "host_tier_restored_tokens", "host_tier_dropped_blocks",
-                    "host_tier_rejected_blocks", "host_tier_store_seconds", "host_tier_restore_seconds")
+                    "host_tier_rejected_blocks", "host_tier_store_seconds", "host_tier_restore_seconds",
+                    "shared_tier_capacity_bytes", "shared_tier_bytes", "shared_tier_written_blocks",
+                    "shared_tier_deleted_blocks", "shared_tier_dropped_writes", "shared_tier_loaded_blocks",
+                    "shared_tier_restored_blocks", "shared_tier_restored_tokens", "shared_tier_rejected_blocks",
+                    "shared_tier_errors", "shared_tier_write_seconds", "shared_tier_load_seconds",
+                    "recompute_seconds_per_block")
 SERVICE_NAME = target_service_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 
@@ -143,6 +148,8 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
     async def _submit(self, admitted: Admitted, span, context) -> Outputs:
         """Queues the request on the engine; the engine's refusals become gRPC statuses."""
         outputs, request = Outputs(), admitted.request
+        if self.engine.blocks.shared_tier is not None:  # blocks another replica computed: into the host tier first
+            await asyncio.to_thread(self.engine.prefetch_shared, admitted.prompt_ids, request.tenant_salt)
         try:
             self.engine.submit(admitted.request_id, admitted.prompt_ids, admitted.checked.sampling, outputs.emit,
                                request.tenant_salt, plan=admitted.plan, bucket=admitted.bucket,
@@ -230,12 +237,15 @@ class TargetService(target_service_pb2_grpc.TargetServiceServicer):
 
 _EVENT_KINDS = {"stored": target_service_pb2.KV_EVENT_KIND_BLOCK_STORED,
                 "removed": target_service_pb2.KV_EVENT_KIND_BLOCK_REMOVED}
+_TIERS = {"device": target_service_pb2.KV_TIER_DEVICE, "host": target_service_pb2.KV_TIER_HOST,
+          "shared": target_service_pb2.KV_TIER_SHARED}
 
 
 def _event_proto(sequence: int, event) -> target_service_pb2.KVEvent:
     return target_service_pb2.KVEvent(
         sequence=sequence, kind=_EVENT_KINDS[event.kind], block_hash=event.block_hash,
-        parent_hash=event.parent_hash or 0, num_tokens=event.num_tokens, scope=event.scope)
+        parent_hash=event.parent_hash or 0, num_tokens=event.num_tokens, scope=event.scope,
+        tier=_TIERS[event.tier])
 
 
 def _plan(message: common_pb2.SpeculationPlan) -> SpeculationPlan | None:
@@ -251,6 +261,7 @@ def _final_chunk(out: StepOutput) -> common_pb2.GenerateChunk:
     usage = common_pb2.Usage(prompt_tokens=out.prompt_tokens,
                              cached_prompt_tokens=out.cached_prompt_tokens,
                              host_cached_prompt_tokens=out.host_cached_prompt_tokens,
+                             shared_cached_prompt_tokens=out.shared_cached_prompt_tokens,
                              completion_tokens=out.completion_tokens)
     if out.speculation is not None:
         usage.proposed_tokens = out.speculation.proposed
@@ -272,6 +283,7 @@ def _record_usage(span, out: StepOutput) -> None:
     span.set_attribute("gen_ai.usage.output_tokens", out.completion_tokens)
     span.set_attribute("gen_ai.usage.cached_input_tokens", out.cached_prompt_tokens)
     span.set_attribute("specmesh.usage.host_cached_input_tokens", out.host_cached_prompt_tokens)
+    span.set_attribute("specmesh.usage.shared_cached_input_tokens", out.shared_cached_prompt_tokens)
     span.set_attribute("gen_ai.response.finish_reasons", [out.finish_reason.value])
     spec = out.speculation
     if spec is not None:

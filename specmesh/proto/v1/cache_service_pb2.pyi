@@ -68,14 +68,18 @@ class PrefixMatchRequest(_message.Message):
     def __init__(self, block_hashes: _Optional[_Iterable[int]] = ..., replicas: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class ReplicaPrefixMatch(_message.Message):
-    __slots__ = ("replica", "matched_blocks", "synced")
+    __slots__ = ("replica", "matched_blocks", "synced", "host_blocks", "shared_blocks")
     REPLICA_FIELD_NUMBER: _ClassVar[int]
     MATCHED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     SYNCED_FIELD_NUMBER: _ClassVar[int]
+    HOST_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     replica: str
     matched_blocks: int
     synced: bool
-    def __init__(self, replica: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., synced: _Optional[bool] = ...) -> None: ...
+    host_blocks: int
+    shared_blocks: int
+    def __init__(self, replica: _Optional[str] = ..., matched_blocks: _Optional[int] = ..., synced: _Optional[bool] = ..., host_blocks: _Optional[int] = ..., shared_blocks: _Optional[int] = ...) -> None: ...
 
 class PrefixMatchResponse(_message.Message):
     __slots__ = ("matches",)

@@ -114,7 +114,8 @@ class CacheServiceServicer:
 
     def PrefixMatch(self, request, context):
         """For a prompt's chained block hashes, how many leading blocks each target
-        replica holds in its prefix cache (built from the replicas' KV events).
+        replica holds in its prefix cache, and how many more its host tier and the
+        shared tier hold after those (built from the replicas' KV events).
         Needs no tenant: the hashes already carry the tenant salt.
         Errors: INVALID_ARGUMENT (more hashes than the limit).
         """

@@ -128,7 +128,7 @@ class TopLogprob(_message.Message):
     def __init__(self, token_id: _Optional[int] = ..., token: _Optional[str] = ..., logprob: _Optional[float] = ...) -> None: ...
 
 class Usage(_message.Message):
-    __slots__ = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "proposed_tokens", "accepted_tokens", "rejected_tokens", "acceptance_length", "mean_logprob", "min_logprob", "mean_margin", "verify_passes", "fallback_steps", "host_cached_prompt_tokens")
+    __slots__ = ("prompt_tokens", "cached_prompt_tokens", "completion_tokens", "proposed_tokens", "accepted_tokens", "rejected_tokens", "acceptance_length", "mean_logprob", "min_logprob", "mean_margin", "verify_passes", "fallback_steps", "host_cached_prompt_tokens", "shared_cached_prompt_tokens")
     PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     COMPLETION_TOKENS_FIELD_NUMBER: _ClassVar[int]
@@ -142,6 +142,7 @@ class Usage(_message.Message):
     VERIFY_PASSES_FIELD_NUMBER: _ClassVar[int]
     FALLBACK_STEPS_FIELD_NUMBER: _ClassVar[int]
     HOST_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_CACHED_PROMPT_TOKENS_FIELD_NUMBER: _ClassVar[int]
     prompt_tokens: int
     cached_prompt_tokens: int
     completion_tokens: int
@@ -155,7 +156,8 @@ class Usage(_message.Message):
     verify_passes: int
     fallback_steps: int
     host_cached_prompt_tokens: int
-    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., rejected_tokens: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., mean_logprob: _Optional[float] = ..., min_logprob: _Optional[float] = ..., mean_margin: _Optional[float] = ..., verify_passes: _Optional[int] = ..., fallback_steps: _Optional[int] = ..., host_cached_prompt_tokens: _Optional[int] = ...) -> None: ...
+    shared_cached_prompt_tokens: int
+    def __init__(self, prompt_tokens: _Optional[int] = ..., cached_prompt_tokens: _Optional[int] = ..., completion_tokens: _Optional[int] = ..., proposed_tokens: _Optional[int] = ..., accepted_tokens: _Optional[int] = ..., rejected_tokens: _Optional[int] = ..., acceptance_length: _Optional[float] = ..., mean_logprob: _Optional[float] = ..., min_logprob: _Optional[float] = ..., mean_margin: _Optional[float] = ..., verify_passes: _Optional[int] = ..., fallback_steps: _Optional[int] = ..., host_cached_prompt_tokens: _Optional[int] = ..., shared_cached_prompt_tokens: _Optional[int] = ...) -> None: ...
 
 class SpeculationPlan(_message.Message):
     __slots__ = ("method", "max_depth", "max_nodes", "load_aware", "acceptance_prior")

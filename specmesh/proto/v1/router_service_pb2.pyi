@@ -112,7 +112,7 @@ class ModelPool(_message.Message):
     def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., max_context: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("address", "healthy", "has_stats", "running_requests", "waiting_requests", "queued_tokens", "num_blocks", "free_blocks", "cached_blocks", "in_flight", "host_tier_bytes", "host_tier_capacity_bytes", "host_tier_restored_blocks")
+    __slots__ = ("address", "healthy", "has_stats", "running_requests", "waiting_requests", "queued_tokens", "num_blocks", "free_blocks", "cached_blocks", "in_flight", "host_tier_bytes", "host_tier_capacity_bytes", "host_tier_restored_blocks", "shared_tier_bytes", "shared_tier_capacity_bytes", "shared_tier_restored_blocks")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     HAS_STATS_FIELD_NUMBER: _ClassVar[int]
@@ -126,6 +126,9 @@ class ReplicaStatus(_message.Message):
     HOST_TIER_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_RESTORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_TIER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_TIER_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_TIER_RESTORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     address: str
     healthy: bool
     has_stats: bool
@@ -139,7 +142,10 @@ class ReplicaStatus(_message.Message):
     host_tier_bytes: int
     host_tier_capacity_bytes: int
     host_tier_restored_blocks: int
-    def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., has_stats: _Optional[bool] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., in_flight: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., host_tier_capacity_bytes: _Optional[int] = ..., host_tier_restored_blocks: _Optional[int] = ...) -> None: ...
+    shared_tier_bytes: int
+    shared_tier_capacity_bytes: int
+    shared_tier_restored_blocks: int
+    def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., has_stats: _Optional[bool] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., in_flight: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., host_tier_capacity_bytes: _Optional[int] = ..., host_tier_restored_blocks: _Optional[int] = ..., shared_tier_bytes: _Optional[int] = ..., shared_tier_capacity_bytes: _Optional[int] = ..., shared_tier_restored_blocks: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "sampling", "model", "retrieval", "messages", "tools")

@@ -14,9 +14,20 @@ class KVEventKind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
     KV_EVENT_KIND_UNSPECIFIED: _ClassVar[KVEventKind]
     KV_EVENT_KIND_BLOCK_STORED: _ClassVar[KVEventKind]
     KV_EVENT_KIND_BLOCK_REMOVED: _ClassVar[KVEventKind]
+
+class KVTier(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    KV_TIER_UNSPECIFIED: _ClassVar[KVTier]
+    KV_TIER_DEVICE: _ClassVar[KVTier]
+    KV_TIER_HOST: _ClassVar[KVTier]
+    KV_TIER_SHARED: _ClassVar[KVTier]
 KV_EVENT_KIND_UNSPECIFIED: KVEventKind
 KV_EVENT_KIND_BLOCK_STORED: KVEventKind
 KV_EVENT_KIND_BLOCK_REMOVED: KVEventKind
+KV_TIER_UNSPECIFIED: KVTier
+KV_TIER_DEVICE: KVTier
+KV_TIER_HOST: KVTier
+KV_TIER_SHARED: KVTier
 
 class TargetServiceGenerateRequest(_message.Message):
     __slots__ = ("request_id", "prompt", "sampling", "tenant_salt", "speculation", "bucket", "priority", "report_confidence", "messages", "tools")
@@ -53,7 +64,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_size", "running_requests", "waiting_requests", "model", "queued_tokens", "preemptions", "evictions", "prefix_query_tokens", "prefix_hit_tokens", "kv_bytes", "fragmentation", "cache_model_id", "engine_alive", "engine_error", "engine_steps", "host_tier_capacity_bytes", "host_tier_bytes", "host_tier_blocks", "host_tier_stored_blocks", "host_tier_restored_blocks", "host_tier_restored_tokens", "host_tier_dropped_blocks", "host_tier_rejected_blocks", "host_tier_store_seconds", "host_tier_restore_seconds")
+    __slots__ = ("num_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_size", "running_requests", "waiting_requests", "model", "queued_tokens", "preemptions", "evictions", "prefix_query_tokens", "prefix_hit_tokens", "kv_bytes", "fragmentation", "cache_model_id", "engine_alive", "engine_error", "engine_steps", "host_tier_capacity_bytes", "host_tier_bytes", "host_tier_blocks", "host_tier_stored_blocks", "host_tier_restored_blocks", "host_tier_restored_tokens", "host_tier_dropped_blocks", "host_tier_rejected_blocks", "host_tier_store_seconds", "host_tier_restore_seconds", "shared_tier_capacity_bytes", "shared_tier_bytes", "shared_tier_written_blocks", "shared_tier_deleted_blocks", "shared_tier_dropped_writes", "shared_tier_loaded_blocks", "shared_tier_restored_blocks", "shared_tier_restored_tokens", "shared_tier_rejected_blocks", "shared_tier_errors", "shared_tier_write_seconds", "shared_tier_load_seconds", "recompute_seconds_per_block")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -83,6 +94,19 @@ class GetStatsResponse(_message.Message):
     HOST_TIER_REJECTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_STORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     HOST_TIER_RESTORE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_TIER_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_TIER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_TIER_WRITTEN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_TIER_DELETED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_TIER_DROPPED_WRITES_FIELD_NUMBER: _ClassVar[int]
+    SHARED_TIER_LOADED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_TIER_RESTORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_TIER_RESTORED_TOKENS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_TIER_REJECTED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_TIER_ERRORS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_TIER_WRITE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SHARED_TIER_LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_SECONDS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     free_blocks: int
     used_blocks: int
@@ -112,7 +136,20 @@ class GetStatsResponse(_message.Message):
     host_tier_rejected_blocks: int
     host_tier_store_seconds: float
     host_tier_restore_seconds: float
-    def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., model: _Optional[str] = ..., queued_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., evictions: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., fragmentation: _Optional[float] = ..., cache_model_id: _Optional[str] = ..., engine_alive: _Optional[bool] = ..., engine_error: _Optional[str] = ..., engine_steps: _Optional[int] = ..., host_tier_capacity_bytes: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., host_tier_blocks: _Optional[int] = ..., host_tier_stored_blocks: _Optional[int] = ..., host_tier_restored_blocks: _Optional[int] = ..., host_tier_restored_tokens: _Optional[int] = ..., host_tier_dropped_blocks: _Optional[int] = ..., host_tier_rejected_blocks: _Optional[int] = ..., host_tier_store_seconds: _Optional[float] = ..., host_tier_restore_seconds: _Optional[float] = ...) -> None: ...
+    shared_tier_capacity_bytes: int
+    shared_tier_bytes: int
+    shared_tier_written_blocks: int
+    shared_tier_deleted_blocks: int
+    shared_tier_dropped_writes: int
+    shared_tier_loaded_blocks: int
+    shared_tier_restored_blocks: int
+    shared_tier_restored_tokens: int
+    shared_tier_rejected_blocks: int
+    shared_tier_errors: int
+    shared_tier_write_seconds: float
+    shared_tier_load_seconds: float
+    recompute_seconds_per_block: float
+    def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., model: _Optional[str] = ..., queued_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., evictions: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., fragmentation: _Optional[float] = ..., cache_model_id: _Optional[str] = ..., engine_alive: _Optional[bool] = ..., engine_error: _Optional[str] = ..., engine_steps: _Optional[int] = ..., host_tier_capacity_bytes: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., host_tier_blocks: _Optional[int] = ..., host_tier_stored_blocks: _Optional[int] = ..., host_tier_restored_blocks: _Optional[int] = ..., host_tier_restored_tokens: _Optional[int] = ..., host_tier_dropped_blocks: _Optional[int] = ..., host_tier_rejected_blocks: _Optional[int] = ..., host_tier_store_seconds: _Optional[float] = ..., host_tier_restore_seconds: _Optional[float] = ..., shared_tier_capacity_bytes: _Optional[int] = ..., shared_tier_bytes: _Optional[int] = ..., shared_tier_written_blocks: _Optional[int] = ..., shared_tier_deleted_blocks: _Optional[int] = ..., shared_tier_dropped_writes: _Optional[int] = ..., shared_tier_loaded_blocks: _Optional[int] = ..., shared_tier_restored_blocks: _Optional[int] = ..., shared_tier_restored_tokens: _Optional[int] = ..., shared_tier_rejected_blocks: _Optional[int] = ..., shared_tier_errors: _Optional[int] = ..., shared_tier_write_seconds: _Optional[float] = ..., shared_tier_load_seconds: _Optional[float] = ..., recompute_seconds_per_block: _Optional[float] = ...) -> None: ...
 
 class SubscribeKVEventsRequest(_message.Message):
     __slots__ = ("after_sequence", "snapshot")
@@ -123,20 +160,22 @@ class SubscribeKVEventsRequest(_message.Message):
     def __init__(self, after_sequence: _Optional[int] = ..., snapshot: _Optional[bool] = ...) -> None: ...
 
 class KVEvent(_message.Message):
-    __slots__ = ("sequence", "kind", "block_hash", "parent_hash", "num_tokens", "scope")
+    __slots__ = ("sequence", "kind", "block_hash", "parent_hash", "num_tokens", "scope", "tier")
     SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     KIND_FIELD_NUMBER: _ClassVar[int]
     BLOCK_HASH_FIELD_NUMBER: _ClassVar[int]
     PARENT_HASH_FIELD_NUMBER: _ClassVar[int]
     NUM_TOKENS_FIELD_NUMBER: _ClassVar[int]
     SCOPE_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     sequence: int
     kind: KVEventKind
     block_hash: int
     parent_hash: int
     num_tokens: int
     scope: str
-    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[KVEventKind, str]] = ..., block_hash: _Optional[int] = ..., parent_hash: _Optional[int] = ..., num_tokens: _Optional[int] = ..., scope: _Optional[str] = ...) -> None: ...
+    tier: KVTier
+    def __init__(self, sequence: _Optional[int] = ..., kind: _Optional[_Union[KVEventKind, str]] = ..., block_hash: _Optional[int] = ..., parent_hash: _Optional[int] = ..., num_tokens: _Optional[int] = ..., scope: _Optional[str] = ..., tier: _Optional[_Union[KVTier, str]] = ...) -> None: ...
 
 class SubscribeKVEventsResponse(_message.Message):
     __slots__ = ("events", "is_snapshot", "snapshot_sequence", "snapshot_blocks")
