@@ -27,7 +27,7 @@ from services.draft.eagle.head import FeatureHead
 from services.draft.eagle.target_parts import TargetParts
 from services.draft.proposers.base import DraftSampling
 from services.draft.proposers.draft_model import sparse_distribution
-from services.draft.proposers.dynamic_tree import _Candidates, _frontier, _keep
+from services.draft.proposers.dynamic_tree import _Candidates, _frontier, _keep, _sees
 
 
 @dataclass
@@ -158,13 +158,4 @@ class HeadDrafter:
     def _tree_mask(self, c: _Candidates, fed: list[int], frontier: list[int], cached: int) -> torch.Tensor:
         """[len(frontier), cached + len(fed) + len(frontier)] bool: each frontier node sees the
         cached context, its fed ancestors and itself."""
-        slots = fed + frontier
-        slot_of = {node: i for i, node in enumerate(slots)}
-        allowed = torch.zeros(len(frontier), cached + len(slots), dtype=torch.bool, device=self.device)
-        allowed[:, :cached] = True
-        for row, node in enumerate(frontier):
-            walk = node
-            while walk != ROOT:
-                allowed[row, cached + slot_of[walk]] = True
-                walk = c.parents[walk]
-        return allowed
+        return _sees(c, fed, frontier, cached, self.device)

@@ -76,11 +76,7 @@ class EagleProposer(Proposer):
         seq = self._seqs.setdefault(sequence_id, _SequenceHead())
         seq.sampling = sampling
         if not sampling.greedy and seq.generator is None:
-            seq.generator = torch.Generator(device=self.drafter.device)
-            if sampling.seed is None:
-                seq.generator.seed()
-            else:
-                seq.generator.manual_seed(sampling.seed)
+            seq.generator = sampling.generator(self.drafter.device)
 
     def release(self, sequence_id: str) -> None:
         self._seqs.pop(sequence_id, None)

@@ -18,6 +18,8 @@ import abc
 from collections.abc import Sequence
 from dataclasses import dataclass
 
+import torch
+
 from services.common.draft_tree import ROOT, DraftTree  # noqa: F401  (re-exported for proposers)
 from services.draft.state import SequenceState
 
@@ -35,6 +37,15 @@ class DraftSampling:
     @property
     def greedy(self) -> bool:
         return self.temperature <= 0.0
+
+    def generator(self, device) -> "torch.Generator":
+        """A sampling proposer's own generator for this request: seeded by `seed`, else random."""
+        gen = torch.Generator(device=device)
+        if self.seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(self.seed)
+        return gen
 
 
 class Proposer(abc.ABC):

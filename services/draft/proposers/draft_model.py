@@ -153,11 +153,7 @@ class DraftModelProposer(Proposer):
         kv = self._kv.setdefault(sequence_id, SequenceKV())
         kv.sampling = sampling
         if not sampling.greedy and kv.generator is None:
-            kv.generator = torch.Generator(device=self.draft.device)
-            if sampling.seed is None:
-                kv.generator.seed()
-            else:
-                kv.generator.manual_seed(sampling.seed)
+            kv.generator = sampling.generator(self.draft.device)
 
     def release(self, sequence_id: str) -> None:
         self._kv.pop(sequence_id, None)

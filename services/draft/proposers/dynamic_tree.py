@@ -114,14 +114,7 @@ class DynamicTreeProposer(DraftModelProposer):
         each frontier node sees the committed prefix, its fed ancestors and itself (and
         only keys within the sliding window on sliding-window layers)."""
         slots = fed + frontier
-        slot_of = {node: i for i, node in enumerate(slots)}
-        allowed = torch.zeros(len(frontier), num_committed + len(slots), dtype=torch.bool)
-        allowed[:, :num_committed] = True
-        for row, node in enumerate(frontier):
-            walk = node
-            while walk != ROOT:
-                allowed[row, num_committed + slot_of[walk]] = True
-                walk = c.parents[walk]
+        allowed = _sees(c, fed, frontier, num_committed, torch.device("cpu"))
         key_pos = torch.cat([torch.arange(num_committed),
                              torch.tensor([num_committed - 1 + c.depths[n] for n in slots], dtype=torch.long)])
         query_pos = torch.tensor([num_committed - 1 + c.depths[n] for n in frontier], dtype=torch.long)
@@ -185,3 +178,17 @@ def _additive(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device) -
     mask = torch.zeros(allowed.shape, dtype=dtype)
     mask.masked_fill_(~allowed, torch.finfo(dtype).min)
     return mask[None, None].to(device)
+
+
+def _sees(c: _Candidates, fed: list[int], frontier: list[int], cached: int, device) -> torch.Tensor:
+    """[len(frontier), cached + len(fed) + len(frontier)] bool: each frontier node sees the
+    cached context, its fed ancestors and itself (keys: the context, then fed, then frontier)."""
+    slot_of = {node: i for i, node in enumerate(fed + frontier)}
+    allowed = torch.zeros(len(frontier), cached + len(slot_of), dtype=torch.bool, device=device)
+    allowed[:, :cached] = True
+    for row, node in enumerate(frontier):
+        walk = node
+        while walk != ROOT:
+            allowed[row, cached + slot_of[walk]] = True
+            walk = c.parents[walk]
+    return allowed
