@@ -28,6 +28,7 @@ from pathlib import Path
 import xgrammar as xgr
 
 from services.common.constraints import ConstraintSpec, constraint_violations
+from services.target.structured.utf8_guard import Utf8Guard
 
 log = logging.getLogger(__name__)
 _LOCATION = re.compile(r"^\[[^\]]*\]\s*\S+\.cc:\d+:\s*")
@@ -50,6 +51,7 @@ class ConstraintCompiler:
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                       stop_token_ids=sorted(stop_token_ids))
         self.vocab_size = vocab_size
+        self.utf8_guard = Utf8Guard(self.info.decoded_vocab, vocab_size)  # every grammar state's
         self.tokenizer_id = tokenizer_identity(tokenizer, vocab_size, stop_token_ids)
         self.timeout_s = timeout_s
         self.max_grammar_bytes = max_grammar_bytes

@@ -17,17 +17,21 @@ from __future__ import annotations
 import torch
 import xgrammar as xgr
 
+from services.target.structured.utf8_guard import Utf8Guard
+
 
 class GrammarViolation(RuntimeError):
     """A token the grammar forbids reached commit (a bug upstream; fails that request only)."""
 
 
 class GrammarState:
-    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int) -> None:
+    def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int, utf8_guard: Utf8Guard | None = None) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)  # unlimited rollback: trees roll back freely
         self.vocab_size = vocab_size
+        self.utf8_guard = utf8_guard  # no surrogate bytes in the output (utf8_guard.py)
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(vocab / 32)] int32
         self.num_committed = 0
+        self.last_token: int | None = None  # the last committed token
 
     # ---- committed state ---------------------------------------------------
     def commit(self, token: int) -> None:
@@ -36,14 +40,17 @@ class GrammarState:
             raise GrammarViolation(f"token {token} is not allowed by the constraint after "
                                    f"{self.num_committed} committed tokens")
         self.num_committed += 1
+        self.last_token = int(token)
 
     def fork(self) -> "GrammarState":
         """An independent copy of the committed state (n samples over one prefill)."""
         other = object.__new__(GrammarState)
         other.matcher = self.matcher.fork()
         other.vocab_size = self.vocab_size
+        other.utf8_guard = self.utf8_guard
         other._bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
         other.num_committed = self.num_committed
+        other.last_token = self.last_token
         return other
 
     @property
@@ -57,6 +64,8 @@ class GrammarState:
         if not self.matcher.is_terminated():
             self.matcher.fill_next_token_bitmask(self._bitmask)
             xgr.apply_token_bitmask_inplace(out[-1:], self._bitmask)
+            if self.utf8_guard is not None:
+                self.utf8_guard.mask_(out[-1], self.last_token)
         return out
 
     def mask_tree(self, rows: torch.Tensor, tokens: list[int], parents: list[int]) -> torch.Tensor:
@@ -92,6 +101,9 @@ class GrammarState:
         assert depth == 0
         if masked:
             xgr.apply_token_bitmask_inplace(out, bitmask, indices=masked)
+            if self.utf8_guard is not None:
+                for row in masked:  # each row follows its node's token (row 0: the committed output)
+                    self.utf8_guard.mask_(out[row], self.last_token if row == 0 else int(tokens[row - 1]))
         return out
 
     def forced_tokens(self, limit: int) -> list[int]:
