@@ -24,6 +24,7 @@ import threading
 import time
 from pathlib import Path
 
+from services.bench.foreign_cpu import ForeignCpu
 from services.common.env import read_settings
 from services.common.models.loading import resolve_model_dir
 from services.common.sampling_params import SamplingConfig
@@ -189,6 +190,15 @@ def main() -> None:
     parser.add_argument("--without-first", action="store_true", help="run without the tier first "
                         "(on a shared machine, swap the order to see the drift)")
     args = parser.parse_args()
+    with ForeignCpu() as cpu:  # CPU used by anything outside this process meanwhile
+        measure(args)
+    foreign = cpu.share()
+    print(f"\nforeign CPU while measuring: median {100 * (foreign['median'] or 0):.1f}%, "
+          f"max {100 * (foreign['max'] or 0):.1f}% ({foreign['samples']} samples)"
+          + ("  VOID: another process used the machine" if foreign["void"] else ""))
+
+
+def measure(args) -> None:
     model_dir = resolve_model_dir(args.model, Path(read_settings().model_cache).expanduser())
     if not args.skip_costs:
         per_block_costs(model_dir, args.prefix_tokens, args.block_size)

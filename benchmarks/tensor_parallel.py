@@ -20,6 +20,7 @@ from pathlib import Path
 
 import torch
 
+from services.bench.foreign_cpu import ForeignCpu
 from services.common.models.loading import resolve_model_dir
 from services.common.sampling_params import SamplingConfig
 from services.settings import read_settings
@@ -86,8 +87,12 @@ def main() -> None:
     n = args.tensor_parallel
     if args.threads % n:
         parser.error(f"--threads {args.threads} must be a multiple of --tensor-parallel {n}")
-    one = measure(model_dir, args.dtype, 1, args.threads, args.streams, args.tokens)
-    many = measure(model_dir, args.dtype, n, args.threads // n, args.streams, args.tokens)
+    with ForeignCpu() as cpu:  # the ranks are this process's children: theirs is ours
+        one = measure(model_dir, args.dtype, 1, args.threads, args.streams, args.tokens)
+        many = measure(model_dir, args.dtype, n, args.threads // n, args.streams, args.tokens)
+    foreign = cpu.share()
+    print(f"foreign CPU while measuring: median {100 * (foreign['median'] or 0):.1f}%, "
+          f"max {100 * (foreign['max'] or 0):.1f}%" + ("  VOID: another process used the machine" if foreign["void"] else ""))
     print(f"model {model_dir.name}, {args.dtype}, {args.tokens} tokens per stream, {args.threads} threads in all")
     print(f"{'streams':>7} {'TP1 tok/s':>10} {f'TP{n} tok/s':>10} {'ratio':>6} {'us/all-reduce':>14} {'AR share':>8}")
     for streams in args.streams:
