@@ -49,7 +49,8 @@ from specmesh.proto.v1 import common_pb2, router_service_pb2  # noqa: E402
 
 LENGTHS = [14, 40, 90, 180, 300, 500, 750, 1100, 1508]
 PAUSE_S = 1.5  # vLLM's worker busy-polls ~1 s after a request
-PORTS = {"target": 52051, "draft": 52052, "router-off": 52061, "router-5": 52065, "router-10": 52070}
+PORTS = {"target": 52051, "draft": 52052, "router-off": 52061, "router-5": 52065, "router-10": 52070,
+         "target-generic": 52053, "router-generic": 52062}
 VLLM_PORT = 52080
 TEXT = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a can of oil "
@@ -178,11 +179,24 @@ async def prefill(client, prompt: str) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------- servers
-def start_specmesh(model: str, log_dir: Path, weights: str = "auto") -> list[subprocess.Popen]:
+def start_specmesh(model: str, log_dir: Path, weights: str = "auto", generic: bool = False) -> list[subprocess.Popen]:
+    """The mesh (draft, target, one router per speculation setting); with `generic`, also a
+    second target running transformers' own modules (SPECMESH_FORWARD=generic) behind its own
+    router, to measure the lean forward against the path other models take."""
     env = {**os.environ, "SPECMESH_TOKENS": f"{DEV_TOKEN}=bench", "SPECMESH_METRICS_PORT": "0",
            "SPECMESH_WEIGHTS": weights,
            "SPECMESH_MODEL": model}
     cmd = [sys.executable, "-m", "services.cli", "serve", "--dev"]  # plaintext on loopback
+    generic_procs = []
+    if generic:
+        generic_procs = [
+            subprocess.Popen([*cmd, "target", "--port", str(PORTS["target-generic"])], cwd=ROOT,
+                             env={**env, "SPECMESH_FORWARD": "generic"},
+                             stdout=open(log_dir / "target-generic.log", "w"), stderr=subprocess.STDOUT),
+            subprocess.Popen([*cmd, "router", "--port", str(PORTS["router-generic"]), "--target-address",
+                              f"127.0.0.1:{PORTS['target-generic']}", "--speculation-method", "off"],
+                             cwd=ROOT, env=env, stdout=open(log_dir / "router-generic.log", "w"),
+                             stderr=subprocess.STDOUT)]
     procs = [subprocess.Popen([*cmd, "draft", "--port", str(PORTS["draft"])], cwd=ROOT, env=env,
                               stdout=open(log_dir / "draft.log", "w"), stderr=subprocess.STDOUT),
              subprocess.Popen([*cmd, "target", "--port", str(PORTS["target"]),
@@ -195,7 +209,7 @@ def start_specmesh(model: str, log_dir: Path, weights: str = "auto") -> list[sub
              "--speculation-method", method, "--speculation-depth", str(depth),
              "--speculation-policy", "fixed"], cwd=ROOT, env=env,  # the depth compared, every step
             stdout=open(log_dir / f"{name}.log", "w"), stderr=subprocess.STDOUT))
-    return procs
+    return procs + generic_procs
 
 
 def start_vllm(venv: Path, model_dir: Path, depth: int, log_dir: Path) -> subprocess.Popen:
@@ -268,7 +282,7 @@ async def run(args) -> dict:
     res: dict[str, dict[str, list[float]]] = {}
     foreign: dict[str, dict[str, list[float]]] = {}  # metric -> system -> each measurement's foreign CPU share
 
-    procs = start_specmesh(args.model, log_dir, args.specmesh_weights)
+    procs = start_specmesh(args.model, log_dir, args.specmesh_weights, args.generic)
     vllm_proc = None
     # The systems under test: this process (HF runs in it, and the clients), the mesh's
     # services, the vLLM server; every other process's CPU is foreign.
@@ -290,9 +304,10 @@ async def run(args) -> dict:
     hf = HF(model_dir) if "hf" not in args.skip else None
     cpu.__enter__()
     try:
-        for name in ("router-off", "router-5", "router-10"):
+        for name in ("router-off", "router-5", "router-10") + (("router-generic",) if args.generic else ()):
             await wait_grpc(f"127.0.0.1:{PORTS[name]}", procs)
         mesh = {d: Specmesh(PORTS[f"router-{d}" if d else "router-off"]) for d in (0, 5, 10)}
+        generic = Specmesh(PORTS["router-generic"]) if args.generic else None
         phases = [0] if "speculation" in args.skip else [0, 5, 10]
         total = args.rounds * (3 + 2) + args.rounds * 2 * 2
         bar = tqdm(total=total, desc="measurements")
@@ -303,7 +318,8 @@ async def run(args) -> dict:
                 wait_http(f"http://127.0.0.1:{VLLM_PORT}/health", vllm_proc)
             vllm = VLLM(VLLM_PORT, "gemma") if vllm_proc else None
             try:
-                systems = [("vLLM", vllm), ("specmesh", mesh[depth])] + ([("HF", hf)] if depth == 0 else [])
+                systems = [("vLLM", vllm), ("specmesh", mesh[depth])] + (
+                    [("HF", hf), ("generic", generic)] if depth == 0 else [])
                 for _, client in systems:  # one unmeasured request each: first-call setup is not serving
                     if client is not None:
                         await client.generate(prompts[0], 8)
@@ -379,11 +395,13 @@ def round_ratios(result: dict, key: str, higher: bool) -> list[float]:
 
 
 def table(result: dict) -> str:
-    lines = ["| | vLLM | specmesh (through the mesh) | per round | HF `generate` | foreign CPU (median: vLLM / specmesh / HF) |",
-             "|---|---|---|---|---|---|"]
+    generic = any("generic" in result.get(key, {}) for key, _, _ in ROWS)
+    lines = ["| | vLLM | specmesh (through the mesh) | per round | HF `generate` | foreign CPU (median: vLLM / specmesh / HF) |"
+             + (" specmesh, transformers' modules (lean / generic) |" if generic else ""),
+             "|---|---|---|---|---|---|" + ("---|" if generic else "")]
     for key, label, higher in ROWS:
         m = result.get(key, {})
-        v, s, h = m.get("vLLM"), m.get("specmesh"), m.get("HF")
+        v, s, h, g = m.get("vLLM"), m.get("specmesh"), m.get("HF"), m.get("generic")
         ratio = ""
         void = m.get("_void", [])
         if v and s:
@@ -396,7 +414,12 @@ def table(result: dict) -> str:
         band = (f"{min(per_round):.2f}–{max(per_round):.2f}x" if len(per_round) > 1
                 else f"{per_round[0]:.2f}x" if per_round else "—")
         fmt = (lambda x: "—" if x is None else (f"{x:.1f}" if higher else f"{x:.3f}"))
-        lines.append(f"| {label} | {fmt(v)} | {fmt(s)}{ratio} | {band} | {fmt(h)} | {share} |")
+        gain = ""
+        if g and s:
+            gain = (" (void: foreign CPU)" if {"generic", "specmesh"} & set(void)
+                    else f" ({s / g:.2f}x)" if higher else f" ({g / s:.2f}x)")
+        lines.append(f"| {label} | {fmt(v)} | {fmt(s)}{ratio} | {band} | {fmt(h)} | {share} |"
+                     + (f" {fmt(g)}{gain} |" if generic else ""))
     return "\n".join(lines)
 
 
@@ -443,6 +466,9 @@ def main() -> None:
     parser.add_argument("--specmesh-weights", default="auto", choices=["auto", "bf16", "bf16-avx512", "int8"],
                         help="specmesh's linear layers (SPECMESH_WEIGHTS); int8 trades accuracy for speed "
                              "(README: greedy agreement and log-prob gap), vLLM and HF stay bf16")
+    parser.add_argument("--generic", action="store_true",
+                        help="also run specmesh with transformers' own modules (--forward generic) to measure "
+                             "the lean forward's gain")
     parser.add_argument("--vllm-venv", default=os.environ.get("SPECMESH_VLLM_VENV",
                                                              "~/.cache/specmesh/vllm-venv"))
     args = parser.parse_args()

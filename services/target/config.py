@@ -50,6 +50,7 @@ class EngineConfig:
     draft_address: str = ""  # draft service for speculative decoding; "" = never speculate
     chat_template: str = _TARGET.chat_template  # --chat-template FILE|NAME (services/common/models/chat_templates.py); "" = the model's own
     weights: str = _TARGET.weights  # linear-layer format (services/target/model/linear.py)
+    forward: str = _TARGET.forward  # auto = lean forward where one exists; generic = transformers' modules
     tensor_parallel: int = _TARGET.tensor_parallel  # ranks of this target (services/target/tp/); 1 = one process
     draft_timeout_s: float = _TARGET.draft_timeout_ms / 1000  # per-step deadline of a draft call; past it the step decodes normally
     # The target's mesh identity for its calls to the draft service (services/common/tls.py
@@ -72,6 +73,9 @@ class EngineConfig:
         if self.kv_shared_url and not (self.kv_host_bytes and self.enable_prefix_caching):
             raise ValueError("kv_shared_url needs kv_host_bytes > 0 and prefix caching: shared-tier "
                              "entries are loaded through the host tier")
+        if self.forward == "generic" and self.tensor_parallel > 1:
+            raise ValueError("forward 'generic' cannot be split across ranks: tensor_parallel > 1 needs "
+                             "a lean forward (forward auto, Gemma 3 or the Llama family)")
         if not 0 < self.grammar_compile_timeout_s <= 600 or self.grammar_max_bytes <= 0:
             raise ValueError("grammar_compile_timeout_s must be in (0, 600] and grammar_max_bytes > 0")
 

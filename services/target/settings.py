@@ -25,6 +25,9 @@ WeightFormat = Literal["auto", "none", "bf16", "bf16-avx512", "fp16", "int8"]
 WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
 
 KvDtype = Literal[("auto", *MODEL_DTYPES, "fp8")]
+
+ForwardKind = Literal["auto", "generic"]
+FORWARD_KINDS: tuple[str, ...] = get_args(ForwardKind)
 KV_DTYPES: tuple[str, ...] = get_args(KvDtype)
 
 MAX_DRAFT_TIMEOUT_MS = 60_000  # longest per-step deadline of a draft call
@@ -41,6 +44,10 @@ class TargetSettings(SettingsGroup):
         "bf16 model on an AVX-512 CPU, else oneDNN-packed bf16 on a CPU with bf16 dot products in "
         "hardware, else fp16 packed for fbgemm when a bf16/fp16 model runs on the CPU; "
         "int8 = per-channel int8 (fbgemm dynamic quantization)")
+    forward: ForwardKind = Field(
+        "auto", description="the model's forward; auto = a lean forward where one computes the model exactly "
+        "(Gemma 3, the Llama family), else transformers' modules; generic = transformers' modules always "
+        "(to compare against or to diagnose; not with tensor_parallel > 1)")
     device: str = Field("cpu", description="torch device of the target (cpu, cuda, cuda:N)")
     chat_template: str = Field("", description="chat template of the target model: a Jinja file (or a "
                                "JSON file with \"chat_template\"), a name (gemma3, or none = plain prompts only), "

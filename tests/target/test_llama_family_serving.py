@@ -42,3 +42,22 @@ async def test_greedy_output_equals_hugging_face_generate(checkpoints, tiny_llam
         assert ids == hf_greedy(model_dir, prompt, 20), (arch, method, prompt)
     proposed = sum(last.usage.proposed_tokens for _, _, last in results)
     assert (proposed > 0) == (method != "off"), "speculation verified draft tokens only when asked"
+
+
+async def test_generic_forward_setting_runs_transformers_modules(checkpoints):
+    """`forward generic` (what compare.py --generic measures the lean forward against) serves
+    with transformers' own modules and still gives `generate`'s tokens; it cannot be split
+    across ranks."""
+    from services.target.config import EngineConfig
+    model_dir = checkpoints["qwen3"]
+    mesh = await start_mesh(model_dir, forward="generic")
+    try:
+        assert mesh.engine.runner.lean_forward is None
+        ids, _, _ = await collect(mesh.router_stub, request(PROMPTS[0], 20))
+    finally:
+        await mesh.stop()
+    assert ids == hf_greedy(model_dir, PROMPTS[0], 20)
+    with pytest.raises(ValueError, match="tensor_parallel"):
+        EngineConfig(model_dir=model_dir, forward="generic", tensor_parallel=2)
+    with pytest.raises(ValueError, match="forward"):
+        EngineConfig(model_dir=model_dir, forward="lean")

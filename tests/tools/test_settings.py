@@ -177,7 +177,9 @@ def test_each_service_gets_its_group_as_set(tmp_path):
     for name in group_names("target") + group_names("router") + group_names("cache"):
         value = {"speculation_method": "suffix", "tokens": "tok=tenant", "cache_backend": "memory",
                  "redis_url": "", "cache_replicas": "", "chat_template": "none", "device": "cpu",
-                 "speculation_depth": 7, "speculation_nodes": 9}.get(name, two_values(name)[0])
+                 "speculation_depth": 7, "speculation_nodes": 9,
+                 # generic cannot run with the tensor_parallel set here
+                 "forward": "auto"}.get(name, two_values(name)[0])
         flags += flag_args(name, value)
     settings = from_cli(["up", *flags], {})
     engine = engine_config(settings, tmp_path)

@@ -126,6 +126,7 @@ class Engine:
             try:
                 model, tokenizer, spec = load_model(config.model_dir, config.torch_dtype, config.device,
                                                    config.weights, chat_template=config.chat_template,
+                                                   fuse=config.forward == "auto",
                                                    tp=ranks.tp if ranks else None)
                 if ranks is not None:
                     ranks.tp.barrier()  # every rank loaded its shard
