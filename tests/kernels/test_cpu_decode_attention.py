@@ -18,7 +18,8 @@ pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason=f"{cpu_linear
 
 
 
-@pytest.mark.parametrize("heads,head_dim", [((4, 1), 256), ((4, 2), 16), ((3, 3), 32)])
+# the default model's, tiny ones, Qwen2.5-0.5B's (GQA 7, D 64) and Qwen3-0.6B's (GQA 2, D 128)
+@pytest.mark.parametrize("heads,head_dim", [((4, 1), 256), ((4, 2), 16), ((3, 3), 32), ((14, 2), 64), ((16, 8), 128)])
 @pytest.mark.parametrize("window", [None, 6])
 def test_decode_rows_in_cpp_match_the_bf16_torch_path_and_leave_other_rows_alone(heads, head_dim, window):
     """Decode rows (lone and grouped), a draft tree's and a short chunk's masked rows over shuffled

@@ -1,5 +1,5 @@
-"""Gemma 3's per-row ops in C++ (services/target/kernels/cpu_rowops.cpp) against the lean
-forward's own torch ops (services/target/model/gemma3_forward.py)."""
+"""The lean forwards' per-row ops in C++ (services/target/kernels/cpu_rowops.cpp) against their
+own torch ops (services/target/model/gemma3_forward.py, llama_forward.py)."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from services.target.model.gemma3_forward import _rms_norm, _rotate_half
+from services.target.model.llama_forward import _rms_norm as _llama_rms_norm
 from services.target.kernels import cpu_linear, cpu_rowops
 
 pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason=f"{cpu_linear.unavailable_reason()}")
@@ -76,6 +77,61 @@ def test_qk_norm_rope_equals_the_lean_forwards_torch_ops(heads, kv, d):
     assert torch.equal(q, rotated[:, :heads]) and torch.equal(k, rotated[:, heads:])
     assert torch.equal(v, qkv[:, (heads + kv) * d:].view(t, kv, d))
     assert q.is_contiguous() and k.is_contiguous() and v.is_contiguous()
+
+
+@pytest.mark.parametrize("rows,dim", [(1, 896), (7, 896), (300, 64), (3, 40)])
+def test_llama_family_norm_rounds_before_its_bf16_weight(rows, dim):
+    """weight_after: LlamaRMSNorm's weight * bf16(normed), the weight in bf16 (passed as float32);
+    within a rounding step of torch, and not Gemma's rounding (they differ on some outputs)."""
+    x = _bf16(rows, dim, seed=rows, scale=3.0)
+    w = _weight(dim, seed=dim).to(torch.bfloat16)  # [D] the model's dtype
+    ours = cpu_rowops.rms_norm(x, w.float(), EPS, weight_after=True)
+    _within_one_step(ours, _llama_rms_norm(x, w, EPS))
+    if rows * dim > 1000:
+        assert not torch.equal(ours, cpu_rowops.rms_norm(x, w.float(), EPS))
+
+
+def test_plain_residual_add_then_the_llama_norm():
+    h, a = _bf16(9, 896, seed=15, scale=4.0), _bf16(9, 896, seed=16)
+    w_next = _weight(896, seed=17).to(torch.bfloat16)
+    h_new, x = cpu_rowops.add_rms_norm(h, a, None, w_next.float(), EPS, weight_after=True)
+    assert torch.equal(h_new, h + a)  # torch's bf16 add, bit for bit
+    _within_one_step(x, _llama_rms_norm(h_new, w_next, EPS))
+
+
+@pytest.mark.parametrize("heads,kv,d,qk_norm", [(14, 2, 64, False), (16, 8, 128, True), (4, 2, 16, False)])
+def test_rope_with_and_without_the_qwen3_qk_norm(heads, kv, d, qk_norm):
+    """Qwen2.5-0.5B's and Qwen3-0.6B's head shapes: no norm (RoPE of the raw heads, torch's bit for
+    bit) or Qwen3's per-head norm in the Llama rounding (within a rounding step)."""
+    t = 5
+    qkv = _bf16(t, (heads + 2 * kv) * d, seed=18)
+    w = _weight(heads + kv, d, seed=19).to(torch.bfloat16) if qk_norm else None
+    positions = torch.arange(t) * 29.0
+    inv_freq = 1.0 / (10000 ** (torch.arange(0, d, 2).float() / d))
+    emb = torch.cat([positions[:, None] * inv_freq] * 2, dim=-1)  # [T, D]
+    cos, sin = emb.cos().to(torch.bfloat16), emb.sin().to(torch.bfloat16)
+    q, k, v = cpu_rowops.qk_norm_rope(qkv, None if w is None else w.float(), cos, sin, heads, kv, EPS,
+                                      weight_after=True)
+    qk = qkv[:, :(heads + kv) * d].view(t, heads + kv, d)
+    if qk_norm:
+        normed = cpu_rowops.rms_norm(qk.reshape(-1, d), w.float(), EPS, weight_after=True).view(t, heads + kv, d)
+        _within_one_step(normed, _llama_rms_norm(qk, w, EPS))
+    else:
+        normed = qk
+    rotated = normed * cos[:, None] + _rotate_half(normed) * sin[:, None]
+    assert torch.equal(q, rotated[:, :heads]) and torch.equal(k, rotated[:, heads:])
+    assert torch.equal(v, qkv[:, (heads + kv) * d:].view(t, kv, d))
+
+
+def test_silu_mul_matches_torch_within_a_rounding_step():
+    gate_up = _bf16(7, 2 * 1000, seed=20, scale=3.0)
+    gate, up = gate_up[:, :1000], gate_up[:, 1000:]
+    ours = cpu_rowops.silu_mul(gate_up)
+    assert ours.shape == (7, 1000) and ours.dtype == torch.bfloat16
+    _within_one_step(ours, torch.nn.functional.silu(gate) * up, at_most=0.02)
+    huge = torch.tensor([[-100.0, 100.0, 0.0, 1.0, 1.0, 1.0]], dtype=torch.bfloat16)  # gates, then ups
+    got = cpu_rowops.silu_mul(huge)  # exp's input is clamped to 88: silu(-100) ~ -6e-37, torch's ~ -4e-42
+    assert got[0, 1:].tolist() == [100.0, 0.0] and abs(got[0, 0].item()) < 1e-30
 
 
 def test_bad_shapes_and_dtypes_are_refused():

@@ -19,7 +19,7 @@ def _runner(model_dir, dtype, weights="auto", fuse=True, row_ops=None):
     model, _, spec = load_model(model_dir, dtype, weights=weights, fuse=fuse)
     runner = ModelRunner(model, spec, BlockManager(128, 4), dtype, kernels="cpu")
     if row_ops is not None and runner.lean_forward is not None:
-        runner.lean_forward = Gemma3PagedForward(model, row_ops=row_ops)
+        runner.lean_forward = type(runner.lean_forward)(model, row_ops=row_ops)  # Gemma 3's or the Llama family's
     return runner
 
 

@@ -8,9 +8,10 @@ import logging
 import pytest
 import torch
 
+from services.target.kernels.select import get_kernels
 from services.target.model import lean_forward, llama_forward
 from services.target.model.llama_forward import LlamaPagedForward
-from tests.target.test_gemma3_forward import _formats, _run, _runner
+from tests.target.test_gemma3_forward import _formats, _kernel_available, _run, _runner
 
 # (tiny arch, config overrides): every family, and Llama with Llama 3's RoPE scaling
 FAMILIES = {
@@ -43,14 +44,40 @@ def family_dirs(tmp_path_factory):
 def test_lean_forward_equals_transformers_on_prefill_decode_and_tree_steps(family_dirs, family, dtype, weights):
     """Prefill chunks (one prompt past the window of 16), decode rows and a draft tree: the lean
     forward over fused projections against transformers' forward over the unfused modules, bit
-    for bit, for every weight format."""
-    lean = _runner(family_dirs(family), dtype, weights)
+    for bit, for every weight format (torch's ops between the matmuls; the C++ row ops below)."""
+    lean = _runner(family_dirs(family), dtype, weights, row_ops=False)
     plain = _runner(family_dirs(family), dtype, weights, fuse=False)
     assert isinstance(lean.lean_forward, LlamaPagedForward) and plain.lean_forward is None
     got, expected = _run(lean), _run(plain)
     assert [g.shape[0] for g in got] == [1 + 12 + 1, 3, 5 + 1]
     for g, e in zip(got, expected):
         assert torch.equal(g, e)
+
+
+@pytest.mark.skipif(not _kernel_available(), reason="specmesh's CPU kernels do not build here")
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_row_ops_run_with_specmeshs_kernel_and_keep_the_logits(family_dirs, family):
+    """With specmesh's linear kernel each family's glue runs through the C++ row ops (the same as
+    Gemma 3's, the norm's rounding a parameter); forced on beside fbgemm layers they give the same
+    greedy tokens and logits within bf16 rounding of the torch ops' (per op: test_cpu_rowops.py)."""
+    assert _runner(family_dirs(family), torch.bfloat16, "bf16-avx512").lean_forward.row_ops
+    assert not _runner(family_dirs(family), torch.float32, "none").lean_forward.row_ops
+    torch_ops = _runner(family_dirs(family), torch.bfloat16, "fp16")
+    assert not torch_ops.lean_forward.row_ops
+    expected = _run(torch_ops)
+    row_ops = _runner(family_dirs(family), torch.bfloat16, "fp16", row_ops=True)
+    assert row_ops.lean_forward.silu  # every tiny family's MLP is SwiGLU
+    assert row_ops.kernels.cpp_attention  # and attention in C++ where the pool is bf16
+    for got, e in zip(_run(row_ops), expected):
+        assert torch.equal(got.argmax(-1), e.argmax(-1))
+    # The row ops alone (torch's attention): the same logits within bf16 rounding. (The C++
+    # attention's own precision, an exp polynomial and another summation order, is checked per
+    # kernel in tests/kernels/test_cpu_decode_attention.py.)
+    row_ops = _runner(family_dirs(family), torch.bfloat16, "fp16", row_ops=True)
+    row_ops.kernels = get_kernels("cpu", cpp_attention=False)
+    for got, e in zip(_run(row_ops), expected):
+        assert torch.equal(got.argmax(-1), e.argmax(-1))
+        torch.testing.assert_close(got, e, atol=0.05, rtol=0.02)
 
 
 def test_each_family_takes_its_own_parts(family_dirs):

@@ -1,5 +1,5 @@
 // The Python bindings of specmesh's CPU kernel module (specmesh_cpu_kernels): bf16 linear layers,
-// Gemma 3's per-row ops and the paged bf16 attention of decode rows and prefill chunks.
+// the lean forwards' per-row ops and the paged bf16 attention of decode rows and prefill chunks.
 // Prototypes: cpu_kernels.h; built by cpu_kernels.py.
 
 #include <torch/extension.h>
@@ -11,10 +11,11 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16 [N, K] -> [ceil(N/32), ceil(K/2), 64] panels for bf16_linear");
   m.def("bf16_linear", &bf16_linear,
         "y = x w^T for bf16 x [M, K] and packed w (float32 sums, bf16 out); dot: VDPBF16PS, else widen + FMA");
-  m.def("rms_norm_bf16", &rms_norm_bf16, "Gemma RMSNorm of bf16 rows with float32 (1 + weight) rows");
+  m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows with float32 weight rows (Gemma's or, weight_after, Llama's rounding)");
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "h + norm(a), then the next norm of it: (h_new, x)");
   m.def("qk_norm_rope_bf16", &qk_norm_rope_bf16, "q/k norm and RoPE of a fused qkv: (q, k, v)");
   m.def("gelu_tanh_mul_bf16", &gelu_tanh_mul_bf16, "gelu_tanh(gate) * up of a fused gate|up, bf16");
+  m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up of a fused gate|up, bf16");
   m.def("masked_softmax_bf16_", &masked_softmax_bf16_, "softmax of bf16 scores with a hidden mask, in place");
   m.def("decode_attention_bf16", &decode_attention_bf16, "decode rows' attention over the paged bf16 pool, in place");
   m.def("chunk_attention_bf16", &chunk_attention_bf16,

@@ -13,14 +13,16 @@
 at::Tensor pack_bf16_weight(const at::Tensor& w);  // [N, K] bf16 -> [ceil(N/32), ceil(K/2), 64] panels
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, bool dot);  // [M, K] -> [M, N]
 
-// cpu_rowops.cpp: Gemma 3's per-row ops between the matmuls, bf16 activations.
-at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps);
+// cpu_rowops.cpp: the lean forwards' per-row ops between the matmuls (Gemma 3's and the Llama
+// family's: weight_after picks the norm's rounding), bf16 activations.
+at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps, bool weight_after);
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& h, const at::Tensor& a, const at::Tensor& w_a,
-                                                     const at::Tensor& w_next, double eps);
+                                                     const at::Tensor& w_next, double eps, bool weight_after);
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bf16(const at::Tensor& qkv, const at::Tensor& w,
                                                                  const at::Tensor& cos, const at::Tensor& sin,
-                                                                 int64_t H, int64_t KV, double eps);
+                                                                 int64_t H, int64_t KV, double eps, bool weight_after);
 at::Tensor gelu_tanh_mul_bf16(const at::Tensor& gate_up);
+at::Tensor silu_mul_bf16(const at::Tensor& gate_up);
 void masked_softmax_bf16_(at::Tensor& scores, const at::Tensor& hidden);
 
 // cpu_decode_attention.cpp: single query rows over the paged bf16 pool, in place.

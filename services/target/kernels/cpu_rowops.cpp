@@ -1,4 +1,4 @@
-// Gemma 3's per-row "glue" between the matmuls, for bf16 activations on AVX-512 and AVX2 CPUs, in one pass
+// The lean forwards' per-row "glue" between the matmuls (Gemma 3's and the Llama family's), for bf16 activations on AVX-512 and AVX2 CPUs, in one pass
 // per row instead of 5-10 torch ops: RMSNorm, the residual add fused with the next norm, the
 // q/k norm fused with RoPE, and the MLP's GELU (tanh) times up. At one decode row a torch op costs a few microseconds whatever its
 // size, so a layer's ~30 small ops cost more than its four weight-streaming matmuls but the
@@ -54,6 +54,36 @@ inline void norm_row(const uint16_t* x, const float* w, float r, int64_t D, uint
     const __mmask16 m = lanes(D - j);
     const __m512 y = _mm512_mul_ps(_mm512_mul_ps(load_bf16(x + j, m), rv), _mm512_maskz_loadu_ps(m, w + j));
     store_bf16(out + j, round_bf16(y), m);
+  }
+}
+
+// The Llama family's RMSNorm: out[j] = bf16(bf16(x[j] * r) * w[j]) (normed and rounded, then times
+// its bf16 weight, held here as float32: the product is exact before its rounding, as torch's bf16 mul).
+inline void norm_row_weight_after(const uint16_t* x, const float* w, float r, int64_t D, uint16_t* out) {
+  const __m512 rv = _mm512_set1_ps(r);
+  for (int64_t j = 0; j < D; j += 16) {
+    const __mmask16 m = lanes(D - j);
+    const __m512 normed = round_bf16(_mm512_mul_ps(load_bf16(x + j, m), rv));
+    store_bf16(out + j, round_bf16(_mm512_mul_ps(normed, _mm512_maskz_loadu_ps(m, w + j))), m);
+  }
+}
+
+// One row of a plain residual add (the Llama family's): hn[j] = bf16(h[j] + a[j]).
+inline void add_row(const uint16_t* hr, const uint16_t* ar, int64_t D, uint16_t* hn) {
+  for (int64_t j = 0; j < D; j += 16) {
+    const __mmask16 m = lanes(D - j);
+    store_bf16(hn + j, round_bf16(_mm512_add_ps(load_bf16(hr + j, m), load_bf16(ar + j, m))), m);
+  }
+}
+
+// One row of the SwiGLU activation: out[j] = bf16(bf16(silu(gate[j])) * up[j]), silu(x) = x / (1 + exp(-x)).
+inline void silu_mul_row(const uint16_t* row, int64_t I, uint16_t* out) {
+  const __m512 one = _mm512_set1_ps(1.0f);
+  for (int64_t j = 0; j < I; j += 16) {
+    const __mmask16 m = lanes(I - j);
+    const __m512 g = load_bf16(row + j, m);
+    const __m512 act = round_bf16(_mm512_div_ps(g, _mm512_add_ps(one, exp_ps(_mm512_sub_ps(_mm512_setzero_ps(), g)))));
+    store_bf16(out + j, round_bf16(_mm512_mul_ps(act, load_bf16(row + I + j, m))), m);
   }
 }
 
@@ -163,10 +193,17 @@ void check_weight(const at::Tensor& w, int64_t D, const char* what) {
               what, ": float32 contiguous weight [D] or [W, D] with D=", D, " expected, got ", w.sizes());
 }
 
+// One normed row in either family's rounding: Gemma's weight (1 + w) inside the float32 product
+// (weight_after false), or the Llama family's bf16 weight after the normed row's rounding.
+inline void norm_any(bool weight_after, const uint16_t* x, const float* w, float r, int64_t D, uint16_t* out) {
+  if (weight_after) norm_row_weight_after(x, w, r, D, out);
+  else norm_row(x, w, r, D, out);
+}
+
 }  // namespace
 
-// x [R, D] bf16, w [D] or [W, D] float32 (row r uses w[r % W]) -> [R, D] bf16.
-at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
+// x [R, D] bf16, w [D] or [W, D] float32 (row r uses w[r % W]) -> [R, D] bf16; weight_after: norm_any.
+at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps, bool weight_after) {
   check_rows(x, "rms_norm_bf16");
   const int64_t R = x.size(0), D = x.size(1);
   check_weight(w, D, "rms_norm_bf16");
@@ -178,7 +215,7 @@ at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
   at::parallel_for(0, R, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const uint16_t* row = xp + r * x.stride(0);
-      norm_row(row, wp + (r % W) * D, inv_rms(row, D, static_cast<float>(eps)), D, op + r * D);
+      norm_any(weight_after, row, wp + (r % W) * D, inv_rms(row, D, static_cast<float>(eps)), D, op + r * D);
     }
   });
   return out;
@@ -186,44 +223,53 @@ at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps) {
 
 // The residual add after a sublayer and the norm before the next:
 //   h_new = bf16(h + bf16(rms_norm(a) * w_a)),  x = bf16(rms_norm(h_new) * w_next)
-// h, a [R, D] bf16; w_a, w_next [D] float32 -> (h_new, x).
+// or, with w_a empty (the Llama family: no norm after a sublayer), h_new = bf16(h + a).
+// h, a [R, D] bf16; w_a [D] or empty, w_next [D] float32; weight_after: norm_any -> (h_new, x).
 std::tuple<at::Tensor, at::Tensor> add_rms_norm_bf16(const at::Tensor& h, const at::Tensor& a, const at::Tensor& w_a,
-                                                     const at::Tensor& w_next, double eps) {
+                                                     const at::Tensor& w_next, double eps, bool weight_after) {
   check_rows(h, "add_rms_norm_bf16");
   check_rows(a, "add_rms_norm_bf16");
   const int64_t R = h.size(0), D = h.size(1);
   TORCH_CHECK(a.size(0) == R && a.size(1) == D, "add_rms_norm_bf16: h and a differ in shape: ", h.sizes(), " ", a.sizes());
-  check_weight(w_a, D, "add_rms_norm_bf16");
+  const bool norm_a = w_a.numel() > 0;
+  if (norm_a) check_weight(w_a, D, "add_rms_norm_bf16");
   check_weight(w_next, D, "add_rms_norm_bf16");
-  TORCH_CHECK(w_a.dim() == 1 && w_next.dim() == 1, "add_rms_norm_bf16: one weight row each");
+  TORCH_CHECK((!norm_a || w_a.dim() == 1) && w_next.dim() == 1, "add_rms_norm_bf16: one weight row each");
   at::Tensor h_new = at::empty({R, D}, h.options()), x = at::empty({R, D}, h.options());
   const uint16_t *hp = bf16_ptr(h), *ap = bf16_ptr(a);
   uint16_t *hn = bf16_ptr(h_new), *xp = bf16_ptr(x);
-  const float *wa = w_a.data_ptr<float>(), *wn = w_next.data_ptr<float>();
+  const float *wa = norm_a ? w_a.data_ptr<float>() : nullptr, *wn = w_next.data_ptr<float>();
   const float e = static_cast<float>(eps);
   at::parallel_for(0, R, 64, [&](int64_t begin, int64_t end) {
     for (int64_t r = begin; r < end; ++r) {
       const uint16_t *hr = hp + r * h.stride(0), *ar = ap + r * a.stride(0);
-      add_normed_row(hr, ar, wa, inv_rms(ar, D, e), D, hn + r * D);
-      norm_row(hn + r * D, wn, inv_rms(hn + r * D, D, e), D, xp + r * D);
+      if (!norm_a) add_row(hr, ar, D, hn + r * D);
+      else if (weight_after) {  // h + bf16(bf16(a * r) * w_a)
+        norm_row_weight_after(ar, wa, inv_rms(ar, D, e), D, xp + r * D);
+        add_row(hr, xp + r * D, D, hn + r * D);
+      } else add_normed_row(hr, ar, wa, inv_rms(ar, D, e), D, hn + r * D);
+      norm_any(weight_after, hn + r * D, wn, inv_rms(hn + r * D, D, e), D, xp + r * D);
     }
   });
   return {h_new, x};
 }
 
 // q/k norm and RoPE of a fused q|k|v projection, as the lean forward computes them in torch:
-//   n = bf16(rms_norm(head) * w[head]);  y = bf16(bf16(n * cos) + bf16(rotate_half(n) * sin))
-// qkv [T, (H + 2 KV) * D] bf16, w [H + KV, D] float32, cos/sin [T, D] bf16
-// -> q [T, H, D], k [T, KV, D], v [T, KV, D] (contiguous bf16; v copied as is).
+//   n = bf16(rms_norm(head) * w[head]) (norm_any);  y = bf16(bf16(n * cos) + bf16(rotate_half(n) * sin))
+// qkv [T, (H + 2 KV) * D] bf16, w [H + KV, D] float32 or empty (no q/k norm: n = head),
+// cos/sin [T, D] bf16 -> q [T, H, D], k [T, KV, D], v [T, KV, D] (contiguous bf16; v copied as is).
 std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bf16(const at::Tensor& qkv, const at::Tensor& w,
                                                                  const at::Tensor& cos, const at::Tensor& sin,
-                                                                 int64_t H, int64_t KV, double eps) {
+                                                                 int64_t H, int64_t KV, double eps, bool weight_after) {
   check_rows(qkv, "qk_norm_rope_bf16");
-  const int64_t T = qkv.size(0), D = w.size(-1);
+  const bool normed_heads = w.numel() > 0;
+  const int64_t T = qkv.size(0), D = normed_heads ? w.size(-1) : cos.size(-1);
   TORCH_CHECK(D % 2 == 0 && qkv.size(1) == (H + 2 * KV) * D, "qk_norm_rope_bf16: qkv [T, (H + 2 KV) * D] with D ",
               "even expected, got ", qkv.sizes(), " for H=", H, " KV=", KV, " D=", D);
-  TORCH_CHECK(w.dim() == 2 && w.size(0) == H + KV, "qk_norm_rope_bf16: w [H + KV, D] expected, got ", w.sizes());
-  check_weight(w, D, "qk_norm_rope_bf16");
+  if (normed_heads) {
+    TORCH_CHECK(w.dim() == 2 && w.size(0) == H + KV, "qk_norm_rope_bf16: w [H + KV, D] expected, got ", w.sizes());
+    check_weight(w, D, "qk_norm_rope_bf16");
+  }
   for (const at::Tensor* t : {&cos, &sin})
     TORCH_CHECK(t->scalar_type() == at::kBFloat16 && t->is_contiguous() && t->numel() == T * D,
                 "qk_norm_rope_bf16: cos and sin contiguous bf16 [T, D] expected, got ", t->sizes());
@@ -232,16 +278,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bf16(const at::Tenso
   at::Tensor v = qkv.narrow(1, (H + KV) * D, KV * D).reshape({T, KV, D}).contiguous();
   const uint16_t *xp = bf16_ptr(qkv), *cp = bf16_ptr(cos), *sp = bf16_ptr(sin);
   uint16_t *qp = bf16_ptr(q), *kp = bf16_ptr(k);
-  const float* wp = w.data_ptr<float>();
+  const float* wp = normed_heads ? w.data_ptr<float>() : nullptr;
   const float e = static_cast<float>(eps);
   at::parallel_for(0, T * (H + KV), 16, [&](int64_t begin, int64_t end) {
     std::vector<uint16_t> normed(D);
     for (int64_t i = begin; i < end; ++i) {
       const int64_t t = i / (H + KV), head = i % (H + KV);
       const uint16_t* row = xp + t * qkv.stride(0) + head * D;
-      norm_row(row, wp + head * D, inv_rms(row, D, e), D, normed.data());
+      if (normed_heads) norm_any(weight_after, row, wp + head * D, inv_rms(row, D, e), D, normed.data());
       uint16_t* out = head < H ? qp + (t * H + head) * D : kp + (t * KV + head - H) * D;
-      rope_row(normed.data(), cp + t * D, sp + t * D, D, out);
+      rope_row(normed_heads ? normed.data() : row, cp + t * D, sp + t * D, D, out);
     }
   });
   return {q, k, v};
@@ -258,6 +304,21 @@ at::Tensor gelu_tanh_mul_bf16(const at::Tensor& gate_up) {
   uint16_t* op = bf16_ptr(out);
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) gelu_mul_row(gp + t * gate_up.stride(0), I, op + t * I);
+  });
+  return out;
+}
+
+// The SwiGLU activation: gate_up [T, 2I] bf16 (gate | up) -> bf16(bf16(silu(gate)) * up) [T, I],
+// torch's `silu(gate) * up` on bf16 tensors (silu's exp by the polynomial: within a rounding step).
+at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
+  check_rows(gate_up, "silu_mul_bf16");
+  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
+  TORCH_CHECK(gate_up.size(1) == 2 * I, "silu_mul_bf16: gate_up [T, 2 I] expected, got ", gate_up.sizes());
+  at::Tensor out = at::empty({T, I}, gate_up.options());
+  const uint16_t* gp = bf16_ptr(gate_up);
+  uint16_t* op = bf16_ptr(out);
+  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) silu_mul_row(gp + t * gate_up.stride(0), I, op + t * I);
   });
   return out;
 }

@@ -1,4 +1,10 @@
-"""Gemma 3's per-row ops between the matmuls for bf16 activations (cpu_rowops.cpp).
+"""The lean forwards' per-row ops between the matmuls for bf16 activations (cpu_rowops.cpp):
+Gemma 3's and the Llama family's, one implementation each, the norm's rounding a parameter.
+
+`weight_after` picks the family's RMSNorm: False (Gemma 3) multiplies by the float32 weight
+(1 + weight) before the one rounding to bf16; True (Llama, Qwen2/3, Mistral) rounds the normed
+row first and multiplies by the bf16 weight (passed as float32) in a second rounding, as
+LlamaRMSNorm does.
 
 Part of specmesh's CPU kernel module (cpu_kernels.py builds it); available where it is.
 Each returns what the lean forward's torch ops return, except that a norm's sum of squares is
@@ -14,22 +20,29 @@ from services.target.kernels.cpu_kernels import module
 _NO_MASK = torch.empty(0, dtype=torch.bool)  # "no mask" to the C++ side (once, not per call and layer)
 
 
-def rms_norm(x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
-    """x [R, D] bf16, w1 [D] or [W, D] f32 (1 + weight; row r uses w1[r % W]) -> [R, D] bf16."""
-    return module().rms_norm_bf16(x, w1, eps)
+_NO_WEIGHT = torch.empty(0)  # "no norm" to the C++ side
 
 
-def add_rms_norm(h: torch.Tensor, a: torch.Tensor, w_a: torch.Tensor, w_next: torch.Tensor,
-                 eps: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """h + rms_norm(a, w_a), and rms_norm of that with w_next: ([R, D], [R, D]) bf16."""
-    return module().add_rms_norm_bf16(h, a, w_a, w_next, eps)
+def rms_norm(x: torch.Tensor, w1: torch.Tensor, eps: float, weight_after: bool = False) -> torch.Tensor:
+    """x [R, D] bf16, w1 [D] or [W, D] f32 (1 + weight, or the bf16 weight with weight_after; row r
+    uses w1[r % W]) -> [R, D] bf16."""
+    return module().rms_norm_bf16(x, w1, eps, weight_after)
 
 
-def qk_norm_rope(qkv: torch.Tensor, w1: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int,
-                 kv_heads: int, eps: float) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """qkv [T, (H + 2 KV) * D] bf16, w1 [H + KV, D] f32, cos/sin [T, D] bf16 ->
+def add_rms_norm(h: torch.Tensor, a: torch.Tensor, w_a: torch.Tensor | None, w_next: torch.Tensor,
+                 eps: float, weight_after: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """h + rms_norm(a, w_a) (h + a where w_a is None), and rms_norm of that with w_next:
+    ([R, D], [R, D]) bf16."""
+    return module().add_rms_norm_bf16(h, a, _NO_WEIGHT if w_a is None else w_a, w_next, eps, weight_after)
+
+
+def qk_norm_rope(qkv: torch.Tensor, w1: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int,
+                 kv_heads: int, eps: float, weight_after: bool = False
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """qkv [T, (H + 2 KV) * D] bf16, w1 [H + KV, D] f32 (None: no q/k norm), cos/sin [T, D] bf16 ->
     q [T, H, D], k [T, KV, D] (normed, rotated), v [T, KV, D]: contiguous bf16."""
-    return module().qk_norm_rope_bf16(qkv, w1, cos, sin, heads, kv_heads, eps)
+    return module().qk_norm_rope_bf16(qkv, _NO_WEIGHT if w1 is None else w1, cos, sin, heads, kv_heads, eps,
+                                      weight_after)
 
 
 def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, rows: torch.Tensor,
@@ -61,6 +74,11 @@ def chunk_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.T
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:
     """gate_up [T, 2I] bf16 (gate | up) -> gelu(gate, approximate="tanh") * up [T, I] bf16."""
     return module().gelu_tanh_mul_bf16(gate_up)
+
+
+def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
+    """gate_up [T, 2I] bf16 (gate | up) -> silu(gate) * up [T, I] bf16."""
+    return module().silu_mul_bf16(gate_up)
 
 
 def masked_softmax_(scores: torch.Tensor, hidden: torch.Tensor | None) -> torch.Tensor:

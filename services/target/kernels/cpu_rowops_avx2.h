@@ -37,6 +37,35 @@ inline void norm_row(const uint16_t* x, const float* w, float r, int64_t D, uint
   }
 }
 
+// The Llama family's RMSNorm: out[j] = bf16(bf16(x[j] * r) * w[j]) (as cpu_rowops.cpp's AVX-512 loop).
+inline void norm_row_weight_after(const uint16_t* x, const float* w, float r, int64_t D, uint16_t* out) {
+  const __m256 rv = _mm256_set1_ps(r);
+  for (int64_t j = 0; j < D; j += kWidth) {
+    const int64_t n = tail(D - j);
+    const __m256 normed = round_bf16(_mm256_mul_ps(load_bf16(x + j, n), rv));
+    store_bf16(out + j, round_bf16(_mm256_mul_ps(normed, load_ps(w + j, n))), n);
+  }
+}
+
+// One row of a plain residual add (the Llama family's): hn[j] = bf16(h[j] + a[j]).
+inline void add_row(const uint16_t* hr, const uint16_t* ar, int64_t D, uint16_t* hn) {
+  for (int64_t j = 0; j < D; j += kWidth) {
+    const int64_t n = tail(D - j);
+    store_bf16(hn + j, round_bf16(_mm256_add_ps(load_bf16(hr + j, n), load_bf16(ar + j, n))), n);
+  }
+}
+
+// One row of the SwiGLU activation: out[j] = bf16(bf16(silu(gate[j])) * up[j]), silu(x) = x / (1 + exp(-x)).
+inline void silu_mul_row(const uint16_t* row, int64_t I, uint16_t* out) {
+  const __m256 one = _mm256_set1_ps(1.0f);
+  for (int64_t j = 0; j < I; j += kWidth) {
+    const int64_t n = tail(I - j);
+    const __m256 g = load_bf16(row + j, n);
+    const __m256 act = round_bf16(_mm256_div_ps(g, _mm256_add_ps(one, exp_ps(_mm256_sub_ps(_mm256_setzero_ps(), g)))));
+    store_bf16(out + j, round_bf16(_mm256_mul_ps(act, load_bf16(row + I + j, n))), n);
+  }
+}
+
 // GELU, tanh approximation, in torch's float32 formula (as cpu_rowops.cpp's AVX-512 gelu_tanh):
 //   0.5 x (1 + tanh(sqrt(2/pi) (x + 0.044715 x^3))),  tanh(z) = 1 - 2 / (exp(2z) + 1)
 inline __m256 gelu_tanh(__m256 x) {

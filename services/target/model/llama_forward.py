@@ -16,6 +16,13 @@ Differences from Gemma 3 that the shared pieces needed to take as parameters, no
   * the q/k norm is optional (Qwen3 only), q/k/v may have biases (Qwen2), no embedding scale,
     no final soft-capping, and each layer's sliding window comes from its attention module.
 
+With specmesh's linear kernel (`--weights bf16-avx512`, what `auto` picks for bf16 on AVX-512 and
+AVX2 CPUs) the glue between the matmuls runs as Gemma 3's does, through the same C++ row ops
+(kernels/cpu_rowops.cpp, `weight_after` for this family's norm rounding; SwiGLU's silu * up): one
+residual add + next norm per sublayer, q/k (norm +) RoPE in one pass; and the model runner then
+attends in C++ where the pool is bf16. Those round as torch does but add a norm's squares in
+another order, so, as for Gemma 3, that path gives up bit-exactness with transformers.
+
 Only static RoPE kinds qualify (inv_freq fixed at load: default, linear, llama3, yarn); the
 dynamic ones rescale per call and keep transformers' forward (`supports`), as do MoE models
 and every other architecture.
@@ -28,8 +35,10 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from services.target.kernels import cpu_linear, cpu_rowops
 from services.target.model.attention import AttentionMetadata, paged_attention
 from services.target.model.gemma3_forward import FUSED, _rotate_half
+from services.target.model.linear import AVX512LinearBF16
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at load
@@ -78,11 +87,14 @@ def _sliding_window(config, attn: nn.Module) -> int | None:
 
 
 class LlamaPagedForward:
-    """Callable: (input_ids [T], position_ids [T], logit_rows [R], meta) -> logits [R, vocab]."""
+    """Callable: (input_ids [T], position_ids [T], logit_rows [R], meta) -> logits [R, vocab].
 
-    row_ops = False  # torch's ops between the matmuls (model_runner reads it for the C++ attention)
+    row_ops: the norms, residual adds, q/k (norm +) RoPE and silu * up through specmesh's C++ row
+    ops (as Gemma3PagedForward's; the model runner reads it for the C++ attention). None
+    (default): where the linear layers are specmesh's kernel and the model is bf16.
+    """
 
-    def __init__(self, model: nn.Module) -> None:
+    def __init__(self, model: nn.Module, row_ops: bool | None = None) -> None:
         if not supports(model) or not hasattr(model, FUSED):
             raise ValueError(f"{type(model).__name__} is not a Llama-family model with fused projections "
                              "(services.target.model.gemma3_forward.fuse_projections)")
@@ -104,6 +116,13 @@ class LlamaPagedForward:
         self.kv_size = self.num_kv_heads * self.head_dim
         self.intermediate = config.intermediate_size
         fused = getattr(model, FUSED)
+        if row_ops is None:
+            lm_head = getattr(self.lm_head, "shard", self.lm_head)  # a tensor-parallel rank's (tp/shard.py)
+            row_ops = isinstance(lm_head, AVX512LinearBF16) and self.embed.weight.dtype == torch.bfloat16
+        if row_ops and not cpu_linear.available():
+            raise ValueError(f"row_ops cannot run here: {cpu_linear.unavailable_reason()}")
+        self.row_ops = row_ops
+        self.silu = row_ops and getattr(config, "hidden_act", None) == "silu"
         self.layers = []
         for i, layer in enumerate(text.layers[:config.num_hidden_layers]):
             attn, mlp = layer.self_attn, layer.mlp
@@ -115,6 +134,10 @@ class LlamaPagedForward:
                 i, _sliding_window(config, attn), _weight(layer.input_layernorm), getattr(fused, f"qkv_{i}"),
                 qk_norm, attn.o_proj, _weight(layer.post_attention_layernorm), getattr(fused, f"gate_up_{i}"),
                 mlp.down_proj))
+        # The C++ row ops take each norm's weight as float32 (the bf16 values, exactly).
+        self.row_weights = [(layer.input_norm.float(), None if layer.qk_norm is None else layer.qk_norm.float(),
+                             layer.post_attention_norm.float()) for layer in self.layers] if row_ops else []
+        self.final_norm_f32 = self.final_norm.float() if row_ops else None
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [T, 1, head_dim] in the activations' dtype (LlamaRotaryEmbedding)."""
@@ -131,6 +154,8 @@ class LlamaPagedForward:
         embed = self.embed
         h = nn.functional.embedding(input_ids, embed.weight, embed.padding_idx)  # [T, hidden]
         cos, sin = self._cos_sin(position_ids, h.dtype)
+        if self.row_ops:
+            return self._call_row_ops(h, cos, sin, logit_rows, meta, feature_rows)
         num_tokens, eps, heads = h.shape[0], self.eps, self.num_heads
         for layer in self.layers:
             x = _rms_norm(h, layer.input_norm, eps)
@@ -151,3 +176,28 @@ class LlamaPagedForward:
         if feature_rows is None:
             return logits
         return logits, _rms_norm(h.index_select(0, feature_rows), self.final_norm, eps)  # the norm is per row
+
+    def _call_row_ops(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, logit_rows: torch.Tensor,
+                      meta: AttentionMetadata, feature_rows: torch.Tensor | None = None):
+        """The loop of __call__ through the C++ row ops: each residual add runs with the norm after
+        it (the next layer's input norm, or the final norm, which is per row, so computing it on
+        every row and selecting the logit rows after gives the same rows)."""
+        num_tokens, eps = h.shape[0], self.eps
+        x = cpu_rowops.rms_norm(h, self.row_weights[0][0], eps, weight_after=True)
+        for i, layer in enumerate(self.layers):
+            _, qk_norm, post_attention_norm = self.row_weights[i]
+            qkv = layer.qkv_proj(x)  # [T, q_size + 2 * kv_size]
+            q, k, v = cpu_rowops.qk_norm_rope(qkv, qk_norm, cos, sin, self.num_heads, self.num_kv_heads, eps,
+                                              weight_after=True)
+            a = paged_attention(meta, layer.index, q, k, v, self.scaling, layer.sliding_window)
+            a = layer.o_proj(a.reshape(num_tokens, -1))
+            h, x = cpu_rowops.add_rms_norm(h, a, None, post_attention_norm, eps, weight_after=True)
+            gate_up = layer.gate_up_proj(x)  # [T, 2 * intermediate]
+            if self.silu:
+                d = layer.down_proj(cpu_rowops.silu_mul(gate_up))
+            else:
+                d = layer.down_proj(self.act(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:])
+            next_norm = self.row_weights[i + 1][0] if i + 1 < len(self.layers) else self.final_norm_f32
+            h, x = cpu_rowops.add_rms_norm(h, d, None, next_norm, eps, weight_after=True)
+        logits = self.lm_head(x.index_select(0, logit_rows))  # [R, vocab]
+        return logits if feature_rows is None else (logits, x.index_select(0, feature_rows))
