@@ -49,9 +49,9 @@ else
   cmake -S "$SRC" -B "$BUILD" -DCMAKE_BUILD_TYPE=Release -DBUILD_SHARED_LIBS=OFF \
     -DGGML_NATIVE=ON -DGGML_CUDA=OFF -DLLAMA_OPENSSL=OFF \
     -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_TOOLS=ON -DLLAMA_BUILD_SERVER=ON \
-    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF > "$DIR/cmake-configure.log"
+    -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF > "$DIR/cmake-configure.log" 2>&1  # (its "no UI assets" warning: none needed)
   cmake --build "$BUILD" --config Release -j"$JOBS" --target llama-server llama-quantize \
-    > "$DIR/cmake-build.log"
+    > "$DIR/cmake-build.log" 2>&1
   echo "$CPU_STAMP" > "$BUILD/cpu-flags.sha"
   echo "[2/4] built (logs: $DIR/cmake-*.log)"
 fi
