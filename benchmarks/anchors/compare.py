@@ -369,7 +369,9 @@ async def run(args, llamacpp: Path | None = None) -> dict:
         mesh = {d: Specmesh(PORTS[f"router-{d}" if d else "router-off"]) for d in (0, 5, 10)}
         generic = Specmesh(PORTS["router-generic"]) if args.generic else None
         phases = [0] if "speculation" in args.skip else [0, 5, 10]
-        total = args.rounds * (3 + 2 + len(llama)) + args.rounds * 2 * 2
+        anchor = "vllm" not in args.skip  # vLLM runs in every phase, HF, generic and llama.cpp at depth 0
+        total = args.rounds * (1 + anchor + (hf is not None) + args.generic + len(llama)
+                               + (len(phases) - 1) * (1 + anchor))
         bar = tqdm(total=total, desc="measurements")
         for depth in phases:
             vllm_proc = None
