@@ -1,6 +1,7 @@
-"""specmesh against vLLM's CPU build and Hugging Face `generate`, side by side in one run.
+"""specmesh against vLLM's CPU build, llama.cpp and Hugging Face `generate`, side by side in one run.
 
     bash benchmarks/anchors/setup_vllm.sh            # once: vLLM in its own venv
+    bash benchmarks/anchors/setup_llamacpp.sh        # once: llama-server and the default model's GGUFs
     python benchmarks/anchors/compare.py             # 3 rounds, 64 tokens, default model
     python benchmarks/anchors/compare.py --rounds 1 --skip hf
     python benchmarks/anchors/compare.py --model "$(python benchmarks/llama_family_checkpoints.py qwen2.5-0.5b)"
@@ -15,7 +16,10 @@ within each round, medians over rounds:
 specmesh runs through the mesh (router -> target, draft service for speculation), each
 service a `specmesh serve` subprocess (services/builders.py assembles them); vLLM is
 its OpenAI server with Intel OpenMP preloaded (one server per speculation setting, started in
-turn). vLLM's worker busy-polls about a second after each request, so every measurement is
+turn). llama.cpp (default model only, no speculation) is `llama-server -t 2 -np 18` on the
+default model's own Q4_K_M GGUF and on its BF16 requantization, two systems, each server
+started for its turn in a round and stopped after it (one llama-server at a time). vLLM's
+worker busy-polls about a second after each request, so every measurement is
 preceded by a pause. Writes JSON, markdown and a plot of specmesh's speed relative to vLLM
 (each round's ratio, since both systems ran minutes apart within a round) to benchmarks/results/,
 and prints the table. Every measurement records the CPU share used by processes outside the
@@ -34,6 +38,7 @@ import subprocess
 import sys
 import time
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import grpc
@@ -52,6 +57,11 @@ PAUSE_S = 1.5  # vLLM's worker busy-polls ~1 s after a request
 PORTS = {"target": 52051, "draft": 52052, "router-off": 52061, "router-5": 52065, "router-10": 52070,
          "target-generic": 52053, "router-generic": 52062}
 VLLM_PORT = 52080
+LLAMACPP_PORT = 52090
+LLAMACPP_VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors the llama.cpp sources (setup_llamacpp.sh)
+LLAMACPP_PARALLEL = 18  # llama-server's slots: the batch's 18 requests at once
+# System name -> the GGUF it serves, in the setup script's models/ folder.
+LLAMACPP_GGUF = {"llama.cpp BF16": "gemma-3-270m-bf16.gguf", "llama.cpp Q4_K_M": "gemma-3-270m-q4_k_m.gguf"}
 TEXT = (
     "The lighthouse keeper climbed the spiral stairs every evening at dusk, carrying a can of oil "
     "and a notebook in which he wrote the weather, the ships he saw and the state of the lamp. "
@@ -90,16 +100,22 @@ class Specmesh:
 
 
 class VLLM:
+    extra: dict = {}  # more fields of the request body
+
     def __init__(self, port: int, model: str) -> None:
         self.url, self.model = f"http://127.0.0.1:{port}/v1/completions", model
+        # Its own threads, one per request of the batch: asyncio's default pool has cpu_count + 4
+        # (6 here), which would let only 6 of the 18 "concurrent" requests be in flight at once.
+        self.pool = ThreadPoolExecutor(max_workers=32, thread_name_prefix="http-client")
+        self.cached_tokens: list[int | None] = []  # per request: prompt tokens the server found cached, if told
 
     async def generate(self, prompt: str, max_tokens: int) -> tuple[int, float, float]:
-        return await asyncio.to_thread(self._generate, prompt, max_tokens)
+        return await asyncio.get_running_loop().run_in_executor(self.pool, self._generate, prompt, max_tokens)
 
     def _generate(self, prompt: str, max_tokens: int) -> tuple[int, float, float]:
         body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
                            "temperature": 0, "stream": True,
-                           "stream_options": {"include_usage": True}}).encode()
+                           "stream_options": {"include_usage": True}} | self.extra).encode()
         req = urllib.request.Request(self.url, body, {"Content-Type": "application/json"})
         start, first, n = time.perf_counter(), None, 0
         with urllib.request.urlopen(req, timeout=600) as resp:
@@ -112,7 +128,16 @@ class VLLM:
                     first = first or time.perf_counter()
                 if msg.get("usage"):
                     n = msg["usage"]["completion_tokens"]
+                    self.cached_tokens.append((msg["usage"].get("prompt_tokens_details") or {}).get("cached_tokens"))
         return n, (first or time.perf_counter()) - start, time.perf_counter() - start
+
+
+class LlamaCpp(VLLM):
+    """llama-server's OpenAI-compatible /v1/completions (the same stream; usage in its last
+    message). Its prompt cache is a per-slot common prefix: `cache_prompt` (on by default,
+    said here because the cached-prefix row measures it); the cold prompt's unique first
+    token leaves nothing but BOS in common."""
+    extra = {"cache_prompt": True}
 
 
 class HF:
@@ -230,6 +255,33 @@ def start_vllm(venv: Path, model_dir: Path, depth: int, log_dir: Path) -> subpro
                             stderr=subprocess.STDOUT)
 
 
+def llamacpp_files(directory: Path) -> tuple[Path, dict[str, Path]]:
+    """llama-server and, per llama.cpp system, the GGUF it serves, where setup_llamacpp.sh puts them."""
+    return (directory / "build" / "bin" / "llama-server",
+            {name: directory / "models" / gguf for name, gguf in LLAMACPP_GGUF.items()})
+
+
+def llamacpp_missing(directory: Path) -> str:
+    """What setup_llamacpp.sh has not yet put in `directory` ("" when all is there)."""
+    server, ggufs = llamacpp_files(directory)
+    missing = [p for p in (server, *ggufs.values()) if not p.is_file()]
+    return f"{missing[0]} is missing" if missing else ""
+
+
+def llamacpp_context(longest_prompt: int, tokens: int, parallel: int = LLAMACPP_PARALLEL) -> int:
+    """llama-server's -c: without a unified KV cache (-np given) it splits the context evenly
+    over its slots, so each slot must hold the longest prompt and its tokens (plus a margin for
+    tokenizing the text again), rounded up to 256."""
+    per_slot = -(-(longest_prompt + tokens + 16) // 256) * 256
+    return parallel * per_slot
+
+
+def start_llamacpp(server: Path, gguf: Path, context: int, log: Path) -> subprocess.Popen:
+    cmd = [str(server), "-m", str(gguf), "--alias", "gemma", "--host", "127.0.0.1", "--port", str(LLAMACPP_PORT),
+           "-t", "2", "-np", str(LLAMACPP_PARALLEL), "-c", str(context), "--no-webui"]
+    return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
+
+
 def wait_http(url: str, proc: subprocess.Popen, timeout: float = 900) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
@@ -269,7 +321,8 @@ def stop(procs: list[subprocess.Popen]) -> None:
 
 
 # ---------------------------------------------------------------- main
-async def run(args) -> dict:
+async def run(args, llamacpp: Path | None = None) -> dict:
+    """`llamacpp`: the folder setup_llamacpp.sh filled, or None to leave llama.cpp out."""
     from transformers import AutoTokenizer
 
     from services.common.models.loading import resolve_model_dir
@@ -283,11 +336,18 @@ async def run(args) -> dict:
     foreign: dict[str, dict[str, list[float]]] = {}  # metric -> system -> each measurement's foreign CPU share
 
     procs = start_specmesh(args.model, log_dir, args.specmesh_weights, args.generic)
-    vllm_proc = None
+    vllm_proc = llama_proc = None
     # The systems under test: this process (HF runs in it, and the clients), the mesh's
-    # services, the vLLM server; every other process's CPU is foreign.
-    cpu = ForeignCpu(lambda: [os.getpid(), *(p.pid for p in procs), *([vllm_proc.pid] if vllm_proc else [])],
-                     interval_s=0.5)
+    # services, the vLLM server, the llama-server up now; every other process's CPU is foreign.
+    cpu = ForeignCpu(lambda: [os.getpid(), *(p.pid for p in procs),
+                              *(p.pid for p in (vllm_proc, llama_proc) if p is not None)], interval_s=0.5)
+    if llamacpp is not None:
+        longest = max([len(tokenizer(p).input_ids) for p in prompts] + [args.prefill_tokens + 2])
+        llama_context = llamacpp_context(longest, args.tokens)
+        llama_server, llama_gguf = llamacpp_files(llamacpp)
+        llama = {name: LlamaCpp(LLAMACPP_PORT, "gemma") for name in LLAMACPP_GGUF}
+    else:
+        llama = {}
 
     async def measured(run_it):
         """(what `run_it` returns, the foreign CPU share while it ran)."""
@@ -309,7 +369,9 @@ async def run(args) -> dict:
         mesh = {d: Specmesh(PORTS[f"router-{d}" if d else "router-off"]) for d in (0, 5, 10)}
         generic = Specmesh(PORTS["router-generic"]) if args.generic else None
         phases = [0] if "speculation" in args.skip else [0, 5, 10]
-        total = args.rounds * (3 + 2) + args.rounds * 2 * 2
+        anchor = "vllm" not in args.skip  # vLLM runs in every phase, HF, generic and llama.cpp at depth 0
+        total = args.rounds * (1 + anchor + (hf is not None) + args.generic + len(llama)
+                               + (len(phases) - 1) * (1 + anchor))
         bar = tqdm(total=total, desc="measurements")
         for depth in phases:
             vllm_proc = None
@@ -319,9 +381,9 @@ async def run(args) -> dict:
             vllm = VLLM(VLLM_PORT, "gemma") if vllm_proc else None
             try:
                 systems = [("vLLM", vllm), ("specmesh", mesh[depth])] + (
-                    [("HF", hf), ("generic", generic)] if depth == 0 else [])
+                    [("HF", hf), ("generic", generic), *llama.items()] if depth == 0 else [])
                 for _, client in systems:  # one unmeasured request each: first-call setup is not serving
-                    if client is not None:
+                    if client is not None and not isinstance(client, LlamaCpp):  # (llama.cpp: at its start)
                         await client.generate(prompts[0], 8)
                 for r in range(args.rounds):
                     for system, client in systems:
@@ -331,13 +393,28 @@ async def run(args) -> dict:
                             note(system, f"spec{depth}", *await measured(single(client, prompts, args.tokens)))
                             bar.update(1)
                             continue
-                        note(system, "single", *await measured(single(client, prompts, args.tokens)))
-                        note(system, "batch18", *await measured(batch18(client, prompts, args.tokens)))
-                        first = (1000 + 97 * r + len(system)) % len(tokenizer)  # new per round & system
-                        text = tokenizer.decode([first] + long_ids)
-                        (cold, cached), share = await measured(prefill(client, text))
-                        note(system, "cold_ttft", cold, share)
-                        note(system, "cached_ttft", cached, share)
+                        if isinstance(client, LlamaCpp):  # its server up for its turn only
+                            llama_proc = start_llamacpp(llama_server, llama_gguf[system], llama_context,
+                                                        log_dir / f"{system.replace(' ', '-')}.log")
+                        try:
+                            if llama_proc is not None:
+                                wait_http(f"http://127.0.0.1:{LLAMACPP_PORT}/health", llama_proc)
+                                await client.generate(prompts[0], 8)
+                            note(system, "single", *await measured(single(client, prompts, args.tokens)))
+                            note(system, "batch18", *await measured(batch18(client, prompts, args.tokens)))
+                            first = (1000 + 97 * r + len(system)) % len(tokenizer)  # new per round & system
+                            text = tokenizer.decode([first] + long_ids)
+                            (cold, cached), share = await measured(prefill(client, text))
+                            note(system, "cold_ttft", cold, share)
+                            note(system, "cached_ttft", cached, share)
+                            if isinstance(client, LlamaCpp):  # its own word on what its prompt cache held
+                                bar.write(f"{system} round {r + 1}: prompt tokens it found cached, cold prefill "
+                                          f"{client.cached_tokens[-2]}, cached prefix {client.cached_tokens[-1]} "
+                                          f"(llama-server -c {llama_context})")
+                        finally:
+                            if llama_proc is not None:
+                                stop([llama_proc])
+                                llama_proc = None
                         bar.update(1)
             finally:
                 if vllm_proc:
@@ -394,31 +471,46 @@ def round_ratios(result: dict, key: str, higher: bool) -> list[float]:
     return [s / v if higher else v / s for v, s, fv, fs in pairs if v and s and max(fv, fs) <= VOID_SHARE]
 
 
+def speed_ratio(m: dict, other: str, higher: bool) -> float | str | None:
+    """specmesh's speed over `other`'s from one row's medians (> 1: specmesh faster): "void"
+    when either has no clean round (foreign CPU), None when either was not measured."""
+    o, s = m.get(other), m.get("specmesh")
+    if not (o and s):
+        return None
+    if {other, "specmesh"} & set(m.get("_void", [])):
+        return "void"
+    return s / o if higher else o / s
+
+
 def table(result: dict) -> str:
     generic = any("generic" in result.get(key, {}) for key, _, _ in ROWS)
-    lines = ["| | vLLM | specmesh (through the mesh) | per round | HF `generate` | foreign CPU (median: vLLM / specmesh / HF) |"
+    llama = [x for x in LLAMACPP_GGUF if any(x in result.get(key, {}) for key, _, _ in ROWS)]
+    shown = ["vLLM", "specmesh", "HF", *llama]  # the foreign CPU column, in this order
+    lines = ["| | vLLM | specmesh (through the mesh) | per round | HF `generate` |"
+             + "".join(f" {x} (specmesh / it) |" for x in llama)
+             + f" foreign CPU (median: {' / '.join(shown)}) |"
              + (" specmesh, transformers' modules (lean / generic) |" if generic else ""),
-             "|---|---|---|---|---|---|" + ("---|" if generic else "")]
+             "|---|---|---|---|---|---|" + "---|" * len(llama) + ("---|" if generic else "")]
     for key, label, higher in ROWS:
         m = result.get(key, {})
         v, s, h, g = m.get("vLLM"), m.get("specmesh"), m.get("HF"), m.get("generic")
-        ratio = ""
-        void = m.get("_void", [])
-        if v and s:
-            ratio = (" (void: foreign CPU)" if {"vLLM", "specmesh"} & set(void)
-                     else f" ({s / v:.2f}x)" if higher else f" ({v / s:.2f}x vLLM's speed)")
+        fmt = (lambda x: "—" if x is None else (f"{x:.1f}" if higher else f"{x:.3f}"))
+        ratio = speed_ratio(m, "vLLM", higher)
+        ratio = ("" if ratio is None else " (void: foreign CPU)" if ratio == "void"
+                 else f" ({ratio:.2f}x)" if higher else f" ({ratio:.2f}x vLLM's speed)")
         shares = m.get("_foreign", {})
-        share = " / ".join(f"{statistics.median(shares[x]):.1%}" if shares.get(x) else "—"
-                           for x in ("vLLM", "specmesh", "HF"))
+        share = " / ".join(f"{statistics.median(shares[x]):.1%}" if shares.get(x) else "—" for x in shown)
         per_round = round_ratios(result, key, higher)
         band = (f"{min(per_round):.2f}–{max(per_round):.2f}x" if len(per_round) > 1
                 else f"{per_round[0]:.2f}x" if per_round else "—")
-        fmt = (lambda x: "—" if x is None else (f"{x:.1f}" if higher else f"{x:.3f}"))
-        gain = ""
-        if g and s:
-            gain = (" (void: foreign CPU)" if {"generic", "specmesh"} & set(void)
-                    else f" ({s / g:.2f}x)" if higher else f" ({g / s:.2f}x)")
-        lines.append(f"| {label} | {fmt(v)} | {fmt(s)}{ratio} | {band} | {fmt(h)} | {share} |"
+        anchors = ""
+        for x in llama:
+            r = speed_ratio(m, x, higher)
+            anchors += f" {fmt(m.get(x))}" + ("" if r is None else " (void: foreign CPU)" if r == "void"
+                                              else f" ({r:.2f}x)") + " |"
+        gain = speed_ratio(m, "generic", higher)
+        gain = "" if gain is None else " (void: foreign CPU)" if gain == "void" else f" ({gain:.2f}x)"
+        lines.append(f"| {label} | {fmt(v)} | {fmt(s)}{ratio} | {band} | {fmt(h)} |{anchors} {share} |"
                      + (f" {fmt(g)}{gain} |" if generic else ""))
     return "\n".join(lines)
 
@@ -455,6 +547,21 @@ def plot(result: dict, path: Path) -> Path | None:
     return path
 
 
+def use_llamacpp(args) -> Path | None:
+    """The folder setup_llamacpp.sh filled when llama.cpp is to run, else None with a line saying why not."""
+    if "llamacpp" in args.skip:
+        return None
+    if args.model != "default":
+        print("llama.cpp: left out; it serves the default model's own GGUF files only (--model default)")
+        return None
+    directory = Path(args.llamacpp_dir).expanduser()
+    if missing := llamacpp_missing(directory):
+        print(f"llama.cpp: left out, {missing}; run `bash benchmarks/anchors/setup_llamacpp.sh` once "
+              "(or --skip llamacpp to say so)")
+        return None
+    return directory
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
@@ -462,7 +569,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--prompts", type=int, default=9, help="how many of the nine prompts (single-stream runs)")
     parser.add_argument("--prefill-tokens", type=int, default=2000)
-    parser.add_argument("--skip", nargs="*", default=[], choices=["vllm", "hf", "speculation"])
+    parser.add_argument("--skip", nargs="*", default=[], choices=["vllm", "llamacpp", "hf", "speculation"])
     parser.add_argument("--specmesh-weights", default="auto", choices=["auto", "bf16", "bf16-avx512", "int8"],
                         help="specmesh's linear layers (SPECMESH_WEIGHTS); int8 trades accuracy for speed "
                              "(README: greedy agreement and log-prob gap), vLLM and HF stay bf16")
@@ -471,13 +578,19 @@ def main() -> None:
                              "the lean forward's gain")
     parser.add_argument("--vllm-venv", default=os.environ.get("SPECMESH_VLLM_VENV",
                                                              "~/.cache/specmesh/vllm-venv"))
+    parser.add_argument("--llamacpp-dir", default=os.environ.get("SPECMESH_LLAMACPP_DIR", "~/.cache/specmesh/llamacpp"),
+                        help="where setup_llamacpp.sh put llama-server and the GGUFs")
     args = parser.parse_args()
-    result = asyncio.run(run(args))
+    llamacpp = use_llamacpp(args)
+    result = asyncio.run(run(args, llamacpp))
     md = table(result)
     load = os.getloadavg()
     header = (f"model={args.model} bf16 (specmesh weights: {args.specmesh_weights}) greedy tokens={args.tokens} "
               f"rounds={args.rounds} prompts={args.prompts} "
-              f"(medians); load average during the run ended at {load[0]:.1f} on {os.cpu_count()} cores")
+              f"(medians); load average during the run ended at {load[0]:.1f} on {os.cpu_count()} cores"
+              + (f"; llama.cpp: llama-server -t 2 -np {LLAMACPP_PARALLEL} from the llama-cpp-python "
+                 f"{LLAMACPP_VERSION} sdist's sources, greedy, on the default model's Q4_K_M GGUF and its BF16 "
+                 "requantization" if llamacpp else ""))
     out = ROOT / "benchmarks" / "results"
     stamp = time.strftime("%Y%m%d-%H%M%S")
     (out / f"compare-{stamp}.json").write_text(json.dumps({"args": vars(args), "result": result}, indent=1))
