@@ -50,7 +50,8 @@ class TargetSettings(SettingsGroup):
     num_blocks: int = Field(2048, gt=0, description="KV blocks in the target's pool")
     kv_host_bytes: int = Field(1 << 30, ge=0, description="host tier below the target's KV pool: bytes of "
                                "evicted prefix blocks kept in host memory and restored instead of "
-                               "recomputed; 0 = none")
+                               "recomputed, and preempted sequences' KV swapped out and back where that "
+                               "is measured cheaper than recomputing it; 0 = none")
     kv_shared_url: str = Field("", description="shared tier below the host tier: a Redis URL "
                                "(redis://host:port/db) where committed prefix blocks are written and from which "
                                "blocks other replicas computed are loaded instead of recomputed; needs "

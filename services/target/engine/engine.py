@@ -318,6 +318,8 @@ class Engine:
                 running=len(self.scheduler.running),
                 waiting=len(self.scheduler.waiting) + len(self._incoming),
                 queued_tokens=self._queued_tokens, num_preemptions=self.scheduler.num_preemptions,
+                swap_preemptions=self.scheduler.num_swap_preemptions,
+                recompute_preemptions=self.scheduler.num_preemptions - self.scheduler.num_swap_preemptions,
                 evictions=b.evictions, prefix_queries=b.prefix_queries,
                 prefix_query_tokens=b.prefix_query_tokens, prefix_hit_tokens=b.prefix_hit_tokens,
                 kv_bytes=self.runner.kv_pool.num_bytes,
