@@ -347,17 +347,17 @@ class BlockManager:
         self._seqs[child_id] = _SeqBlocks(list(parent.table), parent.hashes[:num_tokens // self.block_size],
                                           num_tokens)
 
-    def swap_out(self, seq_id: str, num_tokens: int) -> bool:
+    def swap_out(self, seq_id: str, num_tokens: int, by_cost: bool = True) -> bool:
         """Preempts `seq_id` by swap: its first `num_tokens` tokens' KV (the blocks holding them,
         a partial last one included) is queued to be copied to the host tier and its blocks are
         released. False, changing nothing, when there is no tier, swapping is measured dearer
-        than recomputing those tokens, or the tier's bound leaves no room: the caller releases
-        the sequence and recomputes it."""
+        than recomputing those tokens (`by_cost`), or the tier's bound leaves no room: the caller
+        releases the sequence and recomputes it."""
         entry, tier = self._seqs.get(seq_id), self.host_tier
         num_blocks = self.blocks_for(num_tokens)
         if tier is None or entry is None or num_tokens <= 0 or num_blocks > len(entry.table):
             return False
-        if not tier.swap_pays(num_blocks, num_tokens) or not tier.reserve_swap(seq_id, num_blocks):
+        if by_cost and not tier.swap_pays(num_blocks, num_tokens) or not tier.reserve_swap(seq_id, num_blocks):
             return False
         self._swap_outs.append((seq_id, entry.table[:num_blocks]))  # KV in place until the next forward pass
         self._swapped[seq_id] = num_tokens

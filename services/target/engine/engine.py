@@ -108,7 +108,8 @@ class Engine:
                                            timeout_s=config.grammar_compile_timeout_s,
                                            max_grammar_bytes=config.grammar_max_bytes)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batched_tokens,
-                                   self.speculator.max_draft_nodes if self.speculator else None)
+                                   self.speculator.max_draft_nodes if self.speculator else None,
+                                   preemption_mode=config.preemption_mode)
         if self.speculator is not None:
             self.speculator.arrival_rate = self.scheduler.arrival_rate  # arrivals wait for the step
             self.speculator.queue_length = self._queue_length  # so do requests already queued

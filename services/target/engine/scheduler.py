@@ -68,13 +68,18 @@ class SeqUpdate:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_batched_tokens: int,
-                 draft_limit: Callable[[Sequence], int] | None = None) -> None:
+                 draft_limit: Callable[[Sequence], int] | None = None, preemption_mode: str = "auto") -> None:
         """`draft_limit(seq)`: the most draft nodes `seq` could verify next step (0 = none);
-        None when the engine has no draft service."""
+        None when the engine has no draft service. `preemption_mode`: "auto" swaps a preempted
+        sequence where the block manager measures that cheaper than recomputing it, "swap" always,
+        "recompute" never (services/target/settings.py PreemptionMode); a swap needs room too."""
+        if preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(f"preemption_mode must be auto, swap or recompute, got {preemption_mode!r}")
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.draft_limit = draft_limit
+        self.preemption_mode = preemption_mode
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -256,7 +261,8 @@ class Scheduler:
         """Swapped out (its KV kept: `num_computed` stays) where the block manager finds that pays
         and fits, else released to recompute."""
         self.running.remove(seq)
-        if seq.num_computed < seq.num_tokens and self.blocks.swap_out(seq.seq_id, seq.num_computed):
+        if (self.preemption_mode != "recompute" and seq.num_computed < seq.num_tokens
+                and self.blocks.swap_out(seq.seq_id, seq.num_computed, by_cost=self.preemption_mode == "auto")):
             self.num_swap_preemptions += 1
         else:
             self.blocks.release(seq.seq_id)
