@@ -31,6 +31,7 @@ class EngineConfig:
     block_size: int = _TARGET.block_size
     num_blocks: int = _TARGET.num_blocks
     kv_host_bytes: int = _TARGET.kv_host_bytes  # host tier bound (services/target/engine/host_tier.py); 0 = off
+    preemption_mode: str = _TARGET.preemption_mode  # swap or recompute preempted sequences (engine/scheduler.py)
     # The shared tier (services/target/engine/shared_tier.py): Redis URL ("" = off), this replica's
     # byte bound there, entry lifetime, per-call timeout and key prefix.
     kv_shared_url: str = _TARGET.kv_shared_url

@@ -30,6 +30,9 @@ ForwardKind = Literal["auto", "generic"]
 FORWARD_KINDS: tuple[str, ...] = get_args(ForwardKind)
 KV_DTYPES: tuple[str, ...] = get_args(KvDtype)
 
+PreemptionMode = Literal["auto", "swap", "recompute"]  # services/target/engine/scheduler.py
+PREEMPTION_MODES: tuple[str, ...] = get_args(PreemptionMode)
+
 MAX_DRAFT_TIMEOUT_MS = 60_000  # longest per-step deadline of a draft call
 
 
@@ -57,7 +60,12 @@ class TargetSettings(SettingsGroup):
     num_blocks: int = Field(2048, gt=0, description="KV blocks in the target's pool")
     kv_host_bytes: int = Field(1 << 30, ge=0, description="host tier below the target's KV pool: bytes of "
                                "evicted prefix blocks kept in host memory and restored instead of "
-                               "recomputed; 0 = none")
+                               "recomputed, and preempted sequences' KV swapped out and back (see preemption_mode); "
+                               "0 = none")
+    preemption_mode: PreemptionMode = Field(
+        "auto", description="what a sequence preempted for lack of KV blocks keeps: auto = its KV is swapped "
+        "out to the host tier and back where the copies are measured cheaper than recomputing it, swap = "
+        "always swapped, recompute = never; either way it is recomputed when the host tier has no room")
     kv_shared_url: str = Field("", description="shared tier below the host tier: a Redis URL "
                                "(redis://host:port/db) where committed prefix blocks are written and from which "
                                "blocks other replicas computed are loaded instead of recomputed; needs "

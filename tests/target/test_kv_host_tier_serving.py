@@ -163,9 +163,10 @@ async def test_entries_are_never_served_across_tenants(tiny_llama_dir):
 async def test_preempted_sequences_come_back_through_the_host_tier_with_the_same_tokens(tiny_llama_dir):
     prompts = [f"Story number {i}: once upon a time" for i in range(6)]
     expected = [hf_greedy(tiny_llama_dir, p, 40) for p in prompts]
-    # 6 sequences of ~60 tokens need ~90 blocks of 4; 40 blocks force preemption. A preempted
-    # sequence's committed full blocks are cached: evicted to the host tier, restored on its return.
-    mesh = await start_mesh(tiny_llama_dir, num_blocks=40, kv_host_bytes=1 << 24)
+    # 6 sequences of ~60 tokens need ~90 blocks of 4; 40 blocks force preemption. A sequence
+    # preempted by recompute (not swapped: tests/target/test_kv_swap_serving.py) has its committed
+    # full blocks cached: evicted to the host tier, restored on its return.
+    mesh = await start_mesh(tiny_llama_dir, num_blocks=40, kv_host_bytes=1 << 24, preemption_mode="recompute")
     try:
         results = await asyncio.gather(*(collect(mesh.router_stub, request(p, 40)) for p in prompts))
         assert [r[0] for r in results] == expected

@@ -22,6 +22,12 @@ Terms:
   in Redis: a block newly registered here is queued to be written there too (its KV copied out
   with the step's other tier moves); what other replicas wrote reaches this pool through the
   host tier (`shared_tier.prefetch`, before a request is queued).
+- A *swapped* sequence (preempted, `swap_out`) has its whole KV, every block up to its computed
+  tokens with the partial last one, copied to the host tier instead of dropped, when the tier
+  measures that cheaper than recomputing it and has room; its blocks go back to the pool at
+  once (the copy-out runs before the next forward pass, like an eviction's store), and when it
+  resumes (`resume`) fresh blocks take its KV back. This works with prefix caching off too:
+  then the tier holds only swapped sequences.
 
 Check, then commit: `can_reserve` / `can_admit` before `reserve` / `admit`; a call that
 cannot be satisfied raises `OutOfBlocks` and changes nothing. Everything else in the
@@ -92,6 +98,10 @@ class TierMoves:
     restores: list[tuple[int, object]]  # (destination block id, the entry's bytes: [block_bytes] uint8)
     shared: SharedTier | None = None
     shares: list[tuple[int, int, tuple]] = field(default_factory=list)  # (block id, hash, key) to write there
+    # Swapped sequences: (seq id, its blocks in order) to copy out with the stores, and (seq id,
+    # fresh blocks) to copy its KV back into with the restores (`swap_out`, `resume`).
+    swap_outs: list[tuple[str, list[int]]] = field(default_factory=list)
+    swap_ins: list[tuple[str, list[int]]] = field(default_factory=list)
 
 
 @dataclass
@@ -123,16 +133,20 @@ class BlockManager:
         self._seqs: dict[str, _SeqBlocks] = {}
         self._events: list[KVEvent] = []  # taken by drain_events
         self._copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) blocks; see take_copies
-        self.host_tier = host_tier if enable_prefix_caching else None  # None = evicted blocks are dropped
+        self.host_tier = host_tier  # None = evicted blocks are dropped, preempted sequences recomputed
         self._stores: list[tuple[int, int, tuple]] = []  # see take_tier_moves
         self._restores: list[tuple[int, object]] = []
         self.shared_tier: SharedTier | None = None  # see attach_shared_tier
         self._shares: list[tuple[int, int, tuple]] = []
+        self._swapped: dict[str, int] = {}  # seq id -> tokens whose KV the host tier holds (see swap_out)
+        self._swap_outs: list[tuple[str, list[int]]] = []
+        self._swap_ins: list[tuple[str, list[int]]] = []
         self._evictions = self._queries = self._query_tokens = self._hit_tokens = 0
 
     def attach_host_tier(self, tier: HostTier | None) -> None:
-        """Evicted cached blocks go to `tier` from now on (None: dropped); off without prefix caching."""
-        self.host_tier = tier if self.enable_prefix_caching else None
+        """Evicted cached blocks and swapped sequences go to `tier` from now on (None: dropped,
+        recomputed). Without prefix caching nothing is cached: it holds swapped sequences only."""
+        self.host_tier = tier
 
     def attach_shared_tier(self, tier: SharedTier | None) -> None:
         """Newly committed cached blocks are written to `tier` from now on (None: nowhere)."""
@@ -155,7 +169,12 @@ class BlockManager:
         return seq_id in self._seqs
 
     def seq_ids(self) -> set[str]:
-        return set(self._seqs)
+        """Sequences holding blocks or swapped-out KV."""
+        return set(self._seqs) | set(self._swapped)
+
+    def swapped_tokens(self, seq_id: str) -> int:
+        """Tokens of `seq_id`'s KV swapped out to the host tier (0: none; it recomputes)."""
+        return self._swapped.get(seq_id, 0)
 
     def block_table(self, seq_id: str) -> list[int]:
         entry = self._seqs.get(seq_id)
@@ -328,11 +347,57 @@ class BlockManager:
         self._seqs[child_id] = _SeqBlocks(list(parent.table), parent.hashes[:num_tokens // self.block_size],
                                           num_tokens)
 
+    def swap_out(self, seq_id: str, num_tokens: int, by_cost: bool = True) -> bool:
+        """Preempts `seq_id` by swap: its first `num_tokens` tokens' KV (the blocks holding them,
+        a partial last one included) is queued to be copied to the host tier and its blocks are
+        released. False, changing nothing, when there is no tier, swapping is measured dearer
+        than recomputing those tokens (`by_cost`), or the tier's bound leaves no room: the caller
+        releases the sequence and recomputes it."""
+        entry, tier = self._seqs.get(seq_id), self.host_tier
+        num_blocks = self.blocks_for(num_tokens)
+        if tier is None or entry is None or num_tokens <= 0 or num_blocks > len(entry.table):
+            return False
+        if by_cost and not tier.swap_pays(num_blocks, num_tokens) or not tier.reserve_swap(seq_id, num_blocks):
+            return False
+        self._swap_outs.append((seq_id, entry.table[:num_blocks]))  # KV in place until the next forward pass
+        self._swapped[seq_id] = num_tokens
+        self._drop_table(seq_id)
+        return True
+
+    def can_resume(self, num_tokens: int) -> bool:
+        """Whether a swapped sequence can come back holding `num_tokens` tokens (all fresh blocks)."""
+        return self.blocks_for(num_tokens) <= self.num_free
+
+    def resume(self, seq_id: str, num_tokens: int) -> None:
+        """Brings a swapped sequence back: fresh blocks for `num_tokens` tokens (at least its swapped
+        ones), its swapped KV queued to be copied into the first of them. Its full blocks enter
+        the prefix cache again at its next `commit`."""
+        swapped = self._swapped.get(seq_id)
+        if swapped is None:
+            raise ValueError(f"{seq_id} is not swapped out")
+        if num_tokens < swapped:
+            raise ValueError(f"{seq_id}: resuming with {num_tokens} tokens, {swapped} are swapped out")
+        if seq_id in self._seqs:
+            raise ValueError(f"{seq_id} already holds blocks")
+        if not self.can_resume(num_tokens):
+            raise OutOfBlocks(f"{seq_id}: not enough free blocks to resume {num_tokens} tokens")
+        del self._swapped[seq_id]
+        table = self.reserve(seq_id, num_tokens)
+        self._swap_ins.append((seq_id, table[:self.blocks_for(swapped)]))
+
+    def lose_swaps(self, seq_ids: list[str]) -> None:
+        """Their swap-out failed: they recompute when they resume (engine thread, between steps)."""
+        for seq_id in seq_ids:
+            if self._swapped.pop(seq_id, None) is not None and self.host_tier is not None:
+                self.host_tier.drop_swap(seq_id)
+
     def take_tier_moves(self) -> TierMoves:
-        """Host-tier stores (evicted blocks) and restores (admitted host hits) queued since the
-        last call; the engine runs them before copy-on-write copies and the next forward pass."""
-        moves = TierMoves(self.host_tier, self._stores, self._restores, self.shared_tier, self._shares)
-        self._stores, self._restores, self._shares = [], [], []
+        """Host-tier stores (evicted blocks), swap-outs, restores (admitted host hits) and swap-ins
+        queued since the last call; the engine runs them before copy-on-write copies and the next
+        forward pass."""
+        moves = TierMoves(self.host_tier, self._stores, self._restores, self.shared_tier, self._shares,
+                          self._swap_outs, self._swap_ins)
+        self._stores, self._restores, self._shares, self._swap_outs, self._swap_ins = [], [], [], [], []
         return moves
 
     def forget(self, block_ids: list[int]) -> None:
@@ -367,10 +432,25 @@ class BlockManager:
         return len(extra)
 
     def release(self, seq_id: str) -> int:
-        """Drops the sequence's table. Blocks reaching ref 0 become free (or evictable when cached).
+        """Drops the sequence's table and any swapped-out KV it holds. Blocks reaching ref 0
+        become free (or evictable when cached).
 
         Blocks are released last-first, so a sequence's tail is evicted before its prefix.
         """
+        if seq_id in self._swapped or self._swap_outs or self._swap_ins:
+            self._drop_swap(seq_id)
+        return self._drop_table(seq_id)
+
+    # ---- helpers -------------------------------------------------------
+    def _drop_swap(self, seq_id: str) -> None:
+        """Forgets `seq_id`'s swap: held in the tier, or still queued to be copied out or in."""
+        self._swapped.pop(seq_id, None)
+        self._swap_outs = [move for move in self._swap_outs if move[0] != seq_id]
+        self._swap_ins = [move for move in self._swap_ins if move[0] != seq_id]
+        if self.host_tier is not None:
+            self.host_tier.drop_swap(seq_id)
+
+    def _drop_table(self, seq_id: str) -> int:
         entry = self._seqs.pop(seq_id, None)
         if entry is None:
             return 0
@@ -378,7 +458,6 @@ class BlockManager:
             self._decref(block_id)
         return len(entry.table)
 
-    # ---- helpers -------------------------------------------------------
     def _restore_into(self, entry: _SeqBlocks, host_blocks: tuple[tuple[int, tuple], ...]) -> tuple[int, int]:
         """Appends fresh blocks for the host-tier blocks that pass the tier's check (in order,
         up to the first that fails) and queues their restores; returns how many, and how many of

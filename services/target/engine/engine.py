@@ -108,7 +108,8 @@ class Engine:
                                            timeout_s=config.grammar_compile_timeout_s,
                                            max_grammar_bytes=config.grammar_max_bytes)
         self.scheduler = Scheduler(self.blocks, config.max_num_seqs, config.max_batched_tokens,
-                                   self.speculator.max_draft_nodes if self.speculator else None)
+                                   self.speculator.max_draft_nodes if self.speculator else None,
+                                   preemption_mode=config.preemption_mode)
         if self.speculator is not None:
             self.speculator.arrival_rate = self.scheduler.arrival_rate  # arrivals wait for the step
             self.speculator.queue_length = self._queue_length  # so do requests already queued
@@ -319,6 +320,8 @@ class Engine:
                 running=len(self.scheduler.running),
                 waiting=len(self.scheduler.waiting) + len(self._incoming),
                 queued_tokens=self._queued_tokens, num_preemptions=self.scheduler.num_preemptions,
+                swap_preemptions=self.scheduler.num_swap_preemptions,
+                recompute_preemptions=self.scheduler.num_preemptions - self.scheduler.num_swap_preemptions,
                 evictions=b.evictions, prefix_queries=b.prefix_queries,
                 prefix_query_tokens=b.prefix_query_tokens, prefix_hit_tokens=b.prefix_hit_tokens,
                 kv_bytes=self.runner.kv_pool.num_bytes,

@@ -64,6 +64,16 @@ class EngineStats:
     shared_tier_write_seconds: float = 0.0  # framing and writing, off the engine thread (counter)
     shared_tier_load_seconds: float = 0.0  # fetching and checking, before requests queue (counter)
     recompute_seconds_per_block: float = 0.0  # measured (host tier on); the router prices tier hits with it
+    # Preemption (of num_preemptions): swapped out to the host tier, or recomputed (services/target/engine/
+    # scheduler.py); the swaps' bytes are part of host_tier_bytes and its bound.
+    swap_preemptions: int = 0  # (counter)
+    recompute_preemptions: int = 0  # (counter)
+    host_tier_swap_bytes: int = 0  # held now for swapped-out sequences
+    host_tier_swapped_out_blocks: int = 0  # (counter)
+    host_tier_swapped_in_blocks: int = 0  # (counter)
+    host_tier_swap_out_seconds: float = 0.0  # (counter)
+    host_tier_swap_in_seconds: float = 0.0  # (counter)
+    swap_seconds_per_block: float = 0.0  # measured copy out + in of one block (0 until measured)
 
 
 class EngineFailed(RuntimeError):

@@ -16,6 +16,14 @@ truncated or corrupted entry) is dropped and the caller recomputes the block.
 
 Entries move between tiers, they are never in both: `take` removes what it serves (the
 device pool owns a block in use), an eviction stores it again.
+
+The tier also holds *swapped* sequences: a preempted sequence's whole KV (every block it
+holds, the partial last one too) when moving it out and back is measured cheaper than
+recomputing it (`swap_pays`). A swap is reserved under the same byte bound before its blocks
+are released (`reserve_swap`; prefix entries are dropped for it, never the reverse), copied out
+by the model runner before anything overwrites those blocks (`fill_swap`) and taken back when
+the sequence resumes (`take_swap`). Swapped KV never leaves the process and is served only to
+the sequence that stored it, so it carries no key or checksum, only its length is checked.
 """
 
 from __future__ import annotations
@@ -65,8 +73,8 @@ def checksum(data: torch.Tensor) -> bytes:
 @dataclass(frozen=True)
 class HostTierStats:
     capacity_bytes: int
-    used_bytes: int
-    entries: int
+    used_bytes: int  # prefix entries and swapped sequences
+    entries: int  # prefix entries
     stored_blocks: int  # evicted device blocks kept (not counting shared-tier loads)
     restored_blocks: int  # entries served back to the device pool
     restored_shared_blocks: int  # of those, entries loaded from the shared tier
@@ -74,6 +82,11 @@ class HostTierStats:
     rejected_blocks: int  # entries that failed the identity, length or checksum check
     store_seconds: float  # copying out and checksumming
     restore_seconds: float  # checking and copying back
+    swap_bytes: int = 0  # of used_bytes, held for swapped sequences
+    swapped_out_blocks: int = 0  # preempted sequences' blocks copied out (counter)
+    swapped_in_blocks: int = 0  # copied back when they resumed (counter)
+    swap_out_seconds: float = 0.0
+    swap_in_seconds: float = 0.0
 
 
 class HostTier:
@@ -91,6 +104,11 @@ class HostTier:
         self._stored = self._restored = self._restored_shared = self._dropped = self._rejected = 0
         self._store_s = self._restore_s = 0.0
         self._recompute_s_per_block: float | None = None  # measured by the model runner (EWMA)
+        # seq id -> (its KV [num_blocks, block_bytes] uint8, None until copied out; bytes reserved)
+        self._swaps: dict[str, tuple[torch.Tensor | None, int]] = {}
+        self._swap_bytes = 0
+        self._swapped_out = self._swapped_in = 0
+        self._swap_out_s = self._swap_in_s = 0.0
         # Called (kind "stored" | "removed", block hash, key) as entries come and go: the engine
         # turns these into KV events for the prefix index (block_manager.tier_event).
         self.on_event: Callable[[str, int, tuple], None] | None = None
@@ -113,15 +131,11 @@ class HostTier:
             if old is not None:
                 self._used -= old[1]
             size = entry.num_bytes
-            if size > self.capacity_bytes:
+            if size > self.capacity_bytes - self._swap_bytes:  # swapped sequences' room is not ours
                 if old is not None:
                     self._event("removed", block_hash, old[0].key)
                 return False
-            while self._used + size > self.capacity_bytes:
-                h, (gone, dropped) = self._entries.popitem(last=False)
-                self._used -= dropped
-                self._dropped += 1
-                self._event("removed", h, gone.key)
+            self._make_room(size)
             self._entries[block_hash] = (entry, size)
             self._used += size
             self._event("stored", block_hash, entry.key)
@@ -170,6 +184,71 @@ class HostTier:
         with self._lock:
             return list(self._entries)
 
+    # ---- swapped sequences ---------------------------------------------
+    def swap_pays(self, num_blocks: int, num_tokens: int) -> bool:
+        """Moving `num_blocks` blocks out and back costs less than recomputing `num_tokens` tokens,
+        as measured here: swaps' own copies once there were any, until then this tier's stores and
+        restores (the same copies plus a checksum each). True while either side is unmeasured, so
+        the first swap measures it (as `restore_pays`)."""
+        swap, recompute = self.swap_s_per_block, self.recompute_s_per_block
+        if swap == 0.0 or recompute == 0.0:
+            return True
+        return num_blocks * swap < num_tokens * recompute / self.identity.block_size
+
+    @property
+    def swap_s_per_block(self) -> float:
+        """Measured cost of copying one block out and back in (0 until measured)."""
+        with self._lock:
+            if self._swapped_out and self._swapped_in:
+                return self._swap_out_s / self._swapped_out + self._swap_in_s / self._swapped_in
+            if self._stored and self._restored:
+                return self._store_s / self._stored + self._restore_s / self._restored
+            return 0.0
+
+    def reserve_swap(self, seq_id: str, num_blocks: int) -> bool:
+        """Reserves room for `seq_id`'s swapped KV, dropping the oldest prefix entries as needed;
+        False (nothing changed) when other swapped sequences leave too little of the bound."""
+        size = num_blocks * self.identity.block_bytes
+        with self._lock:
+            if seq_id in self._swaps:
+                raise ValueError(f"{seq_id} is already swapped out")
+            if self._swap_bytes + size > self.capacity_bytes:
+                return False
+            self._make_room(size)
+            self._swaps[seq_id] = (None, size)
+            self._swap_bytes += size
+            return True
+
+    def fill_swap(self, seq_id: str, data: torch.Tensor) -> bool:
+        """Stores the reserved swap's KV (data [num_blocks, block_bytes] uint8, copied out by the
+        model runner); False when no such reservation is held (the sequence ended meanwhile)."""
+        with self._lock:
+            held = self._swaps.get(seq_id)
+            if held is None or held[0] is not None or data.numel() != held[1]:
+                return False
+            self._swaps[seq_id] = (data, held[1])
+            self._swapped_out += data.shape[0]
+            return True
+
+    def take_swap(self, seq_id: str) -> torch.Tensor | None:
+        """Removes and returns `seq_id`'s swapped KV [num_blocks, block_bytes]; None when none was
+        copied out (the caller must not use its blocks)."""
+        with self._lock:
+            data = self._pop_swap(seq_id)
+            if data is not None:
+                self._swapped_in += data.shape[0]
+            return data
+
+    def drop_swap(self, seq_id: str) -> None:
+        """Frees `seq_id`'s swap, if any (it ended while swapped out, or its copy-out failed)."""
+        with self._lock:
+            self._pop_swap(seq_id)
+
+    def add_swap_time(self, out_s: float = 0.0, in_s: float = 0.0) -> None:
+        with self._lock:
+            self._swap_out_s += out_s
+            self._swap_in_s += in_s
+
     def observe_recompute(self, seconds: float, num_tokens: int) -> None:
         """A forward pass computed `num_tokens` tokens in `seconds`: what recomputing costs."""
         per_block = seconds / num_tokens * self.identity.block_size
@@ -196,6 +275,20 @@ class HostTier:
             self._store_s += store_s
             self._restore_s += restore_s
 
+    def _pop_swap(self, seq_id: str) -> torch.Tensor | None:
+        data, size = self._swaps.pop(seq_id, (None, 0))
+        self._swap_bytes -= size
+        return data
+
+    def _make_room(self, size: int) -> None:
+        """Drops the oldest prefix entries until `size` more bytes fit the bound (lock held; the
+        caller checked that swapped sequences leave room for `size`)."""
+        while self._used + self._swap_bytes + size > self.capacity_bytes:
+            h, (gone, dropped) = self._entries.popitem(last=False)
+            self._used -= dropped
+            self._dropped += 1
+            self._event("removed", h, gone.key)
+
     def _event(self, kind: str, block_hash: int, key: tuple) -> None:
         """Tells `on_event` (lock held: events of one tier stay in order)."""
         if self.on_event is not None:
@@ -206,9 +299,10 @@ class HostTier:
 
     def stats(self) -> HostTierStats:
         with self._lock:
-            return HostTierStats(self.capacity_bytes, self._used, len(self._entries), self._stored,
-                                 self._restored, self._restored_shared, self._dropped, self._rejected, self._store_s,
-                                 self._restore_s)
+            return HostTierStats(self.capacity_bytes, self._used + self._swap_bytes, len(self._entries),
+                                 self._stored, self._restored, self._restored_shared, self._dropped, self._rejected,
+                                 self._store_s, self._restore_s, self._swap_bytes, self._swapped_out,
+                                 self._swapped_in, self._swap_out_s, self._swap_in_s)
 
 
 def build_host_tier(capacity_bytes: int, model_id: str, kv_dtype: torch.dtype, block_size: int,
@@ -232,4 +326,7 @@ def engine_stat_fields(tier: HostTier | None, block_size: int) -> dict:
                 shared_tier_restored_tokens=s.restored_shared_blocks * block_size,
                 host_tier_dropped_blocks=s.dropped_blocks, host_tier_rejected_blocks=s.rejected_blocks,
                 host_tier_store_seconds=s.store_seconds, host_tier_restore_seconds=s.restore_seconds,
-                recompute_seconds_per_block=tier.recompute_s_per_block)
+                recompute_seconds_per_block=tier.recompute_s_per_block,
+                host_tier_swap_bytes=s.swap_bytes, host_tier_swapped_out_blocks=s.swapped_out_blocks,
+                host_tier_swapped_in_blocks=s.swapped_in_blocks, host_tier_swap_out_seconds=s.swap_out_seconds,
+                host_tier_swap_in_seconds=s.swap_in_seconds, swap_seconds_per_block=tier.swap_s_per_block)

@@ -8,7 +8,10 @@ slots (each draft node is a row of the verify pass), and prefill chunks of new o
 slots never preempt anyone and never delay an admission: they get what the budget and the
 free blocks have left after running sequences' tokens and waiting requests' prefill.
 When blocks run out, the youngest running sequence
-is preempted by recompute: its blocks go back and it is re-queued at the front.
+is preempted: its blocks go back and it is re-queued at the front. Its KV is swapped out to
+the host tier when the block manager finds that measured cheaper than recomputing it and the
+tier has room (`BlockManager.swap_out`), and swapped back in when it resumes; otherwise it
+recomputes from its first token (its full blocks may still come back from the prefix cache).
 Tenant priority orders both: the waiting queue is highest priority first, and the
 lowest-priority (then youngest) running sequence is preempted first.
 """
@@ -65,16 +68,22 @@ class SeqUpdate:
 
 class Scheduler:
     def __init__(self, block_manager: BlockManager, max_num_seqs: int, max_batched_tokens: int,
-                 draft_limit: Callable[[Sequence], int] | None = None) -> None:
+                 draft_limit: Callable[[Sequence], int] | None = None, preemption_mode: str = "auto") -> None:
         """`draft_limit(seq)`: the most draft nodes `seq` could verify next step (0 = none);
-        None when the engine has no draft service."""
+        None when the engine has no draft service. `preemption_mode`: "auto" swaps a preempted
+        sequence where the block manager measures that cheaper than recomputing it, "swap" always,
+        "recompute" never (services/target/settings.py PreemptionMode); a swap needs room too."""
+        if preemption_mode not in ("auto", "swap", "recompute"):
+            raise ValueError(f"preemption_mode must be auto, swap or recompute, got {preemption_mode!r}")
         self.blocks = block_manager
         self.max_num_seqs = max_num_seqs
         self.max_batched_tokens = max_batched_tokens
         self.draft_limit = draft_limit
+        self.preemption_mode = preemption_mode
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.num_swap_preemptions = 0  # of those, swapped out rather than recomputed
         self.prompt_tokens_computed = 0  # prompt positions whose KV a forward pass computed
         self.arrivals = ArrivalRate()  # new requests per second (speculation weighs their TTFT)
 
@@ -128,18 +137,10 @@ class Scheduler:
         num_running = len(batch)
         while self.waiting and budget > 0 and self._has_seats(self.waiting[0]):
             seq = self.waiting[0]
-            match = self.blocks.match_prefix(seq.token_ids, seq.extra_key)
-            n = min(seq.num_tokens - match.num_tokens, budget)
-            if not self.blocks.can_admit(match, match.num_tokens + n):
+            n = self._take_blocks(seq, budget)
+            if n is None:
                 break  # FIFO: don't let later requests overtake
-            match = self.blocks.admit(seq.seq_id, match, match.num_tokens + n, seq.num_prompt_tokens)  # as restored
             self.waiting.popleft()
-            seq.num_computed = match.num_tokens
-            if seq.num_preemptions == 0:
-                seq.num_cached_prompt = min(match.num_tokens, seq.num_prompt_tokens)
-                restored = min(match.num_restored_tokens, seq.num_cached_prompt)
-                seq.num_shared_cached_prompt = min(match.num_shared_tokens, restored)
-                seq.num_host_cached_prompt = restored - seq.num_shared_cached_prompt
             seq.status = SeqStatus.RUNNING
             seq.admitted = True
             self.running.append(seq)
@@ -179,6 +180,30 @@ class Scheduler:
             if seq.followers and result.tokens:  # its prefill ended: the other samples start
                 updates += self._fork_followers(seq, results, eos_token_ids)
         return updates
+
+    def _take_blocks(self, seq: Sequence, budget: int) -> int | None:
+        """Gives a waiting sequence its blocks (with its cached prefix, or its swapped-out KV back)
+        and sets its computed tokens; returns how many it computes this step, None if it does not fit."""
+        swapped = self.blocks.swapped_tokens(seq.seq_id)
+        if swapped:
+            n = min(seq.num_tokens - swapped, budget)
+            if not self.blocks.can_resume(swapped + n):
+                return None
+            self.blocks.resume(seq.seq_id, swapped + n)
+            seq.num_computed = swapped
+            return n
+        match = self.blocks.match_prefix(seq.token_ids, seq.extra_key)
+        n = min(seq.num_tokens - match.num_tokens, budget)
+        if not self.blocks.can_admit(match, match.num_tokens + n):
+            return None
+        match = self.blocks.admit(seq.seq_id, match, match.num_tokens + n, seq.num_prompt_tokens)  # as restored
+        seq.num_computed = match.num_tokens
+        if seq.num_preemptions == 0:
+            seq.num_cached_prompt = min(match.num_tokens, seq.num_prompt_tokens)
+            restored = min(match.num_restored_tokens, seq.num_cached_prompt)
+            seq.num_shared_cached_prompt = min(match.num_shared_tokens, restored)
+            seq.num_host_cached_prompt = restored - seq.num_shared_cached_prompt
+        return n
 
     def _has_seats(self, seq: Sequence) -> bool:
         """Admission counts samples: running ones, those waiting to fork, and `seq`'s."""
@@ -233,9 +258,15 @@ class Scheduler:
         return True
 
     def _preempt(self, seq: Sequence) -> None:
+        """Swapped out (its KV kept: `num_computed` stays) where the block manager finds that pays
+        and fits, else released to recompute."""
         self.running.remove(seq)
-        self.blocks.release(seq.seq_id)
-        seq.num_computed = 0
+        if (self.preemption_mode != "recompute" and seq.num_computed < seq.num_tokens
+                and self.blocks.swap_out(seq.seq_id, seq.num_computed, by_cost=self.preemption_mode == "auto")):
+            self.num_swap_preemptions += 1
+        else:
+            self.blocks.release(seq.seq_id)
+            seq.num_computed = 0
         seq.num_preemptions += 1
         seq.status = SeqStatus.WAITING
         self._enqueue(seq, front=True)

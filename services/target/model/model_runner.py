@@ -193,51 +193,83 @@ class ModelRunner:
         return sum(c[0].numel() * c.element_size() for c in self._caches())
 
     def move_tiers(self, moves: TierMoves) -> None:
-        """Runs the block manager's host-tier moves: evicted blocks' KV out to the tier (before
-        anything overwrites those blocks), then restored entries into their fresh blocks.
+        """Runs the block manager's host-tier moves: evicted blocks' and swapped sequences' KV out
+        to the tier (before anything overwrites those blocks), then restored entries and resuming
+        sequences' KV into their fresh blocks.
 
-        A failed store loses only the tier copy (logged; recomputed when needed). A failed
-        restore takes its blocks out of the prefix cache and fails the step's requests."""
+        A failed store loses only the tier copy (logged; recomputed when needed); a failed swap-out
+        makes its sequence recompute when it resumes. A failed restore takes its blocks out of the
+        prefix cache and fails the step's requests, as does a swap-in whose KV is missing."""
         if moves.shared is not None and moves.shares:
             self._offer_shared(moves)  # before restores: one may reuse a block whose KV is being shared
         tier = moves.tier
-        if tier is None or not (moves.stores or moves.restores):
+        if tier is None or not (moves.stores or moves.restores or moves.swap_outs or moves.swap_ins):
             return
-        caches = self._caches()
         if moves.stores:
             start = time.perf_counter()
             try:
-                ids = torch.tensor([b for b, _, _ in moves.stores], dtype=torch.long, device=self.device)
-                rows = torch.cat([c[ids].reshape(len(ids), -1).view(torch.uint8) for c in caches],
-                                 dim=1).cpu()  # [num_stores, block_bytes]
+                rows = self._read_blocks([b for b, _, _ in moves.stores])  # [num_stores, block_bytes]
                 for (_, h, key), row in zip(moves.stores, rows):
                     tier.put(h, tier.entry(key, row.clone()))
             except Exception:
                 log.exception("host tier: storing %d evicted blocks failed", len(moves.stores))
             tier.add_time(store_s=time.perf_counter() - start)
+        if moves.swap_outs:
+            self._swap_out(tier, moves.swap_outs)
         if moves.restores:
             start = time.perf_counter()
             try:
-                dst = torch.tensor([b for b, _ in moves.restores], dtype=torch.long, device=self.device)
-                rows = torch.stack([data for _, data in moves.restores]).to(self.device)  # [n, block_bytes]
-                offset = 0
-                for cache in caches:
-                    width = cache[0].numel() * cache.element_size()
-                    chunk = rows[:, offset:offset + width].contiguous().view(cache.dtype)
-                    cache[dst] = chunk.view(len(dst), *cache.shape[1:])  # [n, block_size, ...]
-                    offset += width
+                rows = torch.stack([data for _, data in moves.restores])  # [n, block_bytes]
+                self._write_blocks([b for b, _ in moves.restores], rows)
             except Exception:
                 self.blocks.forget([b for b, _ in moves.restores])
                 raise
             tier.add_time(restore_s=time.perf_counter() - start)
+        if moves.swap_ins:
+            start = time.perf_counter()
+            for seq_id, block_ids in moves.swap_ins:
+                rows = tier.take_swap(seq_id)  # [num_blocks, block_bytes]
+                if rows is None or rows.shape[0] != len(block_ids):
+                    raise RuntimeError(f"host tier: the swapped KV of {seq_id} is missing")
+                self._write_blocks(block_ids, rows)
+            tier.add_swap_time(in_s=time.perf_counter() - start)
+
+    def _swap_out(self, tier, swap_outs: list[tuple[str, list[int]]]) -> None:
+        """Copies each preempted sequence's blocks to its reserved room in the tier (one tensor per
+        sequence, freed whole when it resumes)."""
+        start, lost = time.perf_counter(), []
+        for seq_id, block_ids in swap_outs:
+            try:
+                if not tier.fill_swap(seq_id, self._read_blocks(block_ids)):
+                    lost.append(seq_id)
+            except Exception:
+                log.exception("host tier: swapping out %s (%d blocks) failed", seq_id, len(block_ids))
+                lost.append(seq_id)
+        tier.add_swap_time(out_s=time.perf_counter() - start)
+        if lost:
+            self.blocks.lose_swaps(lost)
+
+    def _read_blocks(self, block_ids: list[int]) -> torch.Tensor:
+        """The KV of whole blocks in every layer as host bytes: [n, block_bytes] uint8 (a new tensor)."""
+        ids = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        return torch.cat([c[ids].reshape(len(ids), -1).view(torch.uint8) for c in self._caches()],
+                         dim=1).cpu()
+
+    def _write_blocks(self, block_ids: list[int], rows: torch.Tensor) -> None:
+        """Writes rows [n, block_bytes] uint8 (as `_read_blocks` gives them) into those blocks."""
+        dst = torch.tensor(block_ids, dtype=torch.long, device=self.device)
+        rows, offset = rows.to(self.device), 0
+        for cache in self._caches():
+            width = cache[0].numel() * cache.element_size()
+            chunk = rows[:, offset:offset + width].contiguous().view(cache.dtype)
+            cache[dst] = chunk.view(len(dst), *cache.shape[1:])  # [n, block_size, ...]
+            offset += width
 
     def _offer_shared(self, moves: TierMoves) -> None:
         """Copies newly committed blocks' KV out for the shared tier's writer thread (which frames
         and writes it off this thread); a full queue drops a write, never waits."""
         try:
-            ids = torch.tensor([b for b, _, _ in moves.shares], dtype=torch.long, device=self.device)
-            rows = torch.cat([c[ids].reshape(len(ids), -1).view(torch.uint8) for c in self._caches()],
-                             dim=1).cpu()  # [num_shares, block_bytes]
+            rows = self._read_blocks([b for b, _, _ in moves.shares])  # [num_shares, block_bytes]
             for (_, h, key), row in zip(moves.shares, rows):
                 moves.shared.offer(h, key, row)
         except Exception:

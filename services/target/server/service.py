@@ -52,7 +52,9 @@ _HOST_TIER_STATS = ("host_tier_capacity_bytes", "host_tier_bytes", "host_tier_bl
                     "shared_tier_deleted_blocks", "shared_tier_dropped_writes", "shared_tier_loaded_blocks",
                     "shared_tier_restored_blocks", "shared_tier_restored_tokens", "shared_tier_rejected_blocks",
                     "shared_tier_errors", "shared_tier_write_seconds", "shared_tier_load_seconds",
-                    "recompute_seconds_per_block")
+                    "recompute_seconds_per_block", "swap_preemptions", "recompute_preemptions",
+                    "host_tier_swap_bytes", "host_tier_swapped_out_blocks", "host_tier_swapped_in_blocks",
+                    "host_tier_swap_out_seconds", "host_tier_swap_in_seconds", "swap_seconds_per_block")
 SERVICE_NAME = target_service_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 

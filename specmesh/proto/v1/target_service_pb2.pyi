@@ -64,7 +64,7 @@ class GetStatsRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class GetStatsResponse(_message.Message):
-    __slots__ = ("num_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_size", "running_requests", "waiting_requests", "model", "queued_tokens", "preemptions", "evictions", "prefix_query_tokens", "prefix_hit_tokens", "kv_bytes", "fragmentation", "cache_model_id", "engine_alive", "engine_error", "engine_steps", "host_tier_capacity_bytes", "host_tier_bytes", "host_tier_blocks", "host_tier_stored_blocks", "host_tier_restored_blocks", "host_tier_restored_tokens", "host_tier_dropped_blocks", "host_tier_rejected_blocks", "host_tier_store_seconds", "host_tier_restore_seconds", "shared_tier_capacity_bytes", "shared_tier_bytes", "shared_tier_written_blocks", "shared_tier_deleted_blocks", "shared_tier_dropped_writes", "shared_tier_loaded_blocks", "shared_tier_restored_blocks", "shared_tier_restored_tokens", "shared_tier_rejected_blocks", "shared_tier_errors", "shared_tier_write_seconds", "shared_tier_load_seconds", "recompute_seconds_per_block")
+    __slots__ = ("num_blocks", "free_blocks", "used_blocks", "cached_blocks", "block_size", "running_requests", "waiting_requests", "model", "queued_tokens", "preemptions", "evictions", "prefix_query_tokens", "prefix_hit_tokens", "kv_bytes", "fragmentation", "cache_model_id", "engine_alive", "engine_error", "engine_steps", "host_tier_capacity_bytes", "host_tier_bytes", "host_tier_blocks", "host_tier_stored_blocks", "host_tier_restored_blocks", "host_tier_restored_tokens", "host_tier_dropped_blocks", "host_tier_rejected_blocks", "host_tier_store_seconds", "host_tier_restore_seconds", "shared_tier_capacity_bytes", "shared_tier_bytes", "shared_tier_written_blocks", "shared_tier_deleted_blocks", "shared_tier_dropped_writes", "shared_tier_loaded_blocks", "shared_tier_restored_blocks", "shared_tier_restored_tokens", "shared_tier_rejected_blocks", "shared_tier_errors", "shared_tier_write_seconds", "shared_tier_load_seconds", "recompute_seconds_per_block", "swap_preemptions", "recompute_preemptions", "host_tier_swap_bytes", "host_tier_swapped_out_blocks", "host_tier_swapped_in_blocks", "host_tier_swap_out_seconds", "host_tier_swap_in_seconds", "swap_seconds_per_block")
     NUM_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     FREE_BLOCKS_FIELD_NUMBER: _ClassVar[int]
     USED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
@@ -107,6 +107,14 @@ class GetStatsResponse(_message.Message):
     SHARED_TIER_WRITE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     SHARED_TIER_LOAD_SECONDS_FIELD_NUMBER: _ClassVar[int]
     RECOMPUTE_SECONDS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
+    SWAP_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    RECOMPUTE_PREEMPTIONS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_SWAP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_SWAPPED_OUT_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_SWAPPED_IN_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_SWAP_OUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_SWAP_IN_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    SWAP_SECONDS_PER_BLOCK_FIELD_NUMBER: _ClassVar[int]
     num_blocks: int
     free_blocks: int
     used_blocks: int
@@ -149,7 +157,15 @@ class GetStatsResponse(_message.Message):
     shared_tier_write_seconds: float
     shared_tier_load_seconds: float
     recompute_seconds_per_block: float
-    def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., model: _Optional[str] = ..., queued_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., evictions: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., fragmentation: _Optional[float] = ..., cache_model_id: _Optional[str] = ..., engine_alive: _Optional[bool] = ..., engine_error: _Optional[str] = ..., engine_steps: _Optional[int] = ..., host_tier_capacity_bytes: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., host_tier_blocks: _Optional[int] = ..., host_tier_stored_blocks: _Optional[int] = ..., host_tier_restored_blocks: _Optional[int] = ..., host_tier_restored_tokens: _Optional[int] = ..., host_tier_dropped_blocks: _Optional[int] = ..., host_tier_rejected_blocks: _Optional[int] = ..., host_tier_store_seconds: _Optional[float] = ..., host_tier_restore_seconds: _Optional[float] = ..., shared_tier_capacity_bytes: _Optional[int] = ..., shared_tier_bytes: _Optional[int] = ..., shared_tier_written_blocks: _Optional[int] = ..., shared_tier_deleted_blocks: _Optional[int] = ..., shared_tier_dropped_writes: _Optional[int] = ..., shared_tier_loaded_blocks: _Optional[int] = ..., shared_tier_restored_blocks: _Optional[int] = ..., shared_tier_restored_tokens: _Optional[int] = ..., shared_tier_rejected_blocks: _Optional[int] = ..., shared_tier_errors: _Optional[int] = ..., shared_tier_write_seconds: _Optional[float] = ..., shared_tier_load_seconds: _Optional[float] = ..., recompute_seconds_per_block: _Optional[float] = ...) -> None: ...
+    swap_preemptions: int
+    recompute_preemptions: int
+    host_tier_swap_bytes: int
+    host_tier_swapped_out_blocks: int
+    host_tier_swapped_in_blocks: int
+    host_tier_swap_out_seconds: float
+    host_tier_swap_in_seconds: float
+    swap_seconds_per_block: float
+    def __init__(self, num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., used_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., block_size: _Optional[int] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., model: _Optional[str] = ..., queued_tokens: _Optional[int] = ..., preemptions: _Optional[int] = ..., evictions: _Optional[int] = ..., prefix_query_tokens: _Optional[int] = ..., prefix_hit_tokens: _Optional[int] = ..., kv_bytes: _Optional[int] = ..., fragmentation: _Optional[float] = ..., cache_model_id: _Optional[str] = ..., engine_alive: _Optional[bool] = ..., engine_error: _Optional[str] = ..., engine_steps: _Optional[int] = ..., host_tier_capacity_bytes: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., host_tier_blocks: _Optional[int] = ..., host_tier_stored_blocks: _Optional[int] = ..., host_tier_restored_blocks: _Optional[int] = ..., host_tier_restored_tokens: _Optional[int] = ..., host_tier_dropped_blocks: _Optional[int] = ..., host_tier_rejected_blocks: _Optional[int] = ..., host_tier_store_seconds: _Optional[float] = ..., host_tier_restore_seconds: _Optional[float] = ..., shared_tier_capacity_bytes: _Optional[int] = ..., shared_tier_bytes: _Optional[int] = ..., shared_tier_written_blocks: _Optional[int] = ..., shared_tier_deleted_blocks: _Optional[int] = ..., shared_tier_dropped_writes: _Optional[int] = ..., shared_tier_loaded_blocks: _Optional[int] = ..., shared_tier_restored_blocks: _Optional[int] = ..., shared_tier_restored_tokens: _Optional[int] = ..., shared_tier_rejected_blocks: _Optional[int] = ..., shared_tier_errors: _Optional[int] = ..., shared_tier_write_seconds: _Optional[float] = ..., shared_tier_load_seconds: _Optional[float] = ..., recompute_seconds_per_block: _Optional[float] = ..., swap_preemptions: _Optional[int] = ..., recompute_preemptions: _Optional[int] = ..., host_tier_swap_bytes: _Optional[int] = ..., host_tier_swapped_out_blocks: _Optional[int] = ..., host_tier_swapped_in_blocks: _Optional[int] = ..., host_tier_swap_out_seconds: _Optional[float] = ..., host_tier_swap_in_seconds: _Optional[float] = ..., swap_seconds_per_block: _Optional[float] = ...) -> None: ...
 
 class SubscribeKVEventsRequest(_message.Message):
     __slots__ = ("after_sequence", "snapshot")
