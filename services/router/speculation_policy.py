@@ -12,12 +12,15 @@
 2. The method per pool and bucket (`SpeculationPolicy.choose`): the candidates are the mesh's
    mapping's (services/router/speculation_methods.py; one method forced for every bucket by
    `--speculation-method X`). One candidate is planned as it is. Among several:
-   - explore: while a candidate has fewer than `explore_tokens` proposed tokens measured
-     (as many as the prior is worth), every `explore_every`-th request of the (pool, bucket)
-     runs the unmeasured candidates in turn (round robin among them), at depth >= 1 even
-     where the prediction says off, so that it gets measured;
-   - otherwise the candidate with the highest estimated α (prior blended with measurement, as
-     for the depth) runs, the earlier in the mapping on a tie or where nothing is known.
+   - explore: while a candidate has fewer than `explore_samples` measurements, every
+     `explore_every`-th request of the (pool, bucket) runs the unmeasured candidates in turn
+     (round robin among them), at depth >= 1 even where the prediction says off, so that it
+     gets measured;
+   - otherwise the candidate with the highest estimated α runs, the earlier in the mapping on
+     a tie or where nothing is known: a measured candidate's estimate is its measurement
+     alone, an unmeasured one's its prior blended with what was measured so far (as for the
+     depth; the blend would keep a method measured at 0 near its prior for good, the moving
+     estimate's weight being bounded).
    Every finished request feeds its (pool, bucket, method) back (`observe`, in both modes),
    so a chosen method that degrades below another's estimate loses its place. A request
    whose method drafted nothing at all while its steps fell back (the draft service cannot
@@ -55,14 +58,16 @@ class PolicyConfig:
     mode: str  # "fixed" | "adaptive"; no default here: the setting's (services/router/settings.py)
     max_depth: int = 10
     ewma: float = 0.3  # weight of the newest request in the acceptance estimate
-    min_proposed: int = 8  # requests proposing fewer draft tokens say too little to count
+    min_proposed: int = 8  # requests proposing fewer draft tokens say too little to count alone
     prior_tokens: float = 32.0  # the prediction counts as this many proposed tokens
     verify_overhead: float = 1.05  # a verify pass with no draft tokens, in decode steps (idle batch)
     verify_cost_per_token: float = 0.04  # measured here: depth 5 ~1.27, depth 10 ~1.46 steps
     probe_every: int = 8
-    # Method choice: a candidate with fewer measured proposed tokens than this is explored on
-    # every `explore_every`-th request of its (pool, bucket) (a quarter of them by default).
-    explore_tokens: float = 32.0
+    # Method choice: a candidate measured fewer times than this (requests, or pooled small
+    # ones, of at least `min_proposed` tokens) is explored on every `explore_every`-th request
+    # of its (pool, bucket) (a quarter of them by default). More than one look: suffix decoding,
+    # for one, drafts from the outputs it saw before and accepts more the second time.
+    explore_samples: int = 3
     explore_every: int = 4
 
     def __post_init__(self) -> None:
@@ -72,8 +77,9 @@ class PolicyConfig:
             raise ValueError(f"max_depth must be in [1, {MAX_DEPTH}], got {self.max_depth}")
         if not 0 < self.ewma <= 1:
             raise ValueError(f"ewma must be in (0, 1], got {self.ewma}")
-        if self.explore_every < 1:
-            raise ValueError(f"explore_every must be >= 1, got {self.explore_every}")
+        if self.explore_every < 1 or self.explore_samples < 1:
+            raise ValueError(f"explore_every and explore_samples must be >= 1, got "
+                             f"{self.explore_every}, {self.explore_samples}")
 
 
 @dataclass
@@ -83,6 +89,9 @@ class _BucketState:
     acceptance: float | None = None  # measured α (moving estimate)
     measured_tokens: float = 0.0  # proposed tokens behind it (decayed like the estimate)
     requests: int = 0
+    samples: int = 0  # measurements folded into the estimate
+    pending_proposed: int = 0  # small requests' counters, not yet enough to count
+    pending_accepted: int = 0
 
 
 @dataclass(frozen=True)
@@ -147,13 +156,15 @@ class SpeculationPolicy:
         key = (pool, bucket)
         n = self._planned[key] = self._planned.get(key, 0) + 1
         unmeasured = [m for m in candidates
-                      if self._state(pool, bucket, m).measured_tokens < self.config.explore_tokens]
+                      if self._state(pool, bucket, m).samples < self.config.explore_samples]
         if unmeasured and n % self.config.explore_every == 0:
             return unmeasured[(n // self.config.explore_every) % len(unmeasured)], "explore"
 
         def estimate(method: str) -> float:
-            alpha = _blend(acceptance_prior(bucket, temperature, method), self._state(pool, bucket, method),
-                           self.config.prior_tokens)
+            state = self._state(pool, bucket, method)
+            if method not in unmeasured:
+                return state.acceptance  # measured enough: the measurement alone speaks
+            alpha = _blend(acceptance_prior(bucket, temperature, method), state, self.config.prior_tokens)
             return -1.0 if alpha is None else alpha
         best = max(candidates, key=lambda m: (estimate(m), -candidates.index(m)))
         return best, "best"
@@ -176,19 +187,25 @@ class SpeculationPolicy:
     def observe(self, bucket: str, proposed: int, accepted: int, method: str | None = None,
                 pool: str = DEFAULT_POOL, fallback_steps: int = 0) -> None:
         """Feeds one finished request's speculation counters back (its route record's pool and
-        plan method; None = the bucket's first candidate). Steps that fell back count only
-        when the method drafted nothing at all (the module docstring)."""
+        plan method; None = the bucket's first candidate). Requests proposing fewer than
+        `min_proposed` tokens are pooled until together they do. Steps that fell back count
+        only when the method drafted nothing at all (the module docstring)."""
         if proposed == 0 and fallback_steps > 0:
             proposed = fallback_steps  # a method the draft service could not serve
-        if proposed < self.config.min_proposed:
-            return
         method = method or self.methods.candidates(pool, bucket)[0]
-        if method == "off":
+        if proposed <= 0 or method == "off":
             return
-        rate = min(max(accepted / proposed, 0.0), 0.999)
         with self._lock:
             state = self._state(pool, bucket, method)
+            state.pending_proposed += proposed
+            state.pending_accepted += accepted
+            if state.pending_proposed < self.config.min_proposed:
+                return
+            proposed, accepted = state.pending_proposed, state.pending_accepted
+            state.pending_proposed = state.pending_accepted = 0
+            rate = min(max(accepted / proposed, 0.0), 0.999)
             w = self.config.ewma
+            state.samples += 1
             if state.acceptance is None:
                 state.acceptance, state.measured_tokens = rate, float(proposed)
             else:
