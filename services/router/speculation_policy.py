@@ -12,15 +12,15 @@
 2. The method per pool and bucket (`SpeculationPolicy.choose`): the candidates are the mesh's
    mapping's (services/router/speculation_methods.py; one method forced for every bucket by
    `--speculation-method X`). One candidate is planned as it is. Among several:
-   - explore: while a candidate has fewer than `explore_samples` measurements, every
-     `explore_every`-th request of the (pool, bucket) runs the unmeasured candidates in turn
-     (round robin among them), at depth >= 1 even where the prediction says off, so that it
-     gets measured;
-   - otherwise the candidate with the highest estimated α runs, the earlier in the mapping on
-     a tie or where nothing is known: a measured candidate's estimate is its measurement
+   - the best is the candidate with the highest estimated α, the earlier in the mapping on a
+     tie or where nothing is known: a measured candidate's estimate is its measurement
      alone, an unmeasured one's its prior blended with what was measured so far (as for the
      depth; the blend would keep a method measured at 0 near its prior for good, the moving
-     estimate's weight being bounded).
+     estimate's weight being bounded);
+   - explore: while a candidate other than the best has fewer than `explore_samples`
+     measurements, every `explore_every`-th request of the (pool, bucket) runs such
+     candidates in turn (round robin among them), at depth >= 1 even where the prediction
+     says off, so that it gets measured; every other request runs the best.
    Every finished request feeds its (pool, bucket, method) back (`observe`, in both modes),
    so a chosen method that degrades below another's estimate loses its place. A request
    whose method drafted nothing at all while its steps fell back (the draft service cannot
@@ -157,8 +157,6 @@ class SpeculationPolicy:
         n = self._planned[key] = self._planned.get(key, 0) + 1
         unmeasured = [m for m in candidates
                       if self._state(pool, bucket, m).samples < self.config.explore_samples]
-        if unmeasured and n % self.config.explore_every == 0:
-            return unmeasured[(n // self.config.explore_every) % len(unmeasured)], "explore"
 
         def estimate(method: str) -> float:
             state = self._state(pool, bucket, method)
@@ -167,6 +165,9 @@ class SpeculationPolicy:
             alpha = _blend(acceptance_prior(bucket, temperature, method), state, self.config.prior_tokens)
             return -1.0 if alpha is None else alpha
         best = max(candidates, key=lambda m: (estimate(m), -candidates.index(m)))
+        others = [m for m in unmeasured if m != best]  # the best gets measured as it runs
+        if others and n % self.config.explore_every == 0:
+            return others[(n // self.config.explore_every) % len(others)], "explore"
         return best, "best"
 
     def _depth(self, state: _BucketState, bucket: str, method: str,
