@@ -70,11 +70,22 @@ def engine_config(settings: Settings, model_dir: Path):
 
 def router_config(settings: Settings, mesh: MeshTls | None = None):
     from services.router.config import RouterConfig, parse_tokens
+    pools = routing_mesh(settings)
     return RouterConfig(mesh_tls=mesh, target_address=settings.target_address,
                         tokens=parse_tokens(settings.router.tokens), max_tokens_limit=settings.max_tokens_limit,
                         max_samples=settings.max_samples, limits=settings.limits,
-                        cache_address=settings.cache_address, mesh=routing_mesh(settings),
+                        cache_address=settings.cache_address, mesh=pools,
+                        eagle_pools=eagle_pools(settings, pools),
                         model_cache=settings.model_cache, **settings.router.config_fields())
+
+
+def eagle_pools(settings: Settings, pools) -> tuple[str, ...]:
+    """The pools whose open text may run the feature head by default: those of the target
+    `model` when the mesh's draft service has a head for it (`eagle_head`, refused there for
+    any other model)."""
+    if not settings.draft.eagle_head:
+        return ()
+    return tuple(pool.name for pool in pools.pools if pool.model == settings.model)
 
 
 def cache_config(settings: Settings, server: ServerConfig | None = None, mesh: MeshTls | None = None):

@@ -9,6 +9,7 @@ from services.common.limits import RequestLimits
 from services.common.mesh_config import MeshConfig, default_mesh_config
 from services.common.tls import MeshTls
 from services.router.settings import RouterSettings
+from services.router.speculation_methods import AUTO, MethodMap
 
 # Defaults, limits and allowed values of the fields that are settings are declared once, in
 # the router's settings group (services/router/settings.py; request limits: the mesh's).
@@ -30,8 +31,14 @@ class RouterConfig:
     # Prompt bytes and stop sequences, checked before any work (services/common/limits.py).
     limits: RequestLimits = RequestLimits()
     default_timeout_s: float = 300.0  # used when the caller sets no deadline
-    # Speculation plan for every bucket for now: method name and limits (services/common/speculation_plan.py).
+    # Speculation plan: the method ("auto" = per bucket and pool from `speculation_methods` and
+    # measured acceptance; any other is forced on every bucket) and limits
+    # (services/router/speculation_methods.py, services/common/speculation_plan.py).
     speculation_method: str = _ROUTER.speculation_method
+    speculation_methods: str = _ROUTER.speculation_methods
+    # Pools whose draft service serves a feature head for their model: open text there may
+    # run `eagle` by default (services/builders.py: the pools of the `model` when eagle_head is set).
+    eagle_pools: tuple[str, ...] = ()
     speculation_depth: int = _ROUTER.speculation_depth
     speculation_nodes: int = _ROUTER.speculation_nodes  # 0 = a chain of `speculation_depth` nodes
     # "fixed": every bucket gets the plan above; "adaptive": depth per bucket from measured
@@ -57,6 +64,11 @@ class RouterConfig:
         else:  # the mesh config's tenants join the token list
             object.__setattr__(self, "tokens", {**self.tokens, **self.mesh.tokens()})
         check_declared(RouterSettings, self, _ROUTER_FIELDS)
+        pools = [p.name for p in self.mesh.pools]
+        unknown = sorted(set(self.eagle_pools) - set(pools))
+        if unknown:
+            raise ValueError(f"eagle_pools: unknown pool(s) {unknown}; the mesh's pools are {pools}")
+        self.method_map  # noqa: B018 (an entry naming an unknown pool is refused here)
         check_declared(MeshSettings, self, _MESH_FIELDS)
         if not self.tokens:
             raise ValueError("at least one bearer token must be configured (token=tenant)")
@@ -65,6 +77,13 @@ class RouterConfig:
                 raise ValueError("tokens and tenants must be non-empty strings")
         if self.default_timeout_s <= 0:
             raise ValueError(f"default_timeout_s must be > 0, got {self.default_timeout_s}")
+
+    @property
+    def method_map(self) -> MethodMap:
+        """The methods each bucket may run per pool (services/router/speculation_methods.py)."""
+        if self.speculation_method != AUTO:
+            return MethodMap.forced(self.speculation_method)
+        return MethodMap.configured(self.speculation_methods, self.eagle_pools, [p.name for p in self.mesh.pools])
 
 
 def parse_tokens(spec: str) -> dict[str, str]:

@@ -1,6 +1,7 @@
 """Router metrics: route distribution, escalation (upgrade) and fallback rates per bucket.
 
-- `specmesh.router.routes` {bucket, pool, replica, reason}: where answers came from.
+- `specmesh.router.routes` {bucket, pool, replica, reason, speculation.method}: where answers
+  came from, and the speculation method their plan ran ("off" when none).
 - `specmesh.router.escalation_candidates` {bucket, pool}: requests run on a pool that may
   escalate (the denominator of both rates).
 - `specmesh.router.upgrades` {bucket, pool, to}: low confidence, answer discarded, escalated.
@@ -23,7 +24,7 @@ UPGRADES = "specmesh.router.upgrades"
 FALLBACKS = "specmesh.router.fallbacks"
 RETRIES = "specmesh.router.retries"
 _DESCRIPTIONS = {
-    ROUTES: "answered requests by bucket, pool, replica and reason",
+    ROUTES: "answered requests by bucket, pool, replica, reason and speculation method",
     CANDIDATES: "requests run on a pool configured to escalate",
     UPGRADES: "answers below the confidence threshold, discarded and escalated",
     FALLBACKS: "requests escalated because their pool failed",

@@ -26,6 +26,7 @@ import grpc
 from opentelemetry import trace
 
 from services.common.mesh_config import MeshConfig
+from services.common.metrics import method_name
 from specmesh.proto.v1 import (
     common_pb2,
     router_service_pb2,
@@ -60,6 +61,9 @@ class RouteRequest:
     tenant: str
     max_tokens: int
     model: str = ""  # an explicit pool name, or ""
+    # The speculation plan for a pool (the router's policy chooses the method per pool and
+    # bucket); None = `target.speculation` on every pool.
+    plan_for: Callable[[str], common_pb2.SpeculationPlan] | None = None
 
     @property
     def text(self) -> str:
@@ -90,6 +94,7 @@ class _Attempt:
     held: list = field(default_factory=list)
     final: common_pb2.GenerateChunk | None = None
     request_id: str = ""  # the id the replica knew this attempt by
+    plan: common_pb2.SpeculationPlan | None = None  # the speculation plan this attempt ran
 
 
 class Routing:
@@ -238,6 +243,9 @@ class Routing:
         target_request.CopyFrom(req.target)  # with the request's one id: a retry goes to another replica
         # (or pool), where it is not in flight; a replica would refuse it as DUPLICATE_REQUEST_ID
         attempt.request_id = target_request.request_id
+        if req.plan_for is not None:
+            target_request.speculation.CopyFrom(req.plan_for(pool.name))
+        attempt.plan = target_request.speculation
         target_request.priority = tenant.priority if tenant else 0
         target_request.report_confidence = hold
         # Load this request puts on the replica: its uncached prompt until the first token
@@ -294,7 +302,8 @@ class Routing:
         pool = pool or decision.pool
         score = decision.choice.score
         route = router_service_pb2.RouteRecord(
-            bucket=req.bucket, pool=pool.name, replica=attempt.replica, speculation=req.target.speculation,
+            bucket=req.bucket, pool=pool.name, replica=attempt.replica,
+            speculation=attempt.plan if attempt.plan is not None else req.target.speculation,
             escalated=bool(escalated_from), escalated_from=escalated_from,
             reason=decision.choice.reason,
             score=router_service_pb2.RouteScore(cost=score.cost, latency_s=score.latency_s,
@@ -302,7 +311,8 @@ class Routing:
             predicted_cached_tokens=attempt.predicted_cached, retried=attempt.retried,
             request_id=attempt.request_id)
         route_metrics.add(route_metrics.ROUTES, {"specmesh.bucket": req.bucket, "specmesh.pool": pool.name,
-                                                 "specmesh.replica": attempt.replica, "specmesh.route.reason": route.reason})
+                                                 "specmesh.replica": attempt.replica, "specmesh.route.reason": route.reason,
+                                                 "specmesh.speculation.method": method_name(route.speculation.method)})
         return router_service_pb2.GenerateResponse(chunk=attempt.final, route=route)
 
 

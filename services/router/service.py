@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextvars
+import functools
 import uuid
 from collections.abc import Callable
 
@@ -39,7 +40,7 @@ from services.router.objective import NoPool
 from services.router.quotas import QuotaExceeded, TenantQuotas
 from services.router.retrieval import Retrieval, annotate, tenant_labels
 from services.router.routing import Decision, RouteRequest, Routing, UpstreamError
-from services.router.speculation_policy import PolicyConfig, SpeculationPolicy, structured_method
+from services.router.speculation_policy import PolicyConfig, SpeculationPolicy
 from services.router.target_health import TargetHealthWatch
 from services.router.tool_results import ToolResults
 
@@ -74,7 +75,7 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
         self._in_flight = 0
         self._draining = False
         self.policy = SpeculationPolicy(PolicyConfig(mode=config.speculation_policy),
-                                        default_depth=config.speculation_depth)
+                                        default_depth=config.speculation_depth, methods=config.method_map)
 
     async def Generate(self, request, context: grpc.aio.ServicerContext):
         if self._draining:
@@ -94,22 +95,26 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
             request_id = uuid.uuid4().hex
             span.set_attribute("specmesh.request_id", request_id)
             span.set_attribute("specmesh.bucket", bucket)
-            span.set_attribute("specmesh.speculation", self.config.speculation_method)
             span.set_attribute("gen_ai.request.max_tokens", sampling.max_tokens)
-            plan = self._plan(bucket, sampling)
-            await self._check_routing(plan, bucket, context)
+
+            @functools.cache
+            def plan_for(pool: str) -> common_pb2.SpeculationPlan:  # once per pool tried
+                return self._plan(bucket, sampling, pool)
             target_request = target_service_pb2.TargetServiceGenerateRequest(
                 request_id=request_id, prompt=request.prompt, messages=request.messages, tools=request.tools,
                 sampling=request.sampling,
-                tenant_salt=self.auth.salt(tenant), bucket=bucket,
-                speculation=plan)
-            route_request = RouteRequest(target_request, tenant, sampling.max_tokens, request.model)
+                tenant_salt=self.auth.salt(tenant), bucket=bucket)
+            route_request = RouteRequest(target_request, tenant, sampling.max_tokens, request.model, plan_for)
             release = await self._admit(route_request, context)
             try:
                 decision = await self._decide(route_request, context)
+                # The chosen pool's plan (an escalation plans its own pool's: RouteRequest.plan_for).
+                target_request.speculation.CopyFrom(plan_for(decision.pool.name))
+                await self._check_routing(target_request.speculation, bucket, context)
             except BaseException:
                 release()
                 raise
+            span.set_attribute("specmesh.speculation", method_name(target_request.speculation.method))
         remaining = context.time_remaining()
         timeout = self.config.default_timeout_s if remaining is None else max(remaining, 0.001)
         self._in_flight += 1
@@ -120,7 +125,11 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
                 timer.chunk(len(response.chunk.token_ids))
                 if response.chunk.HasField("usage"):
                     usage = response.chunk.usage
-                    self.policy.observe(bucket, usage.proposed_tokens, usage.accepted_tokens)
+                    if response.HasField("route"):  # the pool and method that ran (services/router/routing.py)
+                        route = response.route
+                        self.policy.observe(bucket, usage.proposed_tokens, usage.accepted_tokens,
+                                            method_name(route.speculation.method), route.pool,
+                                            usage.fallback_steps)
                 yield response
             status = "OK"
         except UpstreamError as exc:
@@ -154,19 +163,20 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
             await abort(context, grpc.StatusCode.INTERNAL, "router built a request the target refuses: "
                         + "; ".join(v.description for v in problems), "ROUTER_BUG")
 
-    def _plan(self, bucket: str, sampling: SamplingConfig) -> common_pb2.SpeculationPlan:
-        """The speculation plan for a request: the configured method, depth from the policy
-        (services/router/speculation_policy.py: task, temperature, requested length, measured
-        acceptance; load-aware plans let the target shorten it per step)."""
-        method = structured_method(self.config.speculation_method, bucket)
-        depth, alpha = (0, None) if method == "off" else self.policy.plan(
-            bucket, sampling.max_tokens, sampling.temperature)
-        if depth == 0:
+    def _plan(self, bucket: str, sampling: SamplingConfig, pool: str) -> common_pb2.SpeculationPlan:
+        """The speculation plan for a request on `pool`: method and depth from the policy
+        (services/router/speculation_policy.py: the mapping's candidates for the pool and bucket,
+        task, temperature, requested length, measured acceptance per method; load-aware plans
+        let the target shorten it per step)."""
+        chosen = self.policy.choose(bucket, sampling.max_tokens, sampling.temperature, pool)
+        span = trace.get_current_span()
+        span.set_attribute("specmesh.speculation.choice", chosen.choice)
+        if chosen.depth == 0:
             return common_pb2.SpeculationPlan(method=common_pb2.SPECULATION_METHOD_OFF)
         return common_pb2.SpeculationPlan(
-            method=common_pb2.SpeculationMethod.Value(f"SPECULATION_METHOD_{method.upper()}"),
-            max_depth=depth, max_nodes=max(self.config.speculation_nodes, depth),
-            load_aware=self.policy.load_aware, acceptance_prior=alpha or 0.0)
+            method=common_pb2.SpeculationMethod.Value(f"SPECULATION_METHOD_{chosen.method.upper()}"),
+            max_depth=chosen.depth, max_nodes=max(self.config.speculation_nodes, chosen.depth),
+            load_aware=self.policy.load_aware, acceptance_prior=chosen.acceptance or 0.0)
 
     async def ListModels(self, request, context):
         try:

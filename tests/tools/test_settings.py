@@ -17,6 +17,8 @@ from services.common.env import setting_fields
 from services.settings import Settings, read_settings, setting_names, setting_value
 
 NAMES = [n for n in setting_names() if n != "config"]  # `config` names the file itself
+# Text settings with a grammar of their own: two valid values.
+TEXT_VALUES = {"speculation_methods": ("chat-*=suffix", "code-*=prompt_lookup|suffix,*=off")}
 
 
 def two_values(name: str) -> tuple[object, object]:
@@ -32,7 +34,7 @@ def two_values(name: str) -> tuple[object, object]:
         return default + 7, default + 3
     if field.annotation is float:
         return default + 1.5, default + 0.5
-    return f"{name}-a", f"{name}-b"
+    return TEXT_VALUES.get(name, (f"{name}-a", f"{name}-b"))
 
 
 def env_text(value) -> str:
@@ -94,7 +96,7 @@ def test_invalid_values_name_the_setting_and_the_allowed_values(tmp_path):
         read_settings({"SPECMESH_SPECULATION_METHOD": "medusa"})
     assert str(exc.value) == ("invalid setting speculation_method='medusa' (from "
                               "SPECMESH_SPECULATION_METHOD): Input should be 'off', 'prompt_lookup', "
-                              "'suffix', 'draft_model', 'dynamic_tree', 'grammar' or 'eagle'")
+                              "'suffix', 'draft_model', 'dynamic_tree', 'grammar', 'eagle' or 'auto'")
     with pytest.raises(ValueError) as exc:
         read_settings({"SPECMESH_CONFIG": write_config(tmp_path, {"num_blocks": 0})})
     assert str(exc.value) == (f"invalid setting num_blocks=0 (from config file {tmp_path}/mesh.yaml): "
