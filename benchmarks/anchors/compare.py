@@ -124,7 +124,9 @@ class VLLM:
                 if not line.startswith(b"data: ") or line == b"data: [DONE]":
                     continue
                 msg = json.loads(line[6:])
-                if msg.get("choices") and msg["choices"][0].get("text"):
+                # The first token's message, even where its text is empty (a random-weight
+                # checkpoint's tokens often decode to nothing; waiting for text measured ~0 s of decode).
+                if msg.get("choices") and not msg["choices"][0].get("finish_reason"):
                     first = first or time.perf_counter()
                 if msg.get("usage"):
                     n = msg["usage"]["completion_tokens"]
