@@ -207,6 +207,8 @@ async def test_a_failed_instance_gives_its_keys_away_at_once():
         await cache.start()
         owners = [await _owner(cache, i) for i in range(CALLS)]
         i = owners.index(keys[1])
+        await _compute(stub, i)  # instance 1 answers (and its first health check is long done)
+        assert await _holders(servers, i) == [1]
         await servers[1].stop(0)
         with pytest.raises(grpc.aio.AioRpcError) as exc:
             await stub.LookupToolResult(_lookup(i), metadata=AUTH_A, timeout=10)
