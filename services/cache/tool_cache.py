@@ -60,6 +60,14 @@ class ToolResult:
     lease_id: str = ""
 
 
+def canonical_arguments(arguments_json: str) -> str:
+    """The arguments as one canonical JSON text (sorted keys, no spaces): equal calls, equal
+    keys. The router shards tool results across cache instances by the same text.
+    Raises ValueError (or RecursionError) when it is not JSON."""
+    return json.dumps(json.loads(arguments_json or "null", parse_constant=_no_constant),
+                      sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+
+
 def tool_key(config: CacheConfig, tenant: str, tool: str, version: str, arguments_json: str) -> ToolKey:
     """Validates and canonicalizes; raises InvalidInput naming every problem."""
     problems = []
@@ -73,8 +81,7 @@ def tool_key(config: CacheConfig, tenant: str, tool: str, version: str, argument
         problems.append(f"arguments_json is above the limit of {config.max_arguments_bytes} bytes")
     else:
         try:
-            canonical = json.dumps(json.loads(arguments_json or "null", parse_constant=_no_constant),
-                                   sort_keys=True, separators=(",", ":"), ensure_ascii=False)
+            canonical = canonical_arguments(arguments_json)
         except (ValueError, RecursionError) as exc:
             problems.append(f"arguments_json is not JSON: {exc}")
     if problems:

@@ -73,7 +73,9 @@ class MeshSettings(SettingsGroup):
     draft_address: str = Field(f"127.0.0.1:{DEFAULT_PORTS['draft']}",
                                description="draft service address the target calls")
     cache_address: str = Field(f"127.0.0.1:{DEFAULT_PORTS['cache']}",
-                               description="cache service address")
+                               description="cache service address: HOST:PORT, a comma-separated list, or "
+                               "dns:///NAME:PORT (every instance a headless Service resolves to); the router "
+                               "shards its cache calls across them by key")
     token: str = Field(DEV_TOKEN, description="bearer token the `generate`/`status` clients send")
     otlp_endpoint: str = Field("", description="OpenTelemetry OTLP gRPC endpoint; '' = no export "
                                "(also read from OTEL_EXPORTER_OTLP_ENDPOINT)")

@@ -8,6 +8,7 @@ from services.common.env import MeshSettings, check_declared
 from services.common.limits import RequestLimits
 from services.common.mesh_config import MeshConfig, default_mesh_config
 from services.common.tls import MeshTls
+from services.router.cache_instances import cache_entries
 from services.router.settings import RouterSettings
 from services.router.speculation_methods import AUTO, MethodMap
 
@@ -51,7 +52,11 @@ class RouterConfig:
     # "default" over `target_address` (comma-separated replicas) with the `tokens` tenants.
     mesh: MeshConfig | None = None
     replica_policy: str = _ROUTER.replica_policy  # kv_aware | least_loaded | round_robin
-    cache_address: str = ""  # the cache service (prefix index); "" = replica choice by load only
+    # The cache service (prefix index, retrieval, tool results): HOST:PORT, a comma-separated list,
+    # or dns:///NAME:PORT (a headless Service: every instance, re-resolved each poll), calls
+    # sharded across the instances by key (services/router/cache_instances.py); "" = none
+    # (replica choice by load only).
+    cache_address: str = ""
     poll_interval_s: float = _ROUTER.poll_interval_s  # replica health checks and stats
     model_cache: str = _MESH.model_cache  # where pool model "default" (its tokenizer) lives
 
@@ -75,6 +80,7 @@ class RouterConfig:
         for token, tenant in self.tokens.items():
             if not token or not tenant:
                 raise ValueError("tokens and tenants must be non-empty strings")
+        cache_entries(self.cache_address)  # a malformed dns:/// entry is refused here
         if self.default_timeout_s <= 0:
             raise ValueError(f"default_timeout_s must be > 0, got {self.default_timeout_s}")
 

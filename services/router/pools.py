@@ -19,7 +19,8 @@ import grpc
 
 from services.common.block_hash import chained_block_hashes, extra_key
 from services.common.mesh_config import PoolConfig
-from specmesh.proto.v1 import cache_service_pb2, cache_service_pb2_grpc
+from specmesh.proto.v1 import cache_service_pb2
+from services.router.cache_instances import CacheInstances, NoCacheInstance, shard_key
 from services.router.replicas import Replica, ReplicaSet
 
 log = logging.getLogger(__name__)
@@ -77,21 +78,25 @@ class Pool:
 
 
 class PrefixLookup:
-    """Asks the cache service's prefix index how many leading blocks each replica holds."""
+    """Asks the cache service's prefix index how many leading blocks each replica holds (the
+    instance that owns the prompt's first block, services/router/cache_instances.py)."""
 
-    def __init__(self, channel: grpc.aio.Channel | None) -> None:
-        self._channel = channel
-        self._stub = cache_service_pb2_grpc.CacheServiceStub(channel) if channel is not None else None
+    def __init__(self, cache: CacheInstances | None) -> None:
+        self._cache = cache
 
     async def cached_tokens(self, hashes: list[int], replicas: list[Replica], block_size: int) -> dict[str, int]:
         """address -> cached leading prompt tokens, tier hits priced at their load cost
         (`Replica.cached_tokens`); {} when the index is unavailable."""
-        if self._stub is None or not hashes or not replicas:
+        if self._cache is None or not hashes or not replicas:
             return {}
         try:
-            response = await self._stub.PrefixMatch(
+            response = await self._cache.call(
+                shard_key("prefix", str(hashes[0])), "PrefixMatch",
                 cache_service_pb2.PrefixMatchRequest(block_hashes=hashes, replicas=[r.address for r in replicas]),
                 timeout=PREFIX_LOOKUP_TIMEOUT_S)
+        except NoCacheInstance as exc:
+            log.debug("prefix index unavailable: %s", exc)
+            return {}
         except grpc.aio.AioRpcError as exc:
             log.debug("prefix index unavailable: %s", exc.code().name)
             return {}
@@ -99,10 +104,6 @@ class PrefixLookup:
         return {m.replica: by_address[m.replica].cached_tokens(m.matched_blocks, m.host_blocks, m.shared_blocks,
                                                                block_size)
                 for m in response.matches if m.replica in by_address}
-
-    async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
 
 
 def build_pools(configs, channel_factory: Callable[[str], grpc.aio.Channel], policy: str,

@@ -18,7 +18,8 @@ from opentelemetry import trace
 
 from services.cache.identity import caller_metadata
 from services.common import instruments, metrics
-from specmesh.proto.v1 import cache_service_pb2, cache_service_pb2_grpc, router_service_pb2
+from services.router.cache_instances import CacheInstances, NoCacheInstance, shard_key
+from specmesh.proto.v1 import cache_service_pb2, router_service_pb2
 
 DEFAULT_K = 4
 MAX_K = 20
@@ -67,12 +68,9 @@ def tenant_labels(mesh) -> Callable[[str], tuple[str, ...]]:
 
 
 class Retrieval:
-    def __init__(self, channel_factory: Callable[[str], grpc.aio.Channel], cache_address: str,
+    def __init__(self, cache: CacheInstances | None,
                  access_labels: Callable[[str], tuple[str, ...]] | Mapping[str, tuple[str, ...]]) -> None:
-        self._stub = None
-        if cache_address:
-            self._channel = channel_factory(cache_address)
-            self._stub = cache_service_pb2_grpc.CacheServiceStub(self._channel)
+        self._cache = cache  # the service's; a corpus goes to the instance owning (tenant, corpus)
         self._labels = access_labels if callable(access_labels) else (lambda t: access_labels.get(t, ()))
 
     async def augment(self, request, tenant: str, context: grpc.aio.ServicerContext) -> Augmented | None:
@@ -94,7 +92,7 @@ class Retrieval:
             await context.abort(grpc.StatusCode.INVALID_ARGUMENT, "; ".join(problems))
         query = spec.query or request.prompt[:DEFAULT_QUERY_CHARS]
         reply = await self._forward("Retrieve", cache_service_pb2.RetrieveRequest(
-            corpus=spec.corpus, query=query, k=k), tenant, context)
+            corpus=spec.corpus, query=query, k=k), tenant, spec.corpus, context)
         docs = sorted(((r.document.id, r.document.version, r.document.text) for r in reply.documents),
                       key=lambda d: (d[0], d[1]))
         request.prompt = build_prompt(docs, request.prompt)
@@ -108,32 +106,32 @@ class Retrieval:
     async def ingest(self, request, tenant: str, context) -> router_service_pb2.IngestDocumentsResponse:
         """Forwards IngestDocuments to the cache service as `tenant`."""
         reply = await self._forward("Ingest", cache_service_pb2.IngestRequest(
-            corpus=request.corpus, documents=request.documents), tenant, context)
+            corpus=request.corpus, documents=request.documents), tenant, request.corpus, context)
         return router_service_pb2.IngestDocumentsResponse(corpus_version=reply.corpus_version,
                                                           num_documents=reply.num_documents)
 
     async def remove(self, request, tenant: str, context) -> router_service_pb2.RemoveDocumentsResponse:
         """Forwards RemoveDocuments to the cache service as `tenant`."""
         reply = await self._forward("DeleteDocuments", cache_service_pb2.DeleteDocumentsRequest(
-            corpus=request.corpus, ids=request.ids), tenant, context)
+            corpus=request.corpus, ids=request.ids), tenant, request.corpus, context)
         return router_service_pb2.RemoveDocumentsResponse(corpus_version=reply.corpus_version,
                                                           removed=reply.deleted)
 
-    async def close(self) -> None:
-        if self._stub is not None:
-            await self._channel.close()
-
-    async def _forward(self, method: str, message, tenant: str, context):
+    async def _forward(self, method: str, message, tenant: str, corpus: str, context):
         """Calls the cache service's `method` as `tenant` (with its labels) within the caller's
-        deadline; its errors become the caller's INVALID_ARGUMENT / DEADLINE_EXCEEDED / UNAVAILABLE."""
-        if self._stub is None:
+        deadline, on the instance owning (tenant, corpus); its errors become the caller's
+        INVALID_ARGUMENT / DEADLINE_EXCEEDED / UNAVAILABLE."""
+        if self._cache is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "retrieval is not configured on this router (no cache service address)")
         remaining = context.time_remaining()
         try:
-            return await getattr(self._stub, method)(
-                message, metadata=caller_metadata(tenant, self._labels(tenant)),
+            return await self._cache.call(
+                shard_key("corpus", tenant, corpus), method, message,
+                metadata=caller_metadata(tenant, self._labels(tenant)),
                 timeout=None if remaining is None else max(remaining, 0.001))
+        except NoCacheInstance as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"retrieval: {exc}")
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED):

@@ -33,6 +33,7 @@ from specmesh.proto.v1 import (
     target_service_pb2,
 )
 from services.router import route_metrics
+from services.router.cache_instances import CacheInstances
 from services.router.escalation import below_threshold
 from services.router.objective import PoolChoice, PoolView, choose_pool
 from services.router.pools import Pool, PrefixLookup, build_pools
@@ -99,13 +100,13 @@ class _Attempt:
 
 class Routing:
     def __init__(self, mesh: MeshConfig, channel_factory: Callable[[str], grpc.aio.Channel],
-                 cache_channel: grpc.aio.Channel | None, policy: str, poll_interval_s: float,
+                 cache: CacheInstances | None, policy: str, poll_interval_s: float,
                  model_cache: Path | str) -> None:  # the router's settings (services/router/settings.py)
         self.mesh = mesh
         self.policy = policy
         self.pools = build_pools(mesh.pools, channel_factory, policy, poll_interval_s,
                                  Path(model_cache).expanduser())
-        self.prefix = PrefixLookup(cache_channel)
+        self.prefix = PrefixLookup(cache)  # the cache instances are the service's
 
     async def start(self) -> None:
         """First health/stats poll of every replica; tokenizers load meanwhile (off the loop)."""
@@ -114,7 +115,6 @@ class Routing:
 
     async def close(self) -> None:
         await asyncio.gather(*(p.replicas.close() for p in self.pools.values()))
-        await self.prefix.close()
 
     def any_healthy(self) -> bool:
         return any(p.replicas.healthy() for p in self.pools.values())

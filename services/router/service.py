@@ -34,6 +34,7 @@ from services.common.telemetry import record_error
 from services.common.tls import internal_channel
 from services.router.auth import TenantAuth, Unauthenticated
 from services.router.buckets import bucket_of
+from services.router.cache_instances import CacheInstances
 from services.router.config import RouterConfig
 from services.router.models_list import list_models
 from services.router.objective import NoPool
@@ -46,8 +47,8 @@ from services.router.tool_results import ToolResults
 
 tracer = trace.get_tracer("specmesh.router")
 SERVICE_NAME = router_service_pb2.DESCRIPTOR.services_by_name["RouterService"].full_name
-# Reconnect to a restarted replica within about a health-poll interval (gRPC's default
-# backoff grows to two minutes).
+# Reconnect to a restarted replica (or cache instance) within about a health-poll interval
+# (gRPC's default backoff grows to two minutes).
 REPLICA_CHANNEL_OPTIONS = [("grpc.initial_reconnect_backoff_ms", 250), ("grpc.min_reconnect_backoff_ms", 250),
                            ("grpc.max_reconnect_backoff_ms", 2000)]
 # Target errors the caller should see as they are; anything else becomes UNAVAILABLE.
@@ -60,15 +61,18 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
     def __init__(self, config: RouterConfig) -> None:
         self.config = config
         self.auth = TenantAuth(config.tokens, config.salt_secret)
-        self.routing = Routing(
-            config.mesh, lambda address: internal_channel(address, config.mesh_tls, REPLICA_CHANNEL_OPTIONS),
-            internal_channel(config.cache_address, config.mesh_tls) if config.cache_address else None,
-            config.replica_policy, config.poll_interval_s, config.model_cache)
+
+        def channel(address: str) -> grpc.aio.Channel:  # to a target replica or a cache instance
+            return internal_channel(address, config.mesh_tls, REPLICA_CHANNEL_OPTIONS)
+
+        # The cache service's instances (listed, or found by DNS): prefix index, retrieval and
+        # tool results each send a call to the instance owning its key (services/router/cache_instances.py).
+        self.cache = CacheInstances.from_address(config.cache_address, channel, config.poll_interval_s)
+        self.routing = Routing(config.mesh, channel, self.cache, config.replica_policy, config.poll_interval_s,
+                               config.model_cache)
         self.quotas = TenantQuotas(config.mesh.tenants)
-        self.retrieval = Retrieval(lambda address: internal_channel(address, config.mesh_tls),
-                                   config.cache_address, tenant_labels(config.mesh))
-        self.tool_results = ToolResults(lambda address: internal_channel(address, config.mesh_tls),
-                                        config.cache_address)
+        self.retrieval = Retrieval(self.cache, tenant_labels(config.mesh))
+        self.tool_results = ToolResults(self.cache)
         self._routing_started: asyncio.Task | None = None
         # NOT_SERVING while no target replica is healthy (started with the server).
         self.health_watch = TargetHealthWatch(self.routing.any_healthy, config.poll_interval_s)
@@ -223,8 +227,11 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
         in the background (once; also on the first request if the server did not call it)."""
         if self._routing_started is None:  # in its own context: not part of a request's trace
             self._routing_started = asyncio.get_running_loop().create_task(
-                self.routing.start(), context=contextvars.Context())
+                self._start_routing(), context=contextvars.Context())
         await asyncio.shield(self._routing_started)
+
+    async def _start_routing(self) -> None:
+        await asyncio.gather(self.routing.start(), *([self.cache.start()] if self.cache is not None else []))
 
     async def _decide(self, route_request: RouteRequest, context) -> Decision:
         """Pool and replica plan (services/router/routing.py); an unknown `model` is INVALID_ARGUMENT."""
@@ -238,8 +245,8 @@ class RouterService(router_service_pb2_grpc.RouterServiceServicer):
     async def close(self) -> None:
         await self.health_watch.close()
         await self.routing.close()
-        await self.retrieval.close()
-        await self.tool_results.close()
+        if self.cache is not None:
+            await self.cache.close()
 
 
 def add_to_server(server: grpc.aio.Server, service: RouterService) -> None:

@@ -11,22 +11,24 @@ Agents use it through `specmesh.client` (`AsyncClient.cached_tool_call`).
 
 from __future__ import annotations
 
-from collections.abc import Callable
-
 import grpc
 
+from services.cache.config import CacheConfig
 from services.cache.identity import caller_metadata
-from specmesh.proto.v1 import cache_service_pb2, cache_service_pb2_grpc, router_service_pb2
+from services.cache.tool_cache import canonical_arguments
+from services.router.cache_instances import CacheInstances, NoCacheInstance, shard_key
+from specmesh.proto.v1 import cache_service_pb2, router_service_pb2
 
 # Cache errors the caller sees as they are; any other becomes UNAVAILABLE.
 _PASS_THROUGH = {grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.DEADLINE_EXCEEDED,
                  grpc.StatusCode.FAILED_PRECONDITION}
+# Arguments above the cache's default limit are refused there; not parsed here.
+_CANONICAL_MAX_BYTES = CacheConfig.__dataclass_fields__["max_arguments_bytes"].default
 
 
 class ToolResults:
-    def __init__(self, channel_factory: Callable[[str], grpc.aio.Channel], cache_address: str) -> None:
-        self._channel = channel_factory(cache_address) if cache_address else None
-        self._stub = cache_service_pb2_grpc.CacheServiceStub(self._channel) if self._channel else None
+    def __init__(self, cache: CacheInstances | None) -> None:
+        self._cache = cache  # the service's; a call goes to the instance owning its key
 
     async def lookup(self, request, tenant: str, context) -> router_service_pb2.LookupToolResultResponse:
         """CacheService.ToolLookup as `tenant`, within the caller's deadline."""
@@ -39,25 +41,37 @@ class ToolResults:
         await self._forward("ToolStore", _as(cache_service_pb2.ToolStoreRequest, request), tenant, context)
         return router_service_pb2.StoreToolResultResponse()
 
-    async def close(self) -> None:
-        if self._channel is not None:
-            await self._channel.close()
-
     async def _forward(self, method: str, request, tenant: str, context):
-        if self._stub is None:
+        if self._cache is None:
             await context.abort(grpc.StatusCode.FAILED_PRECONDITION,
                                 "the tool-result cache is not configured on this router (no cache service address)")
         remaining = context.time_remaining()
         try:
-            return await getattr(self._stub, method)(
+            return await self._cache.call(
+                tool_shard_key(tenant, request.tool, request.tool_version, request.arguments_json), method,
                 request, metadata=caller_metadata(tenant),
                 timeout=None if remaining is None else max(remaining, 0.001))
+        except NoCacheInstance as exc:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, f"tool cache: {exc}")
         except grpc.aio.AioRpcError as exc:
             code = exc.code()
             if code in _PASS_THROUGH:
                 await context.abort(code, f"tool cache: {exc.details()}")
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 f"tool cache: cache service unavailable ({code.name}): {exc.details()}")
+
+
+def tool_shard_key(tenant: str, tool: str, version: str, arguments_json: str) -> bytes:
+    """The cache's own key of a tool call (its canonical arguments): a lookup and its store, and
+    equal calls spelled differently, go to one instance. Arguments the cache refuses (not JSON,
+    too large) are keyed as they come; the owner refuses them as any instance would."""
+    arguments = arguments_json
+    if len(arguments_json.encode()) <= _CANONICAL_MAX_BYTES:
+        try:
+            arguments = canonical_arguments(arguments_json)
+        except (ValueError, RecursionError):
+            pass
+    return shard_key("tool", tenant, tool, version, arguments)
 
 
 def _as(message_type, message):

@@ -35,14 +35,14 @@ def test_manifests_validate_against_the_kubernetes_schemas():
     for doc in docs:
         kubernetes_validate.validate(doc, version, strict=True)  # raises on any schema error
     kinds = sorted((d["kind"], d["metadata"]["name"]) for d in docs)
-    assert ("StatefulSet", "specmesh-target") in kinds
-    assert {("Deployment", f"specmesh-{s}") for s in ("router", "cache", "draft")} <= set(kinds)
+    assert {("StatefulSet", "specmesh-target"), ("StatefulSet", "specmesh-cache")} <= set(kinds)
+    assert {("Deployment", f"specmesh-{s}") for s in ("router", "draft")} <= set(kinds)
 
 
 def test_targets_have_gpus_a_headless_service_and_every_container_health_probes():
     docs = _documents()
     services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
-    target = next(d for d in docs if d["kind"] == "StatefulSet")
+    target = _stateful_set(docs, "specmesh-target")
     assert services[target["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
     container = target["spec"]["template"]["spec"]["containers"][0]
     assert container["resources"]["requests"]["nvidia.com/gpu"] == 1
@@ -63,7 +63,7 @@ def test_pool_replicas_are_the_statefulset_headless_service_by_dns(tmp_path):
     Service (re-resolved), the cache follows the pool, and no pod is listed anywhere."""
     docs = _documents()
     mesh = _mesh(docs)
-    target = next(d for d in docs if d["kind"] == "StatefulSet")
+    target = _stateful_set(docs, "specmesh-target")
     service, ns = target["spec"]["serviceName"], target["metadata"]["namespace"]
     port = target["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
     assert mesh.pool("default").replicas == (f"dns:///{service}.{ns}.svc.cluster.local:{port}",)
@@ -75,6 +75,26 @@ def test_pool_replicas_are_the_statefulset_headless_service_by_dns(tmp_path):
     config = tmp_path / "mesh.yaml"
     config.write_text(text)
     assert cache_replicas(read_settings(environ={}, config=str(config))) == mesh.pool("default").replicas
+
+
+def test_cache_instances_are_the_cache_headless_service_by_dns(tmp_path):
+    """The router finds the cache instances the way it finds the targets: `cache_address` is the
+    cache StatefulSet's headless Service by DNS (each pod its own name), no pod listed."""
+    docs = _documents()
+    cache = _stateful_set(docs, "specmesh-cache")
+    services = {d["metadata"]["name"]: d for d in docs if d["kind"] == "Service"}
+    assert services[cache["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
+    service, ns = cache["spec"]["serviceName"], cache["metadata"]["namespace"]
+    port = cache["spec"]["template"]["spec"]["containers"][0]["ports"][0]["containerPort"]
+    from services.builders import router_config
+    from services.router.cache_instances import cache_entries
+    from services.settings import read_settings
+    config = tmp_path / "mesh.yaml"
+    config.write_text(_config_text(docs))
+    settings = read_settings(environ={"SPECMESH_TOKENS": "tok=tenant"}, config=str(config))
+    address = router_config(settings).cache_address
+    assert cache_entries(address) == (f"dns:///{service}.{ns}.svc.cluster.local:{port}",)
+    assert f"{cache['metadata']['name']}-0" not in _config_text(docs)
 
 
 def test_container_commands_parse_through_the_cli(tmp_path):
@@ -91,6 +111,10 @@ def test_container_commands_parse_through_the_cli(tmp_path):
         assert args.service == container["name"]
         settings = read_settings(environ={}, config=str(config))
         assert settings.host == "0.0.0.0"
+
+
+def _stateful_set(docs, name: str) -> dict:
+    return next(d for d in docs if d["kind"] == "StatefulSet" and d["metadata"]["name"] == name)
 
 
 def _config_text(docs) -> str:
