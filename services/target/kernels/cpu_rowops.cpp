@@ -293,35 +293,31 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bf16(const at::Tenso
   return {q, k, v};
 }
 
-// The MLP's activation: gate_up [T, 2I] bf16 (gate | up) -> bf16(bf16(gelu_tanh(gate)) * up) [T, I],
-// torch's `gelu(gate, approximate="tanh") * up` on bf16 tensors.
-at::Tensor gelu_tanh_mul_bf16(const at::Tensor& gate_up) {
-  check_rows(gate_up, "gelu_tanh_mul_bf16");
+namespace {
+
+// A gated MLP activation row by row: gate_up [T, 2I] bf16 (gate | up) -> [T, I] bf16 by `row`.
+at::Tensor gated_mul(const at::Tensor& gate_up, const char* what, void (*row)(const uint16_t*, int64_t, uint16_t*)) {
+  check_rows(gate_up, what);
   const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
-  TORCH_CHECK(gate_up.size(1) == 2 * I, "gelu_tanh_mul_bf16: gate_up [T, 2 I] expected, got ", gate_up.sizes());
+  TORCH_CHECK(gate_up.size(1) == 2 * I, what, ": gate_up [T, 2 I] expected, got ", gate_up.sizes());
   at::Tensor out = at::empty({T, I}, gate_up.options());
   const uint16_t* gp = bf16_ptr(gate_up);
   uint16_t* op = bf16_ptr(out);
   at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) gelu_mul_row(gp + t * gate_up.stride(0), I, op + t * I);
+    for (int64_t t = begin; t < end; ++t) row(gp + t * gate_up.stride(0), I, op + t * I);
   });
   return out;
 }
 
+}  // namespace
+
+// The MLP's activation: gate_up [T, 2I] bf16 (gate | up) -> bf16(bf16(gelu_tanh(gate)) * up) [T, I],
+// torch's `gelu(gate, approximate="tanh") * up` on bf16 tensors.
+at::Tensor gelu_tanh_mul_bf16(const at::Tensor& gate_up) { return gated_mul(gate_up, "gelu_tanh_mul_bf16", gelu_mul_row); }
+
 // The SwiGLU activation: gate_up [T, 2I] bf16 (gate | up) -> bf16(bf16(silu(gate)) * up) [T, I],
 // torch's `silu(gate) * up` on bf16 tensors (silu's exp by the polynomial: within a rounding step).
-at::Tensor silu_mul_bf16(const at::Tensor& gate_up) {
-  check_rows(gate_up, "silu_mul_bf16");
-  const int64_t T = gate_up.size(0), I = gate_up.size(1) / 2;
-  TORCH_CHECK(gate_up.size(1) == 2 * I, "silu_mul_bf16: gate_up [T, 2 I] expected, got ", gate_up.sizes());
-  at::Tensor out = at::empty({T, I}, gate_up.options());
-  const uint16_t* gp = bf16_ptr(gate_up);
-  uint16_t* op = bf16_ptr(out);
-  at::parallel_for(0, T, 16, [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) silu_mul_row(gp + t * gate_up.stride(0), I, op + t * I);
-  });
-  return out;
-}
+at::Tensor silu_mul_bf16(const at::Tensor& gate_up) { return gated_mul(gate_up, "silu_mul_bf16", silu_mul_row); }
 
 // Attention probabilities of a prefill piece in one pass:
 //   torch.softmax(scores.masked_fill(hidden, -inf), -1) for bf16 scores [B, R, N] (rows of B

@@ -103,6 +103,17 @@ def _rms_norm(x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
     return (torch.rms_norm(xf, (xf.shape[-1],), None, eps) * w1).type_as(x)
 
 
+def choose_row_ops(row_ops: bool | None, lm_head: nn.Module, embed: nn.Module) -> bool:
+    """Whether a lean forward runs the C++ row ops: as asked, or (None) where the linear layers
+    are specmesh's kernel (which already gave up bit-exactness) and the model is bf16."""
+    if row_ops is None:
+        lm_head = getattr(lm_head, "shard", lm_head)  # a tensor-parallel rank's (tp/shard.py)
+        row_ops = isinstance(lm_head, AVX512LinearBF16) and embed.weight.dtype == torch.bfloat16
+    if row_ops and not cpu_linear.available():
+        raise ValueError(f"row_ops cannot run here: {cpu_linear.unavailable_reason()}")
+    return row_ops
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
@@ -162,12 +173,7 @@ class Gemma3PagedForward:
         self.intermediate = config.intermediate_size
         self.scaling = text.layers[0].self_attn.scaling  # every layer's: query_pre_attn_scalar ** -0.5
         self.act = text.layers[0].mlp.act_fn  # config.hidden_activation, the same in every layer
-        if row_ops is None:
-            lm_head = getattr(self.lm_head, "shard", self.lm_head)  # a tensor-parallel rank's (tp/shard.py)
-            row_ops = isinstance(lm_head, AVX512LinearBF16) and self.embed.weight.dtype == torch.bfloat16
-        if row_ops and not cpu_linear.available():
-            raise ValueError(f"row_ops cannot run here: {cpu_linear.unavailable_reason()}")
-        self.row_ops = row_ops
+        self.row_ops = row_ops = choose_row_ops(row_ops, self.lm_head, self.embed)
         self.gelu_tanh = row_ops and getattr(config, "hidden_activation", None) == "gelu_pytorch_tanh"
         self.layers = []
         for i, layer in enumerate(text.layers[:config.num_hidden_layers]):

@@ -35,10 +35,9 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from services.target.kernels import cpu_linear, cpu_rowops
+from services.target.kernels import cpu_rowops
 from services.target.model.attention import AttentionMetadata, paged_attention
-from services.target.model.gemma3_forward import FUSED, _rotate_half
-from services.target.model.linear import AVX512LinearBF16
+from services.target.model.gemma3_forward import FUSED, _rotate_half, choose_row_ops
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at load
@@ -116,12 +115,7 @@ class LlamaPagedForward:
         self.kv_size = self.num_kv_heads * self.head_dim
         self.intermediate = config.intermediate_size
         fused = getattr(model, FUSED)
-        if row_ops is None:
-            lm_head = getattr(self.lm_head, "shard", self.lm_head)  # a tensor-parallel rank's (tp/shard.py)
-            row_ops = isinstance(lm_head, AVX512LinearBF16) and self.embed.weight.dtype == torch.bfloat16
-        if row_ops and not cpu_linear.available():
-            raise ValueError(f"row_ops cannot run here: {cpu_linear.unavailable_reason()}")
-        self.row_ops = row_ops
+        self.row_ops = row_ops = choose_row_ops(row_ops, self.lm_head, self.embed)
         self.silu = row_ops and getattr(config, "hidden_act", None) == "silu"
         self.layers = []
         for i, layer in enumerate(text.layers[:config.num_hidden_layers]):
