@@ -119,7 +119,9 @@ class LoadAwareDepth:
     - prefill_tokens: of plain_tokens, those of requests still waiting for their first token;
     - waiting: requests queued now that this step does not start (no seat, budget or blocks
       left): each waits for the whole step;
-    - arrival_rate: new requests per second lately (the scheduler's measure).
+    - arrival_rate: new requests per second lately (the scheduler's measure);
+    - full: every seat is taken (the engine is saturated: a seat frees only when a sequence
+      finishes, so the batch's rate no longer shortens anyone's queue wait).
     Returns one depth for every candidate (0 = decode normally this step).
 
     TTFT bound: the first-token delay a step adds by speculating, (t_spec - t_plain), times
@@ -131,16 +133,26 @@ class LoadAwareDepth:
     most that much longer, whatever the number of steps; the discount by chance applies only
     to steps no known request waits for. The plain step a request would wait for anyway is
     not counted against speculation.
+
+    TPOT bound, when the step is full (every seat taken) or a request waits: no row of the step
+    may get its tokens more slowly than in a plain step by more than `tpot_slack` — a row that
+    decodes plainly pays the whole step for its one token, a speculating row the step over its
+    expected tokens E[A]. Below saturation the batch's rate decides alone (idle compute is
+    spare); at saturation a faster batch frees no seat sooner for anyone already seated, so
+    speculation there must not be paid for by its batch-mates' time per token (measured at 85%
+    load: without this bound the steps grew up to ~17% under the arrival-rate discount, and the
+    rows of buckets that do not speculate took all of it).
     """
 
     def __init__(self, cost: StepCostModel | None = None, ewma: float = 0.2, min_alpha: float = 0.05,
-                 margin: float = 1.05, ttft_slack: float = 0.05) -> None:
+                 margin: float = 1.05, ttft_slack: float = 0.05, tpot_slack: float = 0.05) -> None:
         self.cost = cost or StepCostModel()
         self.draft_seconds: float | None = None  # moving mean of one batched draft call
         self.ewma = ewma
         self.min_alpha = min_alpha
         self.margin = margin  # speculation must beat plain decoding by this factor (model error)
         self.ttft_slack = ttft_slack  # expected first-token delay per step, of a plain step (the goal's 5%)
+        self.tpot_slack = tpot_slack  # at saturation: a row's time per token, of a plain step's
 
     def observe_draft(self, seconds: float) -> None:
         w = self.ewma
@@ -148,7 +160,7 @@ class LoadAwareDepth:
 
     def choose(self, plain_tokens: int, plain_outputs: int, alphas: list[float],
                max_depths: list[int], prefill_tokens: int = 0, plain_logits: int | None = None,
-               arrival_rate: float = 0.0, plain_trees: int = 0, waiting: int = 0) -> int:
+               arrival_rate: float = 0.0, plain_trees: int = 0, waiting: int = 0, full: bool = False) -> int:
         """The common depth for all candidates (each still capped by its own max depth)."""
         if not alphas:
             return 0
@@ -174,7 +186,11 @@ class LoadAwareDepth:
             pending = 1.0 if known else 1.0 - math.exp(-max(arrival_rate, 0.0) * step_time)
             if pending * (step_time - plain_time) > slack:
                 break  # deeper only costs more
-            committed = plain_outputs + sum(expected_tokens(a, k) if k else 1.0 for a, k in zip(alphas, depths))
+            gains = [expected_tokens(a, k) if k else 1.0 for a, k in zip(alphas, depths)]  # tokens per row
+            slowest = min(gains + ([1.0] if plain_outputs else []))  # the row that gains least
+            if (full or known) and step_time > (1 + self.tpot_slack) * plain_time * slowest:
+                continue  # that row's time per token would grow (a deeper step may still pay it back)
+            committed = plain_outputs + sum(gains)
             rate = committed / max(step_time, 1e-9)
             if rate > best_rate * (self.margin if best_depth == 0 else 1.0001):
                 best_depth, best_rate = d, rate

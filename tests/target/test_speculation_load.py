@@ -242,3 +242,51 @@ def test_verify_rows_never_push_a_queued_first_token_past_the_bound(tiny_llama_d
     scheduler.remove(queued)  # nobody waits any more
     depths = {s.seq_id: d for s, d in speculator._depths(batch)}
     assert depths == {"run0": 8, "run1": 8}
+
+
+def test_a_full_step_never_slows_a_plain_row_past_the_tpot_slack():
+    # One plain decode row beside one candidate at α = 0.8. Plain: 30.2 ms; depth d adds the
+    # 1 ms draft call and 0.1·d ms. Below saturation the batch's rate decides: depth 8. With
+    # every seat taken, the plain row's one token may cost at most 5% more (31.71 ms): d <= 5.
+    chooser = _chooser(a=0.030, b=0.00005, draft_s=0.001)
+    assert chooser.choose(1, 1, [0.8], [8]) == 8
+    assert chooser.choose(1, 1, [0.8], [8], full=True) == 5
+    # A candidate that accepts little is a row that gains little: at α = 0.1 a verify pass
+    # yields ~1.1 tokens, so full steps may grow ~15% for it, but not the 40% of depth 8
+    # when its batch-mate accepts 0.9 and the step's slope is steep.
+    steep = _chooser(a=0.030, b=0.0005, draft_s=0.001)
+    assert steep.choose(0, 0, [0.9, 0.1], [8, 8]) == 8
+    full = steep.choose(0, 0, [0.9, 0.1], [8, 8], full=True)
+    plain = steep.cost.predict(2, 2)
+    assert 0 < full < 8
+    assert steep.cost.predict(2 + 2 * full, 2 + 2 * full, 2) + 0.001 <= 1.05 * plain * 1.1111
+
+
+def test_verify_rows_never_slow_a_seated_plain_row_past_the_bound_when_seats_are_full(tiny_llama_dir):
+    """The scheduler and the speculator on a deterministic step-cost model: a speculating
+    sequence beside one that decodes plainly. With a free seat the plan drafts at full depth;
+    once every seat is taken the plain row's time per token grows at most 5%."""
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    for seats, expect_full in ((3, False), (2, True)):
+        speculator = Speculator(None, None, max_context=1024, metrics=None)
+        speculator.load = _chooser(a=0.030, b=0.00005, draft_s=0.001)
+        scheduler = Scheduler(BlockManager(64, 16, enable_prefix_caching=False), max_num_seqs=seats,
+                              max_batched_tokens=64, draft_limit=speculator.max_draft_nodes)
+        speculator.seats_full = scheduler.seats_full
+        plan = SpeculationPlan(common_pb2.SPECULATION_METHOD_PROMPT_LOOKUP, max_depth=8, max_nodes=8,
+                               load_aware=True, acceptance=0.8)
+        for seq in (_seq(tokenizer, "spec", plan), _seq(tokenizer, "plain", None)):
+            scheduler.add(seq)
+        for item in scheduler.schedule():
+            item.seq.num_computed = item.seq.num_tokens
+            item.seq.token_ids.append(7)
+        batch = scheduler.schedule()
+        assert scheduler.seats_full() is expect_full
+        depths = {s.seq_id: d for s, d in speculator._depths(batch)}
+        cost = speculator.load.cost
+        plain = cost.predict(2, 2)
+        spec = cost.predict(2 + depths["spec"], 2 + depths["spec"], 1) + 0.001
+        if expect_full:
+            assert 0 < depths["spec"] < 8 and spec <= 1.05 * plain  # the plain row pays at most 5%
+        else:
+            assert depths == {"spec": 8}

@@ -113,6 +113,7 @@ class Engine:
         if self.speculator is not None:
             self.speculator.arrival_rate = self.scheduler.arrival_rate  # arrivals wait for the step
             self.speculator.queue_length = self._queue_length  # so do requests already queued
+            self.speculator.seats_full = self.scheduler.seats_full  # saturated: batch-mates' TPOT is bounded
         if ranks is not None:
             ranks.tp.on_lost(self._lose_rank)
 
@@ -390,6 +391,7 @@ class Engine:
             if batch:
                 self.num_steps += 1
                 started = time.monotonic()
+                decoding = _decode_rows(batch)  # before the step: afterwards every row looks like a prompt chunk
                 try:
                     self._metrics.step(batch)
                 except Exception:  # metrics only: nothing else depends on them
@@ -403,7 +405,7 @@ class Engine:
                     with self._lock:
                         for item in batch:
                             self._finish(item.seq, error=exc)
-                self._log_step(batch, started, waiting)
+                self._log_step(batch, started, waiting, decoding)
 
     def _queue_length(self) -> int:
         """Requests that wait for the running step before they can start: queued in the
@@ -411,9 +413,8 @@ class Engine:
         incoming list is fine: a request arriving a moment later waits as well)."""
         return len(self.scheduler.waiting) + len(self._incoming)
 
-    def _log_step(self, batch: list[ScheduledSeq], started: float, waiting: int) -> None:
+    def _log_step(self, batch: list[ScheduledSeq], started: float, waiting: int, decoding: int) -> None:
         draft_s, nodes, trees = self.speculator.last_step if self.speculator else (0.0, 0, 0)
-        decoding = sum(1 for item in batch if item.samples and item.num_tokens == 1)
         self.step_log.steps.append(StepRecord(
             self.num_steps, started, time.monotonic(), draft_s,
             prefill_tokens=sum(item.num_tokens for item in batch) - decoding, decode_rows=decoding,
@@ -591,3 +592,8 @@ class Engine:
     def _finish_samples(self, request_id: str, reason: FinishReason) -> None:
         for seq in self._samples(request_id):
             self._finish(seq, reason)
+
+
+def _decode_rows(batch: list[ScheduledSeq]) -> int:
+    """Rows of a scheduled step that decode a generated token (the rest are prompt chunks)."""
+    return sum(1 for item in batch if item.samples and item.num_tokens == 1 and item.seq.num_output_tokens > 0)

@@ -116,6 +116,10 @@ class Scheduler:
         self.blocks.release(seq.seq_id)
         seq.status = SeqStatus.FINISHED
 
+    def seats_full(self) -> bool:
+        """Every seat is taken: a new request can start only when a running one finishes."""
+        return len(self.running) >= self.max_num_seqs
+
     @property
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)

@@ -1,5 +1,6 @@
 """What each engine step carried, and which steps each request waited through before its
-first token: the record that tells where a time to first token went.
+first token and after it: the record that tells where a time to first token, and a time
+per output token, went.
 
 The engine appends one `StepRecord` per step and one `FirstToken` per request when its first
 token commits (engine thread only; bounded, oldest dropped). A request's first-token wait
@@ -10,6 +11,7 @@ other sequences' verify rows, and its own prefill chunks (`waited_steps`). The P
 
 from __future__ import annotations
 
+import bisect
 from collections import deque
 from dataclasses import dataclass
 
@@ -68,3 +70,22 @@ def first_token_breakdown(first: FirstToken, steps: list[StepRecord]) -> dict:
             "draft_call_s": sum(s.draft_s for s in spec),
             "draft_nodes": sum(s.draft_nodes for s in spec),
             "max_waiting": max((s.waiting for s in waited), default=0)}
+
+
+def decode_breakdown(first_token: float, end: float, steps: list[StepRecord]) -> dict:
+    """What the steps between a request's first token and its last (monotonic) carried: its
+    time per output token is their mean length (`steps` in start order). A request whose
+    batch-mates speculated shows verify rows here; one slowed by a prefill burst, prefill
+    tokens; one slowed by the machine (other load), long steps carrying neither."""
+    starts = [s.start for s in steps]
+    lo, hi = bisect.bisect_left(starts, first_token), bisect.bisect_left(starts, end)
+    mine = steps[lo:hi]
+    if not mine:
+        return {"decode_steps": 0}
+    n = len(mine)
+    return {"decode_steps": n,
+            "decode_step_s": sum(s.end - s.start for s in mine) / n,
+            "decode_rows": sum(s.decode_rows for s in mine) / n,
+            "decode_prefill_tokens": sum(s.prefill_tokens for s in mine) / n,
+            "decode_draft_nodes": sum(s.draft_nodes for s in mine) / n,
+            "decode_draft_s": sum(s.draft_s for s in mine) / n}

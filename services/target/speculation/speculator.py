@@ -70,6 +70,7 @@ class Speculator:
         self.load = LoadAwareDepth()  # measured step and draft times -> depth per step
         self.arrival_rate: Callable[[], float] = lambda: 0.0  # the scheduler's, set by the engine
         self.queue_length: Callable[[], int] = lambda: 0  # requests waiting for the step, set by the engine
+        self.seats_full: Callable[[], bool] = lambda: False  # every seat taken (saturated), set by the engine
         # The last step's (draft call seconds, draft nodes verified, trees) for the step log.
         self.last_step: tuple[float, int, int] = (0.0, 0, 0)
         self.features = FeatureBuffer()  # EAGLE: features of committed positions not yet sent
@@ -251,7 +252,8 @@ class Speculator:
         """(sequence, depth >= 1) for the sequences that speculate this step. Load-aware plans
         take the depth that maximises the batch's committed tokens per second, at most what
         keeps the first-token delay of a request prefilled in the step, queued behind it, or
-        arriving while it runs (the scheduler's arrival rate), within the TTFT slack
+        arriving while it runs (the scheduler's arrival rate), within the TTFT slack, and, once
+        every seat is taken, no row's time per token beyond the TPOT slack
         (services/common/speculation_cost.LoadAwareDepth); 0 = decode normally."""
         fixed, aware = [], []
         plain_tokens = plain_outputs = plain_logits = prefill_tokens = 0
@@ -277,7 +279,7 @@ class Speculator:
             plain_outputs += expected_tokens(self.alpha(seq), depth)
         cap = self.load.choose(plain_tokens, int(plain_outputs), alphas, [d for _, d in aware],
                                prefill_tokens, plain_logits, self.arrival_rate(), len(fixed),
-                               waiting=self.queue_length())
+                               waiting=self.queue_length(), full=self.seats_full())
         capped = [(seq, min(depth, cap)) for (seq, depth), alpha in zip(aware, alphas)
                   if cap and alpha >= self.load.min_alpha]
         return fixed + capped
