@@ -140,19 +140,35 @@ def test_kernel_reads_strided_rows_and_refuses_bad_shapes():
 
 
 @needs_kernel
-def test_avx512_layers_replace_bias_free_linears_and_keep_onednn_for_a_bias():
+def test_avx512_layers_replace_every_linear_and_add_a_bias_within_two_rounding_steps():
     model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.Linear(96, 32, bias=True)).to(torch.bfloat16)
     x = _bf16(5, 64, seed=6)
     reference = model(x)
     assert linear.prepack_linears(model, "bf16-avx512") == 2
     assert isinstance(model[0], linear.AVX512LinearBF16)
-    # a bias: oneDNN's bf16 where it runs bf16, else (the AVX2 build's CPUs) fbgemm fp16
-    assert isinstance(model[1], linear.PackedLinearBF16 if linear.native_bf16_cpu() else linear.PackedLinearFP16)
+    assert isinstance(model[1], linear.AVX512LinearBF16)  # a bias (Qwen2's q/k/v) no longer leaves the kernel
     y = model(x)
     assert y.shape == reference.shape and y.dtype == torch.bfloat16
     torch.testing.assert_close(y, reference, atol=0.02, rtol=0.02)
     lm_head = linear.AVX512LinearBF16(nn.Linear(64, 10, bias=False).to(torch.bfloat16), out_dtype=torch.float32)
     assert lm_head(x).dtype == torch.float32
+
+
+@needs_kernel
+@pytest.mark.parametrize("rows", [1, 7, 64])
+def test_a_biased_kernel_output_is_within_one_bf16_step_of_torch(rows):
+    # The bias is summed with the products in float32 (an input column of ones), then the one
+    # rounding, as torch does: one step at most (summation order), in few outputs.
+    layer = nn.Linear(256, 160, bias=True).to(torch.bfloat16)
+    with torch.no_grad():
+        layer.bias.copy_(_bf16(160, seed=8, scale=2.0))  # biases the size of the products
+    x = _bf16(rows, 256, seed=7)
+    ours = linear.AVX512LinearBF16(layer)(x).float()
+    theirs = layer(x).float()
+    step = torch.maximum(ours.abs(), theirs.abs()) * 2.0**-7
+    summation = 2 * (x.shape[1] + 1) * 2.0**-24 * (x.float().abs() @ layer.weight.float().abs().T + layer.bias.float().abs())
+    assert bool(((ours - theirs).abs() <= step + summation).all())
+    assert (ours != theirs).float().mean().item() < 0.01
 
 
 def test_auto_picks_the_avx512_kernel_wherever_it_builds(monkeypatch):

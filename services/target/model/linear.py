@@ -95,19 +95,26 @@ class AVX512LinearBF16(nn.Module):
     kernel's summation order (k in order with FMA; pairs of k with VDPBF16PS on AVX512-BF16), so an
     output can differ from torch's by one bf16 rounding step (tests/target/test_cpu_linear.py), and a
     row's outputs do not depend on the other rows of the step.
+
+    A bias (Qwen2's q/k/v) rides in the product as one more input column: W' = [W | b] and
+    x' = [x | 1], so it is summed in float32 with the products before the one rounding, as
+    torch adds it (a bf16 bias times 1 is exact), at the cost of copying the rows once.
     """
 
     def __init__(self, linear: nn.Linear, out_dtype: torch.dtype | None = None) -> None:
         super().__init__()
-        if linear.bias is not None:
-            raise ValueError("AVX512LinearBF16 has no bias; layers with a bias keep oneDNN")
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.out_dtype = out_dtype
         weight = linear.weight.detach().to(torch.bfloat16)  # [out_features, in_features]
-        self.register_buffer("panels", cpu_linear.pack(weight), persistent=False)  # [ceil(out / 32), ceil(in / 2), 64] bf16
+        self.has_bias = linear.bias is not None
+        if self.has_bias:
+            weight = torch.cat([weight, linear.bias.detach().to(torch.bfloat16)[:, None]], dim=1)  # [out, in + 1]
+        self.register_buffer("panels", cpu_linear.pack(weight), persistent=False)  # [ceil(out / 32), ceil(in' / 2), 64] bf16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [rows, in] bf16
+        if self.has_bias:
+            flat = torch.cat([flat, flat.new_ones(flat.shape[0], 1)], dim=1)  # [rows, in + 1]: the bias's column
         y = cpu_linear.bf16_linear(flat, self.panels, self.out_features)  # [rows, out] bf16
         return y.to(self.out_dtype or x.dtype).reshape(*x.shape[:-1], self.out_features)
 
@@ -194,7 +201,6 @@ def prepack_linears(model: nn.Module, weights: str) -> int:
         raise ValueError(f"weights='bf16-avx512' cannot run here: {cpu_linear.unavailable_reason()}; "
                          "use --weights bf16 or auto")
     cls = classes[weights]
-    native_bf16 = native_bf16_cpu()
     lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     lm_head = getattr(lm_head, "shard", lm_head)  # a tensor-parallel rank's slice of it (tp/shard.py)
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
@@ -202,8 +208,5 @@ def prepack_linears(model: nn.Module, weights: str) -> int:
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         out_dtype = torch.float32 if module is lm_head else None
-        layer_cls = cls
-        if cls is AVX512LinearBF16 and module.bias is not None:  # the kernel has no bias: oneDNN's bf16,
-            layer_cls = PackedLinearBF16 if native_bf16 else PackedLinearFP16  # or fbgemm where oneDNN has none (AVX2)
-        setattr(parent, attr, layer_cls(module, out_dtype))
+        setattr(parent, attr, cls(module, out_dtype))
     return len(targets)
