@@ -155,7 +155,6 @@ class ReplicaSet:
         self._refreshes: set[asyncio.Task] = set()
         self._dns = DnsReplicas(addresses)
         self._resolving: asyncio.Task | None = None
-        self._resolve_lock = asyncio.Lock()  # the poll and a failure may resolve at once
         self._add(self._dns.listed())
 
     # ---- public API ------------------------------------------------------------
@@ -243,16 +242,14 @@ class ReplicaSet:
 
     async def _resolve(self) -> None:
         """Expands dns:/// entries (off the event loop); adds new replicas, drops vanished ones."""
-        if not self._dns.dynamic:
-            return
-        async with self._resolve_lock:
-            wanted = await self._dns.expand()
-            for address in [a for a in wanted if a not in self._replicas]:
-                log.info("replica %s found by DNS", address)
-                self._add([address])
-            for address in [a for a in self._replicas if a not in wanted]:
-                log.info("replica %s left DNS: removed", address)
-                await self._replicas.pop(address).channel.close()
+        added, removed = await self._dns.changes(self._replicas.keys())
+        for address in added:
+            log.info("replica %s found by DNS", address)
+        self._add(added)
+        gone = [self._replicas.pop(address) for address in removed]
+        for replica in gone:
+            log.info("replica %s left DNS: removed", replica.address)
+            await replica.channel.close()
 
     def _add(self, addresses) -> None:
         for address in addresses:
