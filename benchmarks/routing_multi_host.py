@@ -12,9 +12,9 @@ The same seeded Poisson plan as benchmarks/routing.py `replicas` (tenants with s
 system prompts; KV pools sized so all prefixes fit in the hosts together, not in one).
 
 The oracle: Belady's MIN (evict, or do not admit, the prefix used again latest) over one
-cache of every host's capacity together, counted in whole prefixes: each host holds at most
-num_blocks // blocks-of-the-shortest-prefix of them (an over-estimate: it leaves no room
-for running requests). Any placement of the requests on the hosts, with any eviction, holds
+cache of every host's capacity together, counted in prefixes: each host holds at most
+num_blocks // the blocks of 90% of the shortest prefix (a hit, below) of them (an
+over-estimate: it leaves no room for running requests). Any placement of the requests on the hosts, with any eviction, holds
 at most that many prefixes at once, and MIN is optimal for one cache, so no routing hits on
 more requests: an upper bound, not a model of one policy. With room for every tenant it is
 simply the share of requests whose tenant was seen before.
@@ -126,7 +126,7 @@ async def bench(model_dir: Path, args) -> None:
     num_blocks = math.ceil(longest * slots / BLOCK)
     order = [t for t, _, _ in plan]
     repeat = repeats(plan)
-    capacity = args.hosts * (num_blocks // math.ceil(shortest / BLOCK))
+    capacity = args.hosts * (num_blocks // math.ceil(0.9 * shortest / BLOCK))  # hits held at once
     oracle = oracle_hits(order, capacity)
     setup = dict(what="multi-host replicas", command="PYTHONPATH=. python " + " ".join(sys.argv),
                  model=model_dir.name, hosts=args.hosts, tenants=args.tenants,
