@@ -14,10 +14,11 @@ system prompts; KV pools sized so all prefixes fit in the hosts together, not in
 The oracle: Belady's MIN (evict, or do not admit, the prefix used again latest) over one
 cache of every host's capacity together, counted in prefixes: each host holds at most
 num_blocks // the blocks of 90% of the shortest prefix (a hit, below) of them (an
-over-estimate: it leaves no room for running requests). Any placement of the requests on the hosts, with any eviction, holds
-at most that many prefixes at once, and MIN is optimal for one cache, so no routing hits on
-more requests: an upper bound, not a model of one policy. With room for every tenant it is
-simply the share of requests whose tenant was seen before.
+over-estimate: it leaves no room for running requests). Any placement of the requests on
+the hosts, with any eviction, holds at most that many prefixes at once, and MIN is optimal
+for one cache, so no routing hits on more requests: an upper bound, not a model of one
+policy. With room for every tenant it is simply the share of requests whose tenant was
+seen before.
 Reported: per policy the share of requests that hit (cached >= 90% of the shortest
 prefix), token hit rate, TTFT P50/P99, kv_aware's request hit share / the oracle's, and
 the CPU used by processes other than this one and its targets while the policies ran.
