@@ -1,17 +1,24 @@
-"""`specmesh status`: health of each service, the router's pools and replicas with their KV
-use and queue (from the router's ListModels, which holds each replica's last GetStats).
+"""`specmesh status`: health of each service, each cache instance's prefix index, the router's
+pools and replicas with their KV use and queue (from the router's ListModels, which holds
+each replica's last GetStats).
 
     service  address          state
     router   127.0.0.1:50051  SERVING
     ...
+    cache 127.0.0.1:50054  prefix index: 1/1 target replicas synced, 40 entries, 52 events, 1 snapshots  backend memory
     pool default (model default)
       replica 127.0.0.1:50052  SERVING  KV 3/2048 blocks used, 1 cached, 2045 free  running 0  waiting 0  queued tokens 0
 
-Exit status 0 when every service and replica is SERVING, else 1.
+`cache_address` may name several instances (a comma-separated list, and `dns:///NAME:PORT`
+entries resolved as the router resolves them, services/common/dns_replicas.py): each
+instance is one `cache` row, by its identity, and one line of its own `GetStats`.
+
+Exit status 0 when every service, cache instance and replica is SERVING, else 1.
 """
 
 from __future__ import annotations
 
+import asyncio
 import socket
 import urllib.error
 import urllib.request
@@ -20,9 +27,11 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from services.common.client import router_ca
+from services.common.dns_replicas import DnsReplicas
+from services.router.cache_instances import cache_entries
 from services.settings import Settings
 from specmesh.client import NO_RETRIES, Client
-from specmesh.proto.v1 import router_service_pb2
+from specmesh.proto.v1 import cache_service_pb2, cache_service_pb2_grpc, router_service_pb2
 
 TIMEOUT_S = 3.0
 LISTENING_TLS = "listening (mutual TLS: pass --tls-dir to check its health)"
@@ -41,18 +50,25 @@ def status_lines(settings: Settings) -> tuple[list[str], bool]:
     public = _router_channel(settings, router)
     rows = [("router", router, _health(public))]
     tls = _mesh_tls(settings)
-    for name, address in (("draft", draft), ("cache", cache)):
+    caches, no_cache = _cache_instances(cache)
+    cache_stats = []
+    for name, address in [("draft", draft), *(("cache", c) for c in caches)]:
         with _internal_channel(address, tls) as channel:
             state = _health(channel)
+            if name == "cache":
+                cache_stats.append(f"cache {address}  {cache_line(channel)}")
         if state == "UNAVAILABLE" and tls is None and _listening(address):
             state = LISTENING_TLS  # a mutual-TLS service refuses a plaintext health check
         rows.append((name, address, state))
+    if no_cache:
+        rows.append(("cache", cache, no_cache))
     if settings.gateway_port:
         rows.append(("gateway", f"http://{settings.host}:{settings.gateway_port}", _http_health(settings)))
-    ok = all(state in ("SERVING", "ok", "not running", LISTENING_TLS) for _, _, state in rows)
+    ok = all(state in ("SERVING", "ok", "not running", "not configured", LISTENING_TLS) for _, _, state in rows)
     width = max(len(a) for _, a, _ in rows)
     lines = [f"{'service':<8} {'address':<{width}}  state"]
     lines += [f"{name:<8} {address:<{width}}  {state}" for name, address, state in rows]
+    lines += cache_stats
     public.close()
     ca = router_ca(settings)
     # One attempt: status reports what the router says now, it does not wait for a better answer.
@@ -83,7 +99,31 @@ def replica_line(r: router_service_pb2.ReplicaStatus) -> str:
             f"waiting {r.waiting_requests}  queued tokens {r.queued_tokens}")
 
 
+def cache_line(channel: grpc.Channel) -> str:
+    """One cache instance's GetStats, or why there are none."""
+    try:
+        s = cache_service_pb2_grpc.CacheServiceStub(channel).GetStats(
+            cache_service_pb2.CacheServiceGetStatsRequest(), timeout=TIMEOUT_S)
+    except grpc.RpcError as exc:
+        return f"(no stats: {exc.code().name})"
+    return (f"prefix index: {s.synced_replicas}/{s.replicas} target replicas synced, {s.index_entries} entries, "
+            f"{s.events_applied} events, {s.resyncs} snapshots  backend {s.backend}")
+
+
 # ---- helpers ----------------------------------------------------------------
+def _cache_instances(address: str) -> tuple[list[str], str]:
+    """The cache instances `cache_address` names now (dns:/// entries resolved), and the
+    state to show instead when it names none."""
+    try:
+        entries = cache_entries(address)
+    except ValueError as exc:
+        return [], f"bad address: {exc}"
+    if not entries:
+        return [], "not configured"
+    instances = asyncio.run(DnsReplicas(entries).expand())
+    return instances, "" if instances else "no instance resolved"
+
+
 def _addresses(settings: Settings) -> tuple[str, str, str]:
     """router, draft, cache; with `--port BASE` the layout of `specmesh up --port BASE`."""
     if settings.port:

@@ -71,14 +71,14 @@ class KVSubscribers:
 
     async def resolve_once(self) -> None:
         """Follows the replicas DNS names now; drops those it no longer names."""
-        wanted = set(self._listed) | set(await self.dns.expand())
-        for replica in [r for r in wanted if r not in self._tasks]:
+        added, removed = await self.dns.changes(self._tasks.keys())
+        for replica in added:
             log.info("prefix index: following %s (found by DNS)", replica)
             self.index.track(replica)
             self._start_following(replica)
-        for replica in [r for r in self._tasks if r not in wanted]:
+        gone = [(r, self._tasks.pop(r)) for r in removed if r not in self._listed]
+        for replica, task in gone:
             log.info("prefix index: %s left DNS", replica)
-            task = self._tasks.pop(replica)
             task.cancel()
             await asyncio.gather(task, return_exceptions=True)
             self.index.drop(replica)

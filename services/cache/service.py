@@ -85,6 +85,13 @@ class CacheService(cache_service_pb2_grpc.CacheServiceServicer):
                                   host_blocks=m.host_blocks, shared_blocks=m.shared_blocks)
             for m in matches])
 
+    async def GetStats(self, request, context: grpc.aio.ServicerContext):
+        index = self.index
+        return pb.CacheServiceGetStatsResponse(
+            replicas=len(index.replicas), synced_replicas=sum(map(index.is_synced, index.replicas)),
+            index_entries=index.size, events_applied=index.events_applied, resyncs=index.resyncs,
+            backend=self.config.backend)
+
     # ---- tool results -------------------------------------------------------------------------
 
     async def ToolLookup(self, request, context: grpc.aio.ServicerContext):

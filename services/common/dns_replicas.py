@@ -19,7 +19,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import socket
-from collections.abc import Iterable
+from collections.abc import Collection, Iterable
 
 from services.common.mesh_config import DNS_PREFIX
 
@@ -56,6 +56,7 @@ class DnsReplicas:
         self._last: dict[str, list[str]] = {e: [] for e in self.entries if e.startswith(DNS_PREFIX)}
         self._names: dict[str, str | None] = {}  # address -> its reverse name (None: none)
         self._seen: set[str] = set()  # addresses answered during this expand()
+        self._lock = asyncio.Lock()  # a poll and a failure may resolve at once
 
     @property
     def dynamic(self) -> bool:
@@ -64,6 +65,17 @@ class DnsReplicas:
     def listed(self) -> list[str]:
         """The entries that need no resolution."""
         return [e for e in self.entries if not e.startswith(DNS_PREFIX)]
+
+    async def changes(self, known: Collection[str]) -> tuple[list[str], list[str]]:
+        """Resolves now: (identities to add, identities to drop) against `known`, the caller's
+        current set (a live view, read once the resolution is done). ([], []) when no entry
+        is dynamic. One resolution at a time; the caller applies both lists before its next
+        await, so a resolution that follows sees them applied."""
+        if not self.dynamic:
+            return [], []
+        async with self._lock:
+            wanted = await self.expand()
+            return [i for i in wanted if i not in known], [i for i in known if i not in wanted]
 
     async def expand(self) -> list[str]:
         """Every replica identity, listed entries first, without duplicates."""

@@ -108,7 +108,6 @@ class CacheInstances:
         self._started: asyncio.Task | None = None
         self._poll: asyncio.Task | None = None
         self._resolving: asyncio.Task | None = None
-        self._resolve_lock = asyncio.Lock()  # the poll and a failure may resolve at once
         self._closing: set[asyncio.Task] = set()
         self._add(self._dns.listed())
 
@@ -185,19 +184,16 @@ class CacheInstances:
 
     async def _resolve(self) -> None:
         """Expands the dns:/// entries; adds new instances, drops vanished ones."""
-        if not self._dns.dynamic:
-            return
-        async with self._resolve_lock:
-            wanted = await self._dns.expand()
-            for name in [n for n in wanted if n not in self._instances]:
-                log.info("cache instance %s found by DNS", name)
-                self._add([name])
-            for name in [n for n in self._instances if n not in wanted]:
-                log.info("cache instance %s left DNS: dropped", name)
-                closing = asyncio.get_running_loop().create_task(
-                    self._instances.pop(name).channel.close(grace=CLOSE_GRACE_S), context=contextvars.Context())
-                self._closing.add(closing)
-                closing.add_done_callback(self._closing.discard)
+        added, removed = await self._dns.changes(self._instances.keys())
+        for name in added:
+            log.info("cache instance %s found by DNS", name)
+        self._add(added)
+        for name in removed:
+            log.info("cache instance %s left DNS: dropped", name)
+            closing = asyncio.get_running_loop().create_task(
+                self._instances.pop(name).channel.close(grace=CLOSE_GRACE_S), context=contextvars.Context())
+            self._closing.add(closing)
+            closing.add_done_callback(self._closing.discard)
 
     def _add(self, names) -> None:
         for name in names:

@@ -86,8 +86,20 @@ class PrefixLookup:
 
     async def cached_tokens(self, hashes: list[int], replicas: list[Replica], block_size: int) -> dict[str, int]:
         """address -> cached leading prompt tokens, tier hits priced at their load cost
-        (`Replica.cached_tokens`); {} when the index is unavailable."""
-        if self._cache is None or not hashes or not replicas:
+        (`Replica.cached_tokens`), at least what this router's prompts in flight there share
+        (`Replica.sent_blocks`: the index hears of those blocks only once they are computed)."""
+        if not hashes or not replicas:
+            return {}
+        out = await self._indexed(hashes, replicas, block_size)
+        for r in replicas:
+            sent = r.sent_blocks(hashes) * block_size
+            if sent > out.get(r.address, 0):
+                out[r.address] = sent
+        return out
+
+    async def _indexed(self, hashes: list[int], replicas: list[Replica], block_size: int) -> dict[str, int]:
+        """What the prefix index says; {} when it is unavailable."""
+        if self._cache is None:
             return {}
         try:
             response = await self._cache.call(

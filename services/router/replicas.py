@@ -13,8 +13,17 @@ Replica choice (`choose`), per `policy`:
 - `round_robin`: the next healthy replica in turn.
 - `least_loaded`: the least `load_tokens` (running + queued work).
 - `kv_aware` (default): the least `uncached prompt tokens + load_weight · load_tokens`, where
-  the cached prefix comes from the cache service's prefix index. Ties go to the replica with
-  the least KV holding cached prefixes (a new prefix evicts less there), then in turn.
+  the cached prefix comes from the cache service's prefix index, or from a prompt this router
+  has in flight on the replica (`Replica.sent_blocks`: computed there, or being computed, before
+  the index hears of it). `load_weight` is 1/2 (`LOAD_WEIGHT`): the uncached tokens delay this
+  request and then every request queued after it on that replica (the work it adds to the
+  mesh), the load only this request — so a prefix is recomputed elsewhere only when its
+  replica is more than two such recomputes behind. (At 1, a replica holding a 1000-token
+  prefix behind one other 1000-token prefill lost to an idle one by the request's few
+  uncached tokens: an even trade for this request that duplicated the prefix and cost the
+  mesh 1000 tokens; on the multi-host benchmark those were all of kv_aware's misses.) Ties go
+  to the replica with the least KV holding cached prefixes (a new prefix evicts less there),
+  then in turn.
   A prefix held below the pool (the replica's host tier, or the shared tier) counts at its
   load cost (`Replica.cached_tokens`): each such block saves a recompute but costs its bytes
   over the replica's measured bandwidth for that tier, in recompute-equivalent tokens.
@@ -39,6 +48,7 @@ from specmesh.proto.v1 import target_service_pb2, target_service_pb2_grpc
 log = logging.getLogger(__name__)
 CHECK_TIMEOUT_S = 2.0  # a busy replica answers health and stats slowly, not never
 EJECT_AFTER_SLOW_CHECKS = 3  # consecutive timed-out checks before a replica is ejected
+LOAD_WEIGHT = 0.5  # kv_aware: load tokens per uncached prompt token (module docstring)
 
 
 @dataclass
@@ -77,6 +87,7 @@ class Replica:
         self.stats: ReplicaStats | None = None
         self.in_flight = 0  # requests this router has on it now
         self.in_flight_tokens = 0  # their uncached prompt until the first token, + max_tokens until the end
+        self.sent: dict[object, list[int]] = {}  # a key per request in flight -> its prompt's block hashes
 
     @property
     def load_tokens(self) -> int:
@@ -96,6 +107,20 @@ class Replica:
         host = host_blocks * (1 - host_cost) if s.host_tier_capacity_bytes else 0.0
         shared = shared_blocks * (1 - shared_cost) if s.shared_tier_capacity_bytes else 0.0
         return round((device_blocks + host + shared) * block_size)
+
+    def sent_blocks(self, hashes: list[int]) -> int:
+        """Leading blocks of `hashes` that a prompt this router has in flight here starts with:
+        computed here, or being computed (its blocks are held while it runs), whether or not
+        the prefix index has heard of them yet."""
+        best = 0
+        for sent in self.sent.values():
+            n = 0
+            for a, b in zip(hashes, sent):
+                if a != b:
+                    break
+                n += 1
+            best = max(best, n)
+        return best
 
     @property
     def cached_fraction(self) -> float:
@@ -140,7 +165,7 @@ class ReplicaSet:
     """One pool's replicas; owns their channels and the poll task."""
 
     def __init__(self, addresses: tuple[str, ...], channel_factory: Callable[[str], grpc.aio.Channel],
-                 policy: str, poll_interval_s: float, load_weight: float = 1.0) -> None:
+                 policy: str, poll_interval_s: float, load_weight: float = LOAD_WEIGHT) -> None:
         # policy and poll interval: the settings' (services/router/settings.py), no defaults here
         if policy not in POLICIES:
             raise ValueError(f"replica policy must be one of {POLICIES}, got {policy!r}")
@@ -155,7 +180,6 @@ class ReplicaSet:
         self._refreshes: set[asyncio.Task] = set()
         self._dns = DnsReplicas(addresses)
         self._resolving: asyncio.Task | None = None
-        self._resolve_lock = asyncio.Lock()  # the poll and a failure may resolve at once
         self._add(self._dns.listed())
 
     # ---- public API ------------------------------------------------------------
@@ -243,16 +267,14 @@ class ReplicaSet:
 
     async def _resolve(self) -> None:
         """Expands dns:/// entries (off the event loop); adds new replicas, drops vanished ones."""
-        if not self._dns.dynamic:
-            return
-        async with self._resolve_lock:
-            wanted = await self._dns.expand()
-            for address in [a for a in wanted if a not in self._replicas]:
-                log.info("replica %s found by DNS", address)
-                self._add([address])
-            for address in [a for a in self._replicas if a not in wanted]:
-                log.info("replica %s left DNS: removed", address)
-                await self._replicas.pop(address).channel.close()
+        added, removed = await self._dns.changes(self._replicas.keys())
+        for address in added:
+            log.info("replica %s found by DNS", address)
+        self._add(added)
+        gone = [self._replicas.pop(address) for address in removed]
+        for replica in gone:
+            log.info("replica %s left DNS: removed", replica.address)
+            await replica.channel.close()
 
     def _add(self, addresses) -> None:
         for address in addresses:

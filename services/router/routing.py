@@ -83,6 +83,7 @@ class Decision:
     escalate: bool  # hold this pool's answer and check its confidence
     prompt_ids: dict[str, list[int] | None] = field(default_factory=dict)  # per pool
     cached: dict[str, dict[str, int]] = field(default_factory=dict)  # pool -> address -> tokens
+    block_hashes: dict[str, list[int]] = field(default_factory=dict)  # pool -> the prompt's (kv_aware)
 
 
 @dataclass
@@ -122,12 +123,12 @@ class Routing:
     # ---- decide ----------------------------------------------------------------
     async def decide(self, req: RouteRequest) -> Decision:
         """Chooses the pool; raises objective.NoPool for an unknown or too-short `model`."""
-        decision_views, prompt_ids, cached = [], {}, {}
+        decision_views, prompt_ids, cached, block_hashes = [], {}, {}, {}
         tokenized: dict[str, asyncio.Future] = {}  # pools of one model tokenize once
         views = await asyncio.gather(*(self._view(pool, req, tokenized) for pool in self.pools.values()))
-        for pool, (view, ids, per_replica) in zip(self.pools.values(), views):
+        for pool, (view, ids, per_replica, hashes) in zip(self.pools.values(), views):
             decision_views.append(view)
-            prompt_ids[pool.name], cached[pool.name] = ids, per_replica
+            prompt_ids[pool.name], cached[pool.name], block_hashes[pool.name] = ids, per_replica, hashes
         tenant = self.mesh.tenant(req.tenant)
         choice = choose_pool(decision_views, prompt=req.text, max_tokens=req.max_tokens, bucket=req.bucket,
                              weights=self.mesh.weights_for(req.tenant), rules=self.mesh.risk_rules,
@@ -139,16 +140,17 @@ class Routing:
         span.set_attribute("specmesh.route.reason", choice.reason)
         for term in ("cost", "latency_s", "quality", "risk", "total"):
             span.set_attribute(f"specmesh.route.{term}", getattr(choice.score, term))
-        return Decision(choice, pool, pool.config.escalates(req.bucket), prompt_ids, cached)
+        return Decision(choice, pool, pool.config.escalates(req.bucket), prompt_ids, cached, block_hashes)
 
     async def _view(self, pool: Pool, req: RouteRequest, tokenized: dict[str, asyncio.Future]
-                    ) -> tuple[PoolView, list[int] | None, dict[str, int]]:
+                    ) -> tuple[PoolView, list[int] | None, dict[str, int], list[int]]:
         if pool.config.model not in tokenized:
             tokenized[pool.config.model] = asyncio.ensure_future(
                 pool.tokenize(req.target.prompt, req.target.messages))
         ids = await tokenized[pool.config.model]
         prompt_tokens = len(ids) if ids is not None else pool.estimate_tokens(req.text)
         per_replica: dict[str, int] = {}
+        hashes: list[int] = []
         if self.policy == "kv_aware" and ids is not None:
             hashes = pool.block_hashes(ids[:-1], req.target.tenant_salt)  # the last token is always computed
             per_replica = await self.prefix.cached_tokens(hashes, pool.replicas.healthy(),
@@ -158,7 +160,7 @@ class Routing:
                         cached_tokens=per_replica.get(best.address, 0) if best else 0,
                         queued_tokens=best.load_tokens if best else 0, tpot_s=pool.tpot_s,
                         available=best is not None)
-        return view, ids, per_replica
+        return view, ids, per_replica, hashes
 
     # ---- execute ---------------------------------------------------------------
     async def execute(self, decision: Decision, req: RouteRequest, timeout: float
@@ -223,7 +225,8 @@ class Routing:
             attempt.final = None
             attempt.predicted_cached = cached.get(replica.address, 0)
             try:
-                async for response in self._call(pool, replica, req, deadline, prompt_tokens, attempt, hold):
+                async for response in self._call(pool, replica, req, deadline, prompt_tokens, attempt, hold,
+                                                 decision.block_hashes.get(pool.name, [])):
                     yield response
                 if attempt.final is None:
                     raise UpstreamError(grpc.StatusCode.UNAVAILABLE, f"replica {replica.address} ended the "
@@ -237,7 +240,7 @@ class Routing:
                 failure = exc
 
     async def _call(self, pool: Pool, replica: Replica, req: RouteRequest, deadline: float,
-                    prompt_tokens: int, attempt: _Attempt, hold: bool):
+                    prompt_tokens: int, attempt: _Attempt, hold: bool, block_hashes: list[int]):
         tenant = self.mesh.tenant(req.tenant)
         target_request = target_service_pb2.TargetServiceGenerateRequest()
         target_request.CopyFrom(req.target)  # with the request's one id: a retry goes to another replica
@@ -255,6 +258,8 @@ class Routing:
         prefill = max(0, prompt_tokens - attempt.predicted_cached)
         replica.in_flight += 1
         replica.in_flight_tokens += prefill + req.max_tokens
+        sent = object()  # this call's prompt blocks count as held there while it runs
+        replica.sent[sent] = block_hashes
         call = replica.stub.Generate(target_request, timeout=max(deadline - time.monotonic(), 0.001))
         streamed, first_at = False, None
         try:
@@ -287,6 +292,7 @@ class Routing:
         finally:
             replica.in_flight -= 1
             replica.in_flight_tokens -= prefill + req.max_tokens
+            del replica.sent[sent]
             if attempt.final is not None:
                 pool.replicas.refresh(replica)  # its queue and cache changed
             call.cancel()  # no-op when finished; frees the target's blocks when we were cancelled

@@ -24,17 +24,17 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fspecmesh/v1/cache_service.proto\x12\x0bspecmesh.v1\"K\n\x16\x43\x61\x63heServiceGetRequest\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.specmesh.v1.CacheKind\x12\x0b\n\x03key\x18\x02 \x01(\t\"7\n\x17\x43\x61\x63heServiceGetResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\r\n\x05value\x18\x02 \x01(\x0c\"o\n\x16\x43\x61\x63heServicePutRequest\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.specmesh.v1.CacheKind\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x13\n\x0bttl_seconds\x18\x04 \x01(\x05\"\x19\n\x17\x43\x61\x63heServicePutResponse\"<\n\x12PrefixMatchRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x10\n\x08replicas\x18\x02 \x03(\t\"y\n\x12ReplicaPrefixMatch\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x02 \x01(\x05\x12\x0e\n\x06synced\x18\x03 \x01(\x08\x12\x13\n\x0bhost_blocks\x18\x04 \x01(\x05\x12\x15\n\rshared_blocks\x18\x05 \x01(\x05\"G\n\x13PrefixMatchResponse\x12\x30\n\x07matches\x18\x01 \x03(\x0b\x32\x1f.specmesh.v1.ReplicaPrefixMatch\"a\n\x11ToolLookupRequest\x12\x0c\n\x04tool\x18\x01 \x01(\t\x12\x14\n\x0ctool_version\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\x12\x10\n\x08lease_ms\x18\x04 \x01(\x05\"\x8f\x01\n\x12ToolLookupResponse\x12/\n\x07outcome\x18\x01 \x01(\x0e\x32\x1e.specmesh.v1.ToolLookupOutcome\x12\r\n\x05value\x18\x02 \x01(\x0c\x12\x10\n\x08is_error\x18\x03 \x01(\x08\x12\x15\n\rerror_message\x18\x04 \x01(\t\x12\x10\n\x08lease_id\x18\x05 \x01(\t\"\xa9\x01\n\x10ToolStoreRequest\x12\x0c\n\x04tool\x18\x01 \x01(\t\x12\x14\n\x0ctool_version\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x0f\n\x05value\x18\x05 \x01(\x0cH\x00\x12\x17\n\rerror_message\x18\x06 \x01(\tH\x00\x12\x13\n\x0bttl_seconds\x18\x07 \x01(\x05\x42\x08\n\x06result\"\x13\n\x11ToolStoreResponse\"E\n\x08\x44ocument\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x0e\n\x06labels\x18\x04 \x03(\t\"I\n\rIngestRequest\x12\x0e\n\x06\x63orpus\x18\x01 \x01(\t\x12(\n\tdocuments\x18\x02 \x03(\x0b\x32\x15.specmesh.v1.Document\"?\n\x0eIngestResponse\x12\x16\n\x0e\x63orpus_version\x18\x01 \x01(\x03\x12\x15\n\rnum_documents\x18\x02 \x01(\x05\"5\n\x16\x44\x65leteDocumentsRequest\x12\x0e\n\x06\x63orpus\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\t\"B\n\x17\x44\x65leteDocumentsResponse\x12\x16\n\x0e\x63orpus_version\x18\x01 \x01(\x03\x12\x0f\n\x07\x64\x65leted\x18\x02 \x01(\x05\";\n\x0fRetrieveRequest\x12\x0e\n\x06\x63orpus\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12\t\n\x01k\x18\x03 \x01(\x05\"K\n\x11RetrievedDocument\x12\'\n\x08\x64ocument\x18\x01 \x01(\x0b\x32\x15.specmesh.v1.Document\x12\r\n\x05score\x18\x02 \x01(\x01\"p\n\x10RetrieveResponse\x12\x31\n\tdocuments\x18\x01 \x03(\x0b\x32\x1e.specmesh.v1.RetrievedDocument\x12\x11\n\tcache_hit\x18\x02 \x01(\x08\x12\x16\n\x0e\x63orpus_version\x18\x03 \x01(\x03*V\n\tCacheKind\x12\x1a\n\x16\x43\x41\x43HE_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43\x41\x43HE_KIND_RETRIEVAL\x10\x01\x12\x13\n\x0f\x43\x41\x43HE_KIND_TOOL\x10\x02*\x9c\x01\n\x11ToolLookupOutcome\x12#\n\x1fTOOL_LOOKUP_OUTCOME_UNSPECIFIED\x10\x00\x12\x1b\n\x17TOOL_LOOKUP_OUTCOME_HIT\x10\x01\x12%\n!TOOL_LOOKUP_OUTCOME_LEASE_GRANTED\x10\x02\x12\x1e\n\x1aTOOL_LOOKUP_OUTCOME_WAITED\x10\x03\x32\x89\x05\n\x0c\x43\x61\x63heService\x12P\n\x03Get\x12#.specmesh.v1.CacheServiceGetRequest\x1a$.specmesh.v1.CacheServiceGetResponse\x12P\n\x03Put\x12#.specmesh.v1.CacheServicePutRequest\x1a$.specmesh.v1.CacheServicePutResponse\x12P\n\x0bPrefixMatch\x12\x1f.specmesh.v1.PrefixMatchRequest\x1a .specmesh.v1.PrefixMatchResponse\x12M\n\nToolLookup\x12\x1e.specmesh.v1.ToolLookupRequest\x1a\x1f.specmesh.v1.ToolLookupResponse\x12J\n\tToolStore\x12\x1d.specmesh.v1.ToolStoreRequest\x1a\x1e.specmesh.v1.ToolStoreResponse\x12\x41\n\x06Ingest\x12\x1a.specmesh.v1.IngestRequest\x1a\x1b.specmesh.v1.IngestResponse\x12\\\n\x0f\x44\x65leteDocuments\x12#.specmesh.v1.DeleteDocumentsRequest\x1a$.specmesh.v1.DeleteDocumentsResponse\x12G\n\x08Retrieve\x12\x1c.specmesh.v1.RetrieveRequest\x1a\x1d.specmesh.v1.RetrieveResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1fspecmesh/v1/cache_service.proto\x12\x0bspecmesh.v1\"K\n\x16\x43\x61\x63heServiceGetRequest\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.specmesh.v1.CacheKind\x12\x0b\n\x03key\x18\x02 \x01(\t\"7\n\x17\x43\x61\x63heServiceGetResponse\x12\r\n\x05\x66ound\x18\x01 \x01(\x08\x12\r\n\x05value\x18\x02 \x01(\x0c\"o\n\x16\x43\x61\x63heServicePutRequest\x12$\n\x04kind\x18\x01 \x01(\x0e\x32\x16.specmesh.v1.CacheKind\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\r\n\x05value\x18\x03 \x01(\x0c\x12\x13\n\x0bttl_seconds\x18\x04 \x01(\x05\"\x19\n\x17\x43\x61\x63heServicePutResponse\"\x1d\n\x1b\x43\x61\x63heServiceGetStatsRequest\"\x9a\x01\n\x1c\x43\x61\x63heServiceGetStatsResponse\x12\x10\n\x08replicas\x18\x01 \x01(\x05\x12\x17\n\x0fsynced_replicas\x18\x02 \x01(\x05\x12\x15\n\rindex_entries\x18\x03 \x01(\x03\x12\x16\n\x0e\x65vents_applied\x18\x04 \x01(\x03\x12\x0f\n\x07resyncs\x18\x05 \x01(\x03\x12\x0f\n\x07\x62\x61\x63kend\x18\x06 \x01(\t\"<\n\x12PrefixMatchRequest\x12\x14\n\x0c\x62lock_hashes\x18\x01 \x03(\x04\x12\x10\n\x08replicas\x18\x02 \x03(\t\"y\n\x12ReplicaPrefixMatch\x12\x0f\n\x07replica\x18\x01 \x01(\t\x12\x16\n\x0ematched_blocks\x18\x02 \x01(\x05\x12\x0e\n\x06synced\x18\x03 \x01(\x08\x12\x13\n\x0bhost_blocks\x18\x04 \x01(\x05\x12\x15\n\rshared_blocks\x18\x05 \x01(\x05\"G\n\x13PrefixMatchResponse\x12\x30\n\x07matches\x18\x01 \x03(\x0b\x32\x1f.specmesh.v1.ReplicaPrefixMatch\"a\n\x11ToolLookupRequest\x12\x0c\n\x04tool\x18\x01 \x01(\t\x12\x14\n\x0ctool_version\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\x12\x10\n\x08lease_ms\x18\x04 \x01(\x05\"\x8f\x01\n\x12ToolLookupResponse\x12/\n\x07outcome\x18\x01 \x01(\x0e\x32\x1e.specmesh.v1.ToolLookupOutcome\x12\r\n\x05value\x18\x02 \x01(\x0c\x12\x10\n\x08is_error\x18\x03 \x01(\x08\x12\x15\n\rerror_message\x18\x04 \x01(\t\x12\x10\n\x08lease_id\x18\x05 \x01(\t\"\xa9\x01\n\x10ToolStoreRequest\x12\x0c\n\x04tool\x18\x01 \x01(\t\x12\x14\n\x0ctool_version\x18\x02 \x01(\t\x12\x16\n\x0e\x61rguments_json\x18\x03 \x01(\t\x12\x10\n\x08lease_id\x18\x04 \x01(\t\x12\x0f\n\x05value\x18\x05 \x01(\x0cH\x00\x12\x17\n\rerror_message\x18\x06 \x01(\tH\x00\x12\x13\n\x0bttl_seconds\x18\x07 \x01(\x05\x42\x08\n\x06result\"\x13\n\x11ToolStoreResponse\"E\n\x08\x44ocument\x12\n\n\x02id\x18\x01 \x01(\t\x12\x0c\n\x04text\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x03\x12\x0e\n\x06labels\x18\x04 \x03(\t\"I\n\rIngestRequest\x12\x0e\n\x06\x63orpus\x18\x01 \x01(\t\x12(\n\tdocuments\x18\x02 \x03(\x0b\x32\x15.specmesh.v1.Document\"?\n\x0eIngestResponse\x12\x16\n\x0e\x63orpus_version\x18\x01 \x01(\x03\x12\x15\n\rnum_documents\x18\x02 \x01(\x05\"5\n\x16\x44\x65leteDocumentsRequest\x12\x0e\n\x06\x63orpus\x18\x01 \x01(\t\x12\x0b\n\x03ids\x18\x02 \x03(\t\"B\n\x17\x44\x65leteDocumentsResponse\x12\x16\n\x0e\x63orpus_version\x18\x01 \x01(\x03\x12\x0f\n\x07\x64\x65leted\x18\x02 \x01(\x05\";\n\x0fRetrieveRequest\x12\x0e\n\x06\x63orpus\x18\x01 \x01(\t\x12\r\n\x05query\x18\x02 \x01(\t\x12\t\n\x01k\x18\x03 \x01(\x05\"K\n\x11RetrievedDocument\x12\'\n\x08\x64ocument\x18\x01 \x01(\x0b\x32\x15.specmesh.v1.Document\x12\r\n\x05score\x18\x02 \x01(\x01\"p\n\x10RetrieveResponse\x12\x31\n\tdocuments\x18\x01 \x03(\x0b\x32\x1e.specmesh.v1.RetrievedDocument\x12\x11\n\tcache_hit\x18\x02 \x01(\x08\x12\x16\n\x0e\x63orpus_version\x18\x03 \x01(\x03*V\n\tCacheKind\x12\x1a\n\x16\x43\x41\x43HE_KIND_UNSPECIFIED\x10\x00\x12\x18\n\x14\x43\x41\x43HE_KIND_RETRIEVAL\x10\x01\x12\x13\n\x0f\x43\x41\x43HE_KIND_TOOL\x10\x02*\x9c\x01\n\x11ToolLookupOutcome\x12#\n\x1fTOOL_LOOKUP_OUTCOME_UNSPECIFIED\x10\x00\x12\x1b\n\x17TOOL_LOOKUP_OUTCOME_HIT\x10\x01\x12%\n!TOOL_LOOKUP_OUTCOME_LEASE_GRANTED\x10\x02\x12\x1e\n\x1aTOOL_LOOKUP_OUTCOME_WAITED\x10\x03\x32\xea\x05\n\x0c\x43\x61\x63heService\x12P\n\x03Get\x12#.specmesh.v1.CacheServiceGetRequest\x1a$.specmesh.v1.CacheServiceGetResponse\x12P\n\x03Put\x12#.specmesh.v1.CacheServicePutRequest\x1a$.specmesh.v1.CacheServicePutResponse\x12P\n\x0bPrefixMatch\x12\x1f.specmesh.v1.PrefixMatchRequest\x1a .specmesh.v1.PrefixMatchResponse\x12M\n\nToolLookup\x12\x1e.specmesh.v1.ToolLookupRequest\x1a\x1f.specmesh.v1.ToolLookupResponse\x12J\n\tToolStore\x12\x1d.specmesh.v1.ToolStoreRequest\x1a\x1e.specmesh.v1.ToolStoreResponse\x12\x41\n\x06Ingest\x12\x1a.specmesh.v1.IngestRequest\x1a\x1b.specmesh.v1.IngestResponse\x12\\\n\x0f\x44\x65leteDocuments\x12#.specmesh.v1.DeleteDocumentsRequest\x1a$.specmesh.v1.DeleteDocumentsResponse\x12G\n\x08Retrieve\x12\x1c.specmesh.v1.RetrieveRequest\x1a\x1d.specmesh.v1.RetrieveResponse\x12_\n\x08GetStats\x12(.specmesh.v1.CacheServiceGetStatsRequest\x1a).specmesh.v1.CacheServiceGetStatsResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'specmesh.v1.cache_service_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_CACHEKIND']._serialized_start=1604
-  _globals['_CACHEKIND']._serialized_end=1690
-  _globals['_TOOLLOOKUPOUTCOME']._serialized_start=1693
-  _globals['_TOOLLOOKUPOUTCOME']._serialized_end=1849
+  _globals['_CACHEKIND']._serialized_start=1792
+  _globals['_CACHEKIND']._serialized_end=1878
+  _globals['_TOOLLOOKUPOUTCOME']._serialized_start=1881
+  _globals['_TOOLLOOKUPOUTCOME']._serialized_end=2037
   _globals['_CACHESERVICEGETREQUEST']._serialized_start=48
   _globals['_CACHESERVICEGETREQUEST']._serialized_end=123
   _globals['_CACHESERVICEGETRESPONSE']._serialized_start=125
@@ -43,36 +43,40 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_CACHESERVICEPUTREQUEST']._serialized_end=293
   _globals['_CACHESERVICEPUTRESPONSE']._serialized_start=295
   _globals['_CACHESERVICEPUTRESPONSE']._serialized_end=320
-  _globals['_PREFIXMATCHREQUEST']._serialized_start=322
-  _globals['_PREFIXMATCHREQUEST']._serialized_end=382
-  _globals['_REPLICAPREFIXMATCH']._serialized_start=384
-  _globals['_REPLICAPREFIXMATCH']._serialized_end=505
-  _globals['_PREFIXMATCHRESPONSE']._serialized_start=507
-  _globals['_PREFIXMATCHRESPONSE']._serialized_end=578
-  _globals['_TOOLLOOKUPREQUEST']._serialized_start=580
-  _globals['_TOOLLOOKUPREQUEST']._serialized_end=677
-  _globals['_TOOLLOOKUPRESPONSE']._serialized_start=680
-  _globals['_TOOLLOOKUPRESPONSE']._serialized_end=823
-  _globals['_TOOLSTOREREQUEST']._serialized_start=826
-  _globals['_TOOLSTOREREQUEST']._serialized_end=995
-  _globals['_TOOLSTORERESPONSE']._serialized_start=997
-  _globals['_TOOLSTORERESPONSE']._serialized_end=1016
-  _globals['_DOCUMENT']._serialized_start=1018
-  _globals['_DOCUMENT']._serialized_end=1087
-  _globals['_INGESTREQUEST']._serialized_start=1089
-  _globals['_INGESTREQUEST']._serialized_end=1162
-  _globals['_INGESTRESPONSE']._serialized_start=1164
-  _globals['_INGESTRESPONSE']._serialized_end=1227
-  _globals['_DELETEDOCUMENTSREQUEST']._serialized_start=1229
-  _globals['_DELETEDOCUMENTSREQUEST']._serialized_end=1282
-  _globals['_DELETEDOCUMENTSRESPONSE']._serialized_start=1284
-  _globals['_DELETEDOCUMENTSRESPONSE']._serialized_end=1350
-  _globals['_RETRIEVEREQUEST']._serialized_start=1352
-  _globals['_RETRIEVEREQUEST']._serialized_end=1411
-  _globals['_RETRIEVEDDOCUMENT']._serialized_start=1413
-  _globals['_RETRIEVEDDOCUMENT']._serialized_end=1488
-  _globals['_RETRIEVERESPONSE']._serialized_start=1490
-  _globals['_RETRIEVERESPONSE']._serialized_end=1602
-  _globals['_CACHESERVICE']._serialized_start=1852
-  _globals['_CACHESERVICE']._serialized_end=2501
+  _globals['_CACHESERVICEGETSTATSREQUEST']._serialized_start=322
+  _globals['_CACHESERVICEGETSTATSREQUEST']._serialized_end=351
+  _globals['_CACHESERVICEGETSTATSRESPONSE']._serialized_start=354
+  _globals['_CACHESERVICEGETSTATSRESPONSE']._serialized_end=508
+  _globals['_PREFIXMATCHREQUEST']._serialized_start=510
+  _globals['_PREFIXMATCHREQUEST']._serialized_end=570
+  _globals['_REPLICAPREFIXMATCH']._serialized_start=572
+  _globals['_REPLICAPREFIXMATCH']._serialized_end=693
+  _globals['_PREFIXMATCHRESPONSE']._serialized_start=695
+  _globals['_PREFIXMATCHRESPONSE']._serialized_end=766
+  _globals['_TOOLLOOKUPREQUEST']._serialized_start=768
+  _globals['_TOOLLOOKUPREQUEST']._serialized_end=865
+  _globals['_TOOLLOOKUPRESPONSE']._serialized_start=868
+  _globals['_TOOLLOOKUPRESPONSE']._serialized_end=1011
+  _globals['_TOOLSTOREREQUEST']._serialized_start=1014
+  _globals['_TOOLSTOREREQUEST']._serialized_end=1183
+  _globals['_TOOLSTORERESPONSE']._serialized_start=1185
+  _globals['_TOOLSTORERESPONSE']._serialized_end=1204
+  _globals['_DOCUMENT']._serialized_start=1206
+  _globals['_DOCUMENT']._serialized_end=1275
+  _globals['_INGESTREQUEST']._serialized_start=1277
+  _globals['_INGESTREQUEST']._serialized_end=1350
+  _globals['_INGESTRESPONSE']._serialized_start=1352
+  _globals['_INGESTRESPONSE']._serialized_end=1415
+  _globals['_DELETEDOCUMENTSREQUEST']._serialized_start=1417
+  _globals['_DELETEDOCUMENTSREQUEST']._serialized_end=1470
+  _globals['_DELETEDOCUMENTSRESPONSE']._serialized_start=1472
+  _globals['_DELETEDOCUMENTSRESPONSE']._serialized_end=1538
+  _globals['_RETRIEVEREQUEST']._serialized_start=1540
+  _globals['_RETRIEVEREQUEST']._serialized_end=1599
+  _globals['_RETRIEVEDDOCUMENT']._serialized_start=1601
+  _globals['_RETRIEVEDDOCUMENT']._serialized_end=1676
+  _globals['_RETRIEVERESPONSE']._serialized_start=1678
+  _globals['_RETRIEVERESPONSE']._serialized_end=1790
+  _globals['_CACHESERVICE']._serialized_start=2040
+  _globals['_CACHESERVICE']._serialized_end=2786
 # @@protoc_insertion_point(module_scope)

@@ -59,6 +59,26 @@ class CacheServicePutResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
+class CacheServiceGetStatsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CacheServiceGetStatsResponse(_message.Message):
+    __slots__ = ("replicas", "synced_replicas", "index_entries", "events_applied", "resyncs", "backend")
+    REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    SYNCED_REPLICAS_FIELD_NUMBER: _ClassVar[int]
+    INDEX_ENTRIES_FIELD_NUMBER: _ClassVar[int]
+    EVENTS_APPLIED_FIELD_NUMBER: _ClassVar[int]
+    RESYNCS_FIELD_NUMBER: _ClassVar[int]
+    BACKEND_FIELD_NUMBER: _ClassVar[int]
+    replicas: int
+    synced_replicas: int
+    index_entries: int
+    events_applied: int
+    resyncs: int
+    backend: str
+    def __init__(self, replicas: _Optional[int] = ..., synced_replicas: _Optional[int] = ..., index_entries: _Optional[int] = ..., events_applied: _Optional[int] = ..., resyncs: _Optional[int] = ..., backend: _Optional[str] = ...) -> None: ...
+
 class PrefixMatchRequest(_message.Message):
     __slots__ = ("block_hashes", "replicas")
     BLOCK_HASHES_FIELD_NUMBER: _ClassVar[int]

@@ -81,6 +81,11 @@ class CacheServiceStub:
                 request_serializer=specmesh_dot_v1_dot_cache__service__pb2.RetrieveRequest.SerializeToString,
                 response_deserializer=specmesh_dot_v1_dot_cache__service__pb2.RetrieveResponse.FromString,
                 _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/specmesh.v1.CacheService/GetStats',
+                request_serializer=specmesh_dot_v1_dot_cache__service__pb2.CacheServiceGetStatsRequest.SerializeToString,
+                response_deserializer=specmesh_dot_v1_dot_cache__service__pb2.CacheServiceGetStatsResponse.FromString,
+                _registered_method=True)
 
 
 class CacheServiceServicer:
@@ -178,6 +183,15 @@ class CacheServiceServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStats(self, request, context):
+        """This instance's counts, for `specmesh status`: its prefix index (the
+        target replicas it follows, how many it holds a snapshot of, its entries,
+        events and snapshots applied) and its backend. Needs no tenant.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_CacheServiceServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -220,6 +234,11 @@ def add_CacheServiceServicer_to_server(servicer, server):
                     servicer.Retrieve,
                     request_deserializer=specmesh_dot_v1_dot_cache__service__pb2.RetrieveRequest.FromString,
                     response_serializer=specmesh_dot_v1_dot_cache__service__pb2.RetrieveResponse.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=specmesh_dot_v1_dot_cache__service__pb2.CacheServiceGetStatsRequest.FromString,
+                    response_serializer=specmesh_dot_v1_dot_cache__service__pb2.CacheServiceGetStatsResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -445,6 +464,33 @@ class CacheService:
             '/specmesh.v1.CacheService/Retrieve',
             specmesh_dot_v1_dot_cache__service__pb2.RetrieveRequest.SerializeToString,
             specmesh_dot_v1_dot_cache__service__pb2.RetrieveResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/specmesh.v1.CacheService/GetStats',
+            specmesh_dot_v1_dot_cache__service__pb2.CacheServiceGetStatsRequest.SerializeToString,
+            specmesh_dot_v1_dot_cache__service__pb2.CacheServiceGetStatsResponse.FromString,
             options,
             channel_credentials,
             insecure,
