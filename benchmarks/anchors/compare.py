@@ -113,11 +113,15 @@ class VLLM:
         return await asyncio.get_running_loop().run_in_executor(self.pool, self._generate, prompt, max_tokens)
 
     def _generate(self, prompt: str, max_tokens: int) -> tuple[int, float, float]:
-        body = json.dumps({"model": self.model, "prompt": prompt, "max_tokens": max_tokens,
-                           "temperature": 0, "stream": True,
-                           "stream_options": {"include_usage": True}} | self.extra).encode()
+        return self.complete({"prompt": prompt, "max_tokens": max_tokens, "temperature": 0})[:3]
+
+    def complete(self, fields: dict) -> tuple[int, float, float, str, str | None]:
+        """One streamed completion whose body has `fields` (and `extra`): (tokens, seconds to the
+        first token, seconds in all, text, finish reason)."""
+        body = json.dumps({"model": self.model, "stream": True,
+                           "stream_options": {"include_usage": True}} | fields | self.extra).encode()
         req = urllib.request.Request(self.url, body, {"Content-Type": "application/json"})
-        start, first, n = time.perf_counter(), None, 0
+        start, first, n, text, finish = time.perf_counter(), None, 0, "", None
         with urllib.request.urlopen(req, timeout=600) as resp:
             for line in resp:
                 line = line.strip()
@@ -128,10 +132,13 @@ class VLLM:
                 # checkpoint's tokens often decode to nothing; waiting for text measured ~0 s of decode).
                 if msg.get("choices") and not msg["choices"][0].get("finish_reason"):
                     first = first or time.perf_counter()
+                for choice in msg.get("choices") or ():
+                    text += choice.get("text") or ""
+                    finish = choice.get("finish_reason") or finish
                 if msg.get("usage"):
                     n = msg["usage"]["completion_tokens"]
                     self.cached_tokens.append((msg["usage"].get("prompt_tokens_details") or {}).get("cached_tokens"))
-        return n, (first or time.perf_counter()) - start, time.perf_counter() - start
+        return n, (first or time.perf_counter()) - start, time.perf_counter() - start, text, finish
 
 
 class LlamaCpp(VLLM):
@@ -239,7 +246,10 @@ def start_specmesh(model: str, log_dir: Path, weights: str = "auto", generic: bo
     return procs + generic_procs
 
 
-def start_vllm(venv: Path, model_dir: Path, depth: int, log_dir: Path) -> subprocess.Popen:
+def start_vllm(venv: Path, model_dir: Path, depth: int, log_dir: Path, extra_args: tuple[str, ...] = (),
+               log_name: str = "") -> subprocess.Popen:
+    """vLLM's OpenAI server on VLLM_PORT; n-gram speculation at `depth` (0: off); `extra_args`
+    go on its command line; its log is `log_name` (default vllm-DEPTH.log) in `log_dir`."""
     py = venv / "bin" / "python"
     # Two OpenMP threads bound to cores 0-1 (its default binds one core and reserves the other).
     env = {**os.environ, "OMP_NUM_THREADS": "2", "VLLM_CPU_KVCACHE_SPACE": "2",
@@ -253,8 +263,8 @@ def start_vllm(venv: Path, model_dir: Path, depth: int, log_dir: Path) -> subpro
     if depth:
         cmd += ["--speculative-config", json.dumps({"method": "ngram", "num_speculative_tokens": depth,
                                                     "prompt_lookup_max": 4, "prompt_lookup_min": 2})]
-    return subprocess.Popen(cmd, env=env, stdout=open(log_dir / f"vllm-{depth}.log", "w"),
-                            stderr=subprocess.STDOUT)
+    log = open(log_dir / (log_name or f"vllm-{depth}.log"), "w")
+    return subprocess.Popen([*cmd, *extra_args], env=env, stdout=log, stderr=subprocess.STDOUT)
 
 
 def llamacpp_files(directory: Path) -> tuple[Path, dict[str, Path]]:
