@@ -105,7 +105,6 @@ class Prepared:
         return any(tree is None for tree in self.trees)
 
 
-
 class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
     def __init__(self, config: DraftConfig, draft_model=None, eagle=None) -> None:
         """`draft_model`: an already loaded `DraftModel` to use instead of loading
