@@ -100,8 +100,11 @@ def test_a_batch_of_dynamic_trees_equals_single_calls(draft_model):
     _, one_by_one = _run(DynamicTreeProposer(draft_model, top_k=3), DT, TREE_LIMITS, batched=False)
     _same(many, one_by_one)
     assert all(many[0][sid].num_nodes == TREE_LIMITS[sid][1] for sid in PROMPTS3)
-    for sid in PROMPTS3:  # tree rows were scratch: the cache holds exactly the committed tokens
-        assert batched.proposer.cached_token_ids(sid) == tuple(batched.store.get(sid).token_ids)
+    states = [batched.store.get(sid) for sid in PROMPTS3]
+    batched.proposer.propose_batch(states, [4] * 3, [9] * 3)
+    for state in states:  # tree rows were scratch: the cache holds exactly the committed tokens
+        assert batched.proposer.cached_token_ids(state.sequence_id) == tuple(state.token_ids)
+        assert batched.proposer.cache_length(state.sequence_id) == state.num_tokens
 
 
 @pytest.mark.parametrize("proposer_class,limits", [(DraftModelProposer, (5, 5)), (DynamicTreeProposer, (4, 12))])
