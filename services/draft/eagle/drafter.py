@@ -9,8 +9,8 @@ feature after it: the head then attends fewer positions (weaker drafts), never w
 
 Trees (EAGLE-2, arXiv 2406.16858): expansion by cumulative draft probability, `top_k`
 children per expanded node and `top_k` nodes expanded per depth (one head forward per depth
-for all of them and for every sequence of the batch, under a tree mask), then the kept nodes reranked to the node budget. The
-candidate bookkeeping is the draft model's dynamic tree's (`dynamic_tree._Candidates`,
+for all of them and for every sequence of the batch, under a tree mask), then the kept nodes
+reranked to the node budget. The candidate bookkeeping is the draft model's dynamic tree's (`dynamic_tree._Candidates`,
 `_frontier`, `_keep`: the greedy path is always kept, so a tree never accepts less than the
 chain under greedy verification).
 """
