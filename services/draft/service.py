@@ -1,13 +1,13 @@
 """gRPC DraftService: batched draft proposals for the target's scheduler steps.
 
-Every Propose request (unary or one message of ProposeStream) is handled in three
-phases with no await in between, so requests never interleave:
+Every Propose request (unary or one message of ProposeStream) is handled in phases:
 1. validate the whole request: for unary Propose nothing changes when any sequence is bad;
    on ProposeStream a bad sequence is left out (no tree for it: its own error, logged) and
    the others go on, so one bad sequence never costs the batch its drafts,
 2. commit: append new committed tokens to the store and let the proposer observe them,
 3. propose: one draft tree per sequence; each method's proposer is called once per
-   request with all its sequences.
+   request with all its sequences (a model's proposer drafts them in one batched forward
+   per depth).
 
 Methods: PROMPT_LOOKUP (also for UNSPECIFIED) and SUFFIX always; DRAFT_MODEL and
 DYNAMIC_TREE when a draft model is configured (`DraftConfig.draft_model_dir`), EAGLE when a
@@ -15,10 +15,14 @@ feature head is (`DraftConfig.eagle_head_path`, services/draft/eagle), else they
 FAILED_PRECONDITION. EAGLE sequences carry the target's features (checked in phase 1,
 handed to the proposer in phase 2).
 
-Requests that run the draft model go to a worker thread, so the event loop keeps
-answering health checks meanwhile; one lock serializes every Propose and Release, and a
-proposal in a thread always finishes (even when its RPC is cancelled) before the lock
-is released, so the phases above still never interleave.
+Concurrency: a request claims its sequence ids (`SequenceClaims`) and waits only for requests
+holding one of them (the same target's late step, a Release), never for other targets.
+Phases 1, 2 and the proposals without a model run on the event loop with no await in between;
+proposals with a model (`_MODEL_METHODS`) run in a worker thread, so the event loop keeps
+answering other targets, lookups and health checks meanwhile, and two targets' model
+forwards overlap. Those threads touch only their own sequences' state (the model weights
+are read only); a proposal in a thread always finishes (even when its RPC is cancelled)
+before its claims are dropped.
 """
 
 from __future__ import annotations
@@ -38,6 +42,7 @@ from specmesh.proto.v1 import (
     draft_service_pb2,
     draft_service_pb2_grpc,
 )
+from services.draft.claims import SequenceClaims
 from services.draft.config import DraftConfig
 from services.draft.proposers import (
     DraftSampling,
@@ -85,6 +90,21 @@ class _Plan:
     features: object = None  # FeatureRows (EAGLE), checked; None = none this step
 
 
+@dataclass
+class Prepared:
+    """A request after phases 1 and 2: its plans and the trees proposed so far (None: the
+    plan's method has a model and drafts in `draft_with_models`)."""
+
+    request: draft_service_pb2.ProposeRequest
+    plans: list[_Plan]
+    trees: list[DraftTree | None]
+    start: float  # time.monotonic() when it was taken up
+
+    @property
+    def needs_models(self) -> bool:
+        return any(tree is None for tree in self.trees)
+
+
 class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
     def __init__(self, config: DraftConfig, draft_model=None, eagle=None) -> None:
         """`draft_model`: an already loaded `DraftModel` to use instead of loading
@@ -118,7 +138,7 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
         if eagle is not None:
             self.proposers[_EAGLE] = eagle
         self._draining = False
-        self._lock = asyncio.Lock()
+        self._claims = SequenceClaims()
         self.telemetry = DraftTelemetry()
         observe_open_sequences(self.store)
 
@@ -131,7 +151,7 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
             yield draft_service_pb2.ProposeStreamResponse(trees=answer.trees, step=answer.step)
 
     async def Release(self, request, context: grpc.aio.ServicerContext):
-        async with self._lock:
+        async with self._claims.hold(request.sequence_ids):
             released, unknown = self.release(request.sequence_ids)
         return draft_service_pb2.ReleaseResponse(released=released, unknown=unknown)
 
@@ -142,10 +162,18 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
 
     def propose(self, request: draft_service_pb2.ProposeRequest,
                 per_sequence: bool = False) -> draft_service_pb2.ProposeResponse:
-        """Validates, commits and proposes; raises RequestError (changing nothing) on bad input.
+        """Validates, commits and proposes in the calling thread; raises RequestError (changing
+        nothing) on bad input.
 
         `per_sequence` (ProposeStream): a bad sequence gets no tree (absent from the answer, so
         the target knows the draft holds nothing new of it) and the others get theirs."""
+        prepared = self.prepare(request, per_sequence)
+        self.draft_with_models(prepared)
+        return self.answer(prepared)
+
+    def prepare(self, request: draft_service_pb2.ProposeRequest, per_sequence: bool = False) -> Prepared:
+        """Phases 1 and 2, and the proposals of methods without a model (cheap, and their
+        state, e.g. a tenant's suffix tree, is shared between sequences: event loop only)."""
         start = time.monotonic()
         self.expire()
         plans = self._validate(request, per_sequence)
@@ -158,12 +186,22 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
                 self.proposers[plan.method].add_features(plan.sequence_id, plan.features.start,
                                                          decode(plan.features))
             self.proposers[plan.method].set_sampling(plan.sequence_id, plan.sampling)
-        trees = self._propose(plans)
-        self.telemetry.proposed(_planned_messages(request, plans),
+        prepared = Prepared(request, plans, [None] * len(plans), start)
+        self._propose(prepared, lambda method: method not in _MODEL_METHODS)
+        return prepared
+
+    def draft_with_models(self, prepared: Prepared) -> None:
+        """The proposals of methods with a model: one batched call per method. Touches only the
+        request's own (claimed) sequences, so it may run in a worker thread."""
+        self._propose(prepared, lambda method: method in _MODEL_METHODS)
+
+    def answer(self, prepared: Prepared) -> draft_service_pb2.ProposeResponse:
+        plans, trees = prepared.plans, prepared.trees
+        self.telemetry.proposed(_planned_messages(prepared.request, plans),
                                 [_method_label(p.method) for p in plans], trees,
-                                time.monotonic() - start)
+                                time.monotonic() - prepared.start)
         return draft_service_pb2.ProposeResponse(trees=[tree.to_proto() for tree in trees],
-                                                 step=request.step)
+                                                 step=prepared.request.step)
 
     def release(self, sequence_ids: Sequence[str]) -> tuple[int, int]:
         """Drops the sequences' state everywhere. Returns (released, unknown)."""
@@ -175,8 +213,9 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
         return self.store.release(sequence_ids)
 
     def expire(self) -> int:
-        """Releases sequences idle for longer than `sequence_ttl_s`; returns how many."""
-        idle = self.store.idle(self.config.sequence_ttl_s)
+        """Releases sequences idle for longer than `sequence_ttl_s` (none a request in flight
+        holds); returns how many."""
+        idle = [i for i in self.store.idle(self.config.sequence_ttl_s) if not self._claims.holds(i)]
         if idle:
             log.info("releasing %d draft sequences idle for over %.0f s", len(idle), self.config.sequence_ttl_s)
             self.release(idle)
@@ -189,23 +228,21 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
             await context.abort(grpc.StatusCode.UNAVAILABLE,
                                 "draft server is shutting down; decode without a draft")
         try:
-            async with self._lock:
-                if not self._runs_model(request):
-                    return self.propose(request, per_sequence)
-                work = asyncio.ensure_future(asyncio.to_thread(self.propose, request, per_sequence))
-                try:
-                    return await asyncio.shield(work)
-                except asyncio.CancelledError:
-                    await asyncio.wait([work])  # keep the lock until the proposal is done
-                    raise
+            async with self._claims.hold(seq.sequence_id for seq in request.sequences):
+                prepared = self.prepare(request, per_sequence)
+                if prepared.needs_models:
+                    work = asyncio.ensure_future(asyncio.to_thread(self.draft_with_models, prepared))
+                    try:
+                        await asyncio.shield(work)
+                    except asyncio.CancelledError:
+                        await asyncio.wait([work])  # keep the claims until the proposal is done
+                        raise
+                return self.answer(prepared)
         except RequestError as exc:
             await context.abort(exc.code, str(exc))
         except Exception:  # a bug: answer INTERNAL, never UNKNOWN
             log.exception("draft proposal failed")
             await context.abort(grpc.StatusCode.INTERNAL, "draft proposal failed; decode without a draft")
-
-    def _runs_model(self, request: draft_service_pb2.ProposeRequest) -> bool:
-        return any(seq.method in _MODEL_METHODS and seq.method in self.proposers for seq in request.sequences)
 
     def _validate(self, request: draft_service_pb2.ProposeRequest, per_sequence: bool = False) -> list[_Plan]:
         """The request's plans. Unary Propose (`per_sequence` False): any bad sequence refuses the
@@ -310,19 +347,20 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
         return _Plan(seq.sequence_id, new_token_ids, method, seq.max_depth, max_nodes, seq.tenant_salt,
                      sampling, features), [], [], []
 
-    def _propose(self, plans: list[_Plan]) -> list[DraftTree]:
-        """One tree per plan, in order; each method's proposer is called once."""
+    def _propose(self, prepared: Prepared, chosen) -> None:
+        """Fills `prepared.trees` of the plans whose method is `chosen`; each method's proposer is
+        called once."""
         groups: dict[int, list[int]] = {}
-        for i, plan in enumerate(plans):
-            groups.setdefault(plan.method, []).append(i)
-        trees: list[DraftTree | None] = [None] * len(plans)
+        for i, plan in enumerate(prepared.plans):
+            if chosen(plan.method):
+                groups.setdefault(plan.method, []).append(i)
+        plans = prepared.plans
         for method, indices in groups.items():
             states = [self.store.get(plans[i].sequence_id) for i in indices]
             proposed = self.proposers[method].propose_batch(
                 states, [plans[i].max_depth for i in indices], [plans[i].max_nodes for i in indices])
             for i, tree in zip(indices, proposed, strict=True):
-                trees[i] = tree
-        return trees
+                prepared.trees[i] = tree
 
 
 def _planned_messages(request, plans: list[_Plan]) -> list:

@@ -445,7 +445,7 @@ async def test_model_bad_input_is_invalid_argument_and_changes_nothing(model_dra
     await expect_status(model_draft.Propose(request(seq("subject", [], method=DM))), INVALID, "unknown sequence")
 
 
-async def test_concurrent_model_and_lookup_requests_are_serialized(model_draft, tiny_llama_dir, spans):
+async def test_concurrent_model_and_lookup_requests_all_get_their_drafts(model_draft, tiny_llama_dir, spans):
     import asyncio
 
     prompts = {f"m{i}": [1, 60 + i, 61, 62, 60 + i, 61] for i in range(3)}

@@ -170,14 +170,18 @@ async def test_the_draft_server_built_from_settings_serves_eagle_and_refuses_a_f
 
 
 def test_a_batch_of_sequences_gets_the_chains_and_trees_of_single_calls(drafter):
-    """propose_batch runs every chain of the batch in one head forward per depth (contexts of
-    different lengths, padding masked): the same drafts as one call per sequence."""
+    """propose_batch feeds every sequence's features in one head forward, then drafts every chain
+    of the batch in one head forward per depth, and every tree likewise (contexts of different lengths and frontiers of different widths, padding masked):
+    the same drafts as one call per sequence."""
     hidden = drafter.head.config.hidden_size
     gen = torch.Generator().manual_seed(3)
-    histories = [[1, 80, 81, 82, 83, 84, 85], [1, 90, 91], [1, 100, 101, 102, 103], [1, 110, 111, 112]]
+    histories = [[1, 80, 81, 82, 83, 84, 85], [1, 90, 91], [1, 100, 101, 102, 103], [1, 110, 111, 112],
+                 [1, 120, 121, 122, 123, 124], [1, 130, 131], [1, 140, 141, 142]]
     features = [drafter.parts.final_norm(torch.randn(len(h) - 1, hidden, generator=gen)) for h in histories]
-    samplings = [DraftSampling(), DraftSampling(0.8, 4, 0.0, 11), DraftSampling(), DraftSampling(1.0, 0, 0.9, 5)]
-    limits = [(4, 4), (3, 3), (2, 2), (4, 8)]  # chains, and a sampled request asking for a tree (a chain)
+    samplings = [DraftSampling(), DraftSampling(0.8, 4, 0.0, 11), DraftSampling(), DraftSampling(1.0, 0, 0.9, 5),
+                 DraftSampling(), DraftSampling(), DraftSampling()]
+    # chains, a sampled request asking for a tree (a chain), and greedy trees of different shapes
+    limits = [(4, 4), (3, 3), (2, 2), (4, 8), (4, 8), (3, 10), (2, 5)]
 
     def open_all(proposer):
         store = DraftStateStore()
@@ -190,12 +194,20 @@ def test_a_batch_of_sequences_gets_the_chains_and_trees_of_single_calls(drafter)
         return states
 
     batched = EagleProposer(drafter)
-    trees = batched.propose_batch(open_all(batched), [d for d, _ in limits], [n for _, n in limits])
+    head_forwards = []
+    hook = drafter.head.register_forward_hook(lambda module, args, out: head_forwards.append(args[0].shape))
+    try:
+        trees = batched.propose_batch(open_all(batched), [d for d, _ in limits], [n for _, n in limits])
+    finally:
+        hook.remove()
+    # One forward feeds every sequence's features; per depth below the deepest, one for the chains
+    # and one for the trees (not one per sequence).
+    assert len(head_forwards) == 1 + (4 - 1) + (4 - 1)
     single = EagleProposer(drafter)
     states = open_all(single)
     alone = [single.propose([state], d, n)[0] for state, (d, n) in zip(states, limits)]
-    assert [t.token_ids for t in trees] == [t.token_ids for t in alone]
-    assert [t.num_nodes for t in trees] == [4, 3, 2, 4]
+    assert [(t.token_ids, t.parents) for t in trees] == [(t.token_ids, t.parents) for t in alone]
+    assert [t.num_nodes for t in trees] == [4, 3, 2, 4, 8, 10, 5]
     for got, want in zip(trees, alone):
         assert len(got.distributions) == len(want.distributions)
         for a, b in zip(got.distributions, want.distributions):

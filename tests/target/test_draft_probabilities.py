@@ -49,9 +49,9 @@ class ArgmaxDraftWithRealQ(DraftModelProposer):
 class DraftWithoutQ(DraftModelProposer):
     """The same sampled drafts sent without q: the target treats them as one-hot."""
 
-    def _chain(self, state, num_tokens):
-        tree = super()._chain(state, num_tokens)
-        return DraftTree.chain(tree.sequence_id, tree.token_ids)
+    def propose_batch(self, states, max_depths, max_nodes):
+        return [DraftTree.chain(tree.sequence_id, tree.token_ids)
+                for tree in super().propose_batch(states, max_depths, max_nodes)]
 
 
 class DraftWithNaNQ(DraftModelProposer):

@@ -91,11 +91,11 @@ class ForgetsEverything(DraftService):
 
     steps = 0
 
-    def propose(self, request, per_sequence=False):
+    def prepare(self, request, per_sequence=False):
         self.steps += 1
         if self.steps == 3:
             self.release([seq.sequence_id for seq in request.sequences])
-        return super().propose(request, per_sequence)
+        return super().prepare(request, per_sequence)
 
 
 async def _run(model_dir, head_path, prompts, max_tokens, plan=None, proposer=None, drafter=None,

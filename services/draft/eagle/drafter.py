@@ -9,8 +9,8 @@ feature after it: the head then attends fewer positions (weaker drafts), never w
 
 Trees (EAGLE-2, arXiv 2406.16858): expansion by cumulative draft probability, `top_k`
 children per expanded node and `top_k` nodes expanded per depth (one head forward per depth
-for all of them, under a tree mask), then the kept nodes reranked to the node budget. The
-candidate bookkeeping is the draft model's dynamic tree's (`dynamic_tree._Candidates`,
+for all of them and for every sequence of the batch, under a tree mask), then the kept nodes
+reranked to the node budget. The candidate bookkeeping is the draft model's dynamic tree's (`dynamic_tree._Candidates`,
 `_frontier`, `_keep`: the greedy path is always kept, so a tree never accepts less than the
 chain under greedy verification).
 """
@@ -54,21 +54,54 @@ class HeadDrafter:
         self.dtype = next(head.parameters()).dtype
         self.device = next(head.parameters()).device
 
-    @torch.inference_mode()
     def feed(self, ctx: HeadContext, next_tokens: Sequence[int], features: torch.Tensor) -> None:
         """Feeds head positions ctx.end .. ctx.end + m - 1: features [m, hidden] (f_j) with
         next_tokens [m] (t_{j+1}); sets ctx.last to the predicted feature after the last one."""
-        if not next_tokens:
+        self.feed_many([ctx], [next_tokens], [features])
+
+    @torch.inference_mode()
+    def feed_many(self, ctxs: Sequence[HeadContext], next_tokens: Sequence[Sequence[int]],
+                  features: Sequence[torch.Tensor | None]) -> None:
+        """`feed` for several contexts in one head forward (their keys padded to the longest
+        context, their new rows to the longest feed; padding masked). Empty feeds are skipped."""
+        rows = [i for i, tokens in enumerate(next_tokens) if len(tokens)]
+        if not rows:
             return
-        m = len(next_tokens)
-        ids = torch.tensor(list(next_tokens), dtype=torch.long, device=self.device)  # [m]
-        positions = torch.arange(ctx.end, ctx.end + m, device=self.device)  # [m]
-        out, k, v = self.head(self.parts.embed(ids).to(self.dtype), features.to(self.device, self.dtype),
-                              positions, ctx.k, ctx.v)  # out [m, hidden]
-        ctx.k = k if ctx.k is None else torch.cat([ctx.k, k], dim=1)
-        ctx.v = v if ctx.v is None else torch.cat([ctx.v, v], dim=1)
-        ctx.end += m
-        ctx.last = self.parts.final_norm(out[-1])
+        ctxs = [ctxs[i] for i in rows]
+        counts = [len(next_tokens[i]) for i in rows]
+        b, m = len(rows), max(counts)
+        k, v, real = self._padded(ctxs)  # [b, heads, width, head_dim] x2, [b, width]
+        width = k.shape[2]
+        ids = torch.zeros(b, m, dtype=torch.long, device=self.device)  # [b, m]
+        feats = torch.zeros(b, m, self.head.config.hidden_size, dtype=self.dtype, device=self.device)  # [b, m, hidden]
+        for row, (i, n) in enumerate(zip(rows, counts)):
+            ids[row, :n] = torch.tensor(list(next_tokens[i]), dtype=torch.long)
+            feats[row, :n] = features[i].to(self.device, self.dtype)
+        positions = torch.tensor([c.end for c in ctxs], device=self.device)[:, None] + torch.arange(m, device=self.device)
+        mask = torch.cat([real[:, None, :].expand(b, m, width),  # each row's own context, then causal new rows
+                          torch.ones(m, m, dtype=torch.bool, device=self.device).tril().expand(b, m, m)], dim=2)
+        out, nk, nv = self.head(self.parts.embed(ids).to(self.dtype), feats, positions, k, v,
+                                mask[:, None])  # out [b, m, hidden]; nk, nv [b, heads, m, head_dim]
+        for row, (ctx, n) in enumerate(zip(ctxs, counts)):
+            ctx.k = nk[row, :, :n] if ctx.k is None else torch.cat([ctx.k, nk[row, :, :n]], dim=1)
+            ctx.v = nv[row, :, :n] if ctx.v is None else torch.cat([ctx.v, nv[row, :, :n]], dim=1)
+            ctx.end += n
+            ctx.last = self.parts.final_norm(out[row, n - 1])
+
+    def _padded(self, ctxs: Sequence[HeadContext]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The contexts' cached keys and values padded to the longest: k, v [b, heads, width,
+        head_dim], and [b, width] bool: which columns are the row's own."""
+        c = self.head.config
+        width = max(ctx.end - ctx.start for ctx in ctxs)
+        k = torch.zeros(len(ctxs), c.num_heads, width, c.head_dim, dtype=self.dtype, device=self.device)
+        v = torch.zeros_like(k)
+        real = torch.zeros(len(ctxs), width, dtype=torch.bool, device=self.device)
+        for i, ctx in enumerate(ctxs):
+            n = ctx.end - ctx.start
+            if n:
+                k[i, :, :n], v[i, :, :n] = ctx.k, ctx.v
+                real[i, :n] = True
+        return k, v, real
 
     def chain(self, ctx: HeadContext, sequence_id: str, num_tokens: int, sampling: DraftSampling,
               generator: torch.Generator | None, max_top_k: int) -> DraftTree:
@@ -83,13 +116,7 @@ class HeadDrafter:
         """`chain` for several sequences at once: one head forward per depth for all of them, their
         cached keys padded to the longest context (padding masked out)."""
         b, depth = len(ctxs), max(num_tokens)
-        width = max(c.end - c.start for c in ctxs)
-        k = ctxs[0].k.new_zeros(b, *ctxs[0].k.shape[:1], width, ctxs[0].k.shape[2])  # [b, heads, width, head_dim]
-        v = torch.zeros_like(k)
-        visible = torch.zeros(b, width, dtype=torch.bool, device=self.device)  # [b, keys]
-        for i, c in enumerate(ctxs):
-            k[i, :, :c.k.shape[1]], v[i, :, :c.v.shape[1]] = c.k, c.v
-            visible[i, :c.k.shape[1]] = True
+        k, v, visible = self._padded(ctxs)  # [b, heads, width, head_dim] x2, [b, keys]
         feature = torch.stack([c.last for c in ctxs])  # [b, hidden]
         ends = torch.tensor([c.end for c in ctxs], device=self.device)  # [b]
         tokens: list[list[int]] = [[] for _ in ctxs]
@@ -119,43 +146,72 @@ class HeadDrafter:
         tokens.append(int(ids[int(torch.multinomial(probs, 1, generator=generator))]))
         distributions.append(Distribution(tuple(ids.tolist()), tuple(probs.tolist())))
 
-    @torch.inference_mode()
     def tree(self, ctx: HeadContext, sequence_id: str, max_depth: int, max_nodes: int,
              top_k: int) -> DraftTree:
         """An EAGLE-2 dynamic tree (greedy requests): see the module docstring."""
-        width = 1 if max_nodes <= max_depth else top_k
-        c = _Candidates()
-        c.add_children(ROOT, 0, 1.0, torch.softmax(self.parts.features_to_logits(ctx.last), -1), width)
-        source = [ctx.last] * len(c.tokens)  # per candidate: the predicted feature its token came from
-        greedy, level = [0], list(range(len(c.tokens)))
-        fed: list[int] = []  # candidate of each scratch row, in order
-        k, v = ctx.k, ctx.v
-        for depth in range(1, max_depth):
-            frontier = _frontier(c, level, greedy[-1], top_k)
-            ids = torch.tensor([c.tokens[i] for i in frontier], device=self.device)  # [f]
-            feats = torch.stack([source[i] for i in frontier])  # [f, hidden]
-            pos = torch.full((len(frontier),), ctx.end - 1 + depth, device=self.device)  # [f]
-            mask = self._tree_mask(c, fed, frontier, ctx.end - ctx.start)  # [f, s + fed + f]
-            out, nk, nv = self.head(self.parts.embed(ids).to(self.dtype), feats, pos, k, v, mask)
-            k, v = torch.cat([k, nk], dim=1), torch.cat([v, nv], dim=1)
-            fed += frontier
-            predicted = self.parts.final_norm(out)  # [f, hidden]
-            probs = torch.softmax(self.parts.features_to_logits(predicted), -1)  # [f, vocab]
-            level = []
-            for row, node in enumerate(frontier):
-                c.expanded[node] = True
-                first = len(c.tokens)
-                c.add_children(node, depth, c.cum[node], probs[row], width)
-                source += [predicted[row]] * (len(c.tokens) - first)
-                if node == greedy[-1]:
-                    greedy.append(first)
-                level += range(first, len(c.tokens))
-        kept = _keep(c, greedy[:min(max_depth, max_nodes)], max_nodes)
-        index = {node: i for i, node in enumerate(kept)}
-        return DraftTree.from_nodes(sequence_id, [c.tokens[i] for i in kept],
-                                    [ROOT if c.parents[i] == ROOT else index[c.parents[i]] for i in kept])
+        return self.trees([ctx], [sequence_id], [max_depth], [max_nodes], top_k)[0]
 
-    def _tree_mask(self, c: _Candidates, fed: list[int], frontier: list[int], cached: int) -> torch.Tensor:
-        """[len(frontier), cached + len(fed) + len(frontier)] bool: each frontier node sees the
-        cached context, its fed ancestors and itself."""
-        return _sees(c, fed, frontier, cached, self.device)
+    @torch.inference_mode()
+    def trees(self, ctxs: Sequence[HeadContext], sequence_ids: Sequence[str], max_depths: Sequence[int],
+              max_nodes: Sequence[int], top_k: int) -> list[DraftTree]:
+        """`tree` for several sequences at once: one head forward per depth for every frontier, the
+        cached keys padded to the longest context and the frontiers to the widest (padding masked)."""
+        b = len(ctxs)
+        k, v, context = self._padded(ctxs)  # [b, heads, width, head_dim] x2, [b, width]: the row's own context
+        width, context = k.shape[2], context.cpu()
+        widths = [1 if nodes <= depth else top_k for depth, nodes in zip(max_depths, max_nodes)]
+        cands = [_Candidates() for _ in ctxs]
+        root = torch.softmax(self.parts.features_to_logits(torch.stack([c.last for c in ctxs])), -1)  # [b, vocab]
+        for c, probs, w in zip(cands, root, widths):
+            c.add_children(ROOT, 0, 1.0, probs, w)
+        sources = [[ctx.last] * len(c.tokens) for ctx, c in zip(ctxs, cands)]  # per candidate: its predicted feature
+        greedy = [[0] for _ in ctxs]
+        levels = [list(range(len(c.tokens))) for c in cands]
+        fed: list[list[int]] = [[] for _ in ctxs]  # per row: candidate of each scratch row, in order
+        columns: list[list[int]] = [[] for _ in ctxs]  # per row: key column of each scratch row
+        for depth in range(1, max(max_depths)):
+            frontiers = [_frontier(c, level, path[-1], top_k) if depth < limit else []
+                         for c, level, path, limit in zip(cands, levels, greedy, max_depths)]
+            f = max(len(frontier) for frontier in frontiers)
+            start = k.shape[2]  # key columns before this depth's rows
+            ids = torch.zeros(b, f, dtype=torch.long, device=self.device)  # [b, f]
+            feats = torch.zeros(b, f, ctxs[0].last.shape[-1], dtype=self.dtype, device=self.device)  # [b, f, hidden]
+            pos = torch.zeros(b, f, dtype=torch.long, device=self.device)  # [b, f]
+            mask = torch.zeros(b, f, start + f, dtype=torch.bool)  # [b, f, keys]
+            mask[:, :, :width] = context[:, None, :]
+            for i, frontier in enumerate(frontiers):
+                n = len(frontier)
+                if n:
+                    ids[i, :n] = torch.tensor([cands[i].tokens[node] for node in frontier])
+                    feats[i, :n] = torch.stack([sources[i][node] for node in frontier])
+                    seen = _sees(cands[i], fed[i], frontier, 0, torch.device("cpu"))  # [n, fed + n]
+                    mask[i, :n, columns[i] + [start + j for j in range(n)]] = seen
+                pos[i] = ctxs[i].end - 1 + depth
+                mask[i, torch.arange(n, f), start + torch.arange(n, f)] = True  # padding sees itself
+            out, nk, nv = self.head(self.parts.embed(ids).to(self.dtype), feats, pos, k, v,
+                                    mask[:, None].to(self.device))  # out [b, f, hidden]
+            k, v = torch.cat([k, nk], dim=-2), torch.cat([v, nv], dim=-2)
+            predicted = self.parts.final_norm(out)  # [b, f, hidden]
+            probs = torch.softmax(self.parts.features_to_logits(predicted), -1)  # [b, f, vocab]
+            for i, frontier in enumerate(frontiers):
+                c = cands[i]
+                fed[i] += frontier
+                columns[i] += [start + j for j in range(len(frontier))]
+                if not frontier:
+                    continue
+                levels[i] = []
+                for row, node in enumerate(frontier):
+                    c.expanded[node] = True
+                    first = len(c.tokens)
+                    c.add_children(node, depth, c.cum[node], probs[i, row], widths[i])
+                    sources[i] += [predicted[i, row]] * (len(c.tokens) - first)
+                    if node == greedy[i][-1]:
+                        greedy[i].append(first)
+                    levels[i] += range(first, len(c.tokens))
+        trees = []
+        for sid, c, path, depth, nodes in zip(sequence_ids, cands, greedy, max_depths, max_nodes):
+            kept = _keep(c, path[:min(depth, nodes)], nodes)
+            index = {node: i for i, node in enumerate(kept)}
+            trees.append(DraftTree.from_nodes(sid, [c.tokens[i] for i in kept],
+                                              [ROOT if c.parents[i] == ROOT else index[c.parents[i]] for i in kept]))
+        return trees

@@ -88,25 +88,33 @@ class EagleProposer(Proposer):
 
     def propose_batch(self, states: Sequence[SequenceState], max_depths: Sequence[int],
                       max_nodes: Sequence[int]) -> list[DraftTree]:
-        """Every chain of the batch in one head forward per depth; trees one sequence at a time."""
+        """One head forward feeds every sequence's new true features; then every chain of the batch
+        drafts in one head forward per depth, and every tree likewise."""
         trees: list[DraftTree | None] = [None] * len(states)
         chains: list[int] = []
-        for i, (state, depth, nodes) in enumerate(zip(states, max_depths, max_nodes, strict=True)):
-            if depth < 1 or nodes < 1:
-                raise ValueError(f"max_depth and max_nodes must be >= 1, got {depth}, {nodes}")
-            seq = self._seqs.setdefault(state.sequence_id, _SequenceHead())
-            self._feed(seq, state)
+        dynamic: list[int] = []
+        if any(limit < 1 for limit in (*max_depths, *max_nodes)):
+            raise ValueError(f"max_depth and max_nodes must be >= 1, got {list(max_depths)}, {list(max_nodes)}")
+        seqs = [self._seqs.setdefault(state.sequence_id, _SequenceHead()) for state in states]
+        feeds = [self._to_feed(seq, state) for seq, state in zip(seqs, states)]
+        self.drafter.feed_many([seq.context for seq in seqs], [tokens for tokens, _ in feeds], [rows for _, rows in feeds])
+        for i, (state, seq, depth, nodes) in enumerate(zip(states, seqs, max_depths, max_nodes, strict=True)):
             if seq.context.last is None or seq.context.end != state.num_tokens - 1:
                 trees[i] = DraftTree.empty(state.sequence_id)  # no feature of the newest position
             elif seq.sampling.greedy and nodes > depth:
-                trees[i] = self.drafter.tree(seq.context, state.sequence_id, depth, nodes, self.top_k)
+                dynamic.append(i)
             else:
                 chains.append(i)
+        if dynamic:
+            drafted = self.drafter.trees([seqs[i].context for i in dynamic], [states[i].sequence_id for i in dynamic],
+                                         [max_depths[i] for i in dynamic], [max_nodes[i] for i in dynamic], self.top_k)
+            for i, tree in zip(dynamic, drafted):
+                trees[i] = tree
         if chains:
-            seqs = [self._seqs[states[i].sequence_id] for i in chains]
-            drafted = self.drafter.chains([s.context for s in seqs], [states[i].sequence_id for i in chains],
+            drafted = self.drafter.chains([seqs[i].context for i in chains], [states[i].sequence_id for i in chains],
                                           [min(max_depths[i], max_nodes[i]) for i in chains],
-                                          [s.sampling for s in seqs], [s.generator for s in seqs], self.max_top_k)
+                                          [seqs[i].sampling for i in chains], [seqs[i].generator for i in chains],
+                                          self.max_top_k)
             for i, tree in zip(chains, drafted):
                 trees[i] = tree
         return trees  # type: ignore[return-value]
@@ -118,21 +126,21 @@ class EagleProposer(Proposer):
 
     # ---- helpers ------------------------------------------------------------------------
 
-
-    def _feed(self, seq: _SequenceHead, state: SequenceState) -> None:
-        """Feeds the pending features that have their next token; restarts the context at a gap."""
+    def _to_feed(self, seq: _SequenceHead, state: SequenceState) -> tuple[list[int], torch.Tensor | None]:
+        """The pending features that have their next token, and those tokens (taken from
+        pending); restarts the context at a gap."""
         if seq.pending is None:
-            return
+            return [], None
         start, rows = seq.pending_start, seq.pending
         ctx = seq.context
         if start > ctx.end or start < ctx.start:
             ctx.reset(start)  # a gap (or a resent history): what is before it is lost
         skip = ctx.end - start  # rows the context already holds
         usable = min(len(rows), state.num_tokens - 1 - start)  # feature j needs token j + 1
-        if usable > skip:
-            tokens = state.token_ids[start + skip + 1:start + usable + 1].tolist()
-            self.drafter.feed(ctx, tokens, rows[skip:usable])
         if usable < len(rows):
             seq.pending_start, seq.pending = start + usable, rows[usable:]
         else:
             seq.pending = None
+        if usable <= skip:
+            return [], None
+        return state.token_ids[start + skip + 1:start + usable + 1].tolist(), rows[skip:usable]

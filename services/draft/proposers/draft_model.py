@@ -21,8 +21,10 @@ draft tokens (the last one was never fed). The prefix is never recomputed.
 
 The draft model must share the target's tokenizer; this is not checked here. Token ids
 must be below the draft model's vocabulary size (`vocab_size`); the service checks.
-Sequences run one after another (no cross-sequence batching yet); prompts are fed in
-chunks of `prefill_chunk` tokens.
+All sequences of one `propose_batch` draft together: one forward per depth for all of them
+(`BatchedForward`: their caches padded into one batch; each keeps its own cache, appended
+with what it committed and drafted). A prompt's tokens beyond the last `BATCHED_FEED` are
+prefilled alone first, in chunks of `prefill_chunk` tokens.
 """
 
 from __future__ import annotations
@@ -36,13 +38,15 @@ from transformers import DynamicCache, PreTrainedModel
 
 from services.common.draft_tree import Distribution
 from services.draft.proposers.base import DraftSampling, DraftTree, Proposer
+from services.draft.proposers.batched_forward import BatchedForward
 from services.draft.state import SequenceState
 
+BATCHED_FEED = 16  # committed tokens a sequence feeds in the batched forward; more (a prompt) are prefilled alone
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
 class DraftModel:
-    """A loaded draft LM: forward passes over one sequence's KV cache."""
+    """A loaded draft LM (prefills one sequence's KV cache; batched forwards: BatchedForward)."""
 
     def __init__(self, model: PreTrainedModel, prefill_chunk: int = 512) -> None:
         self.model = model.eval()
@@ -74,17 +78,6 @@ class DraftModel:
             logits = out.logits[0, -1]
         assert logits is not None, "extend needs at least one token"
         return logits.float()
-
-    @torch.inference_mode()
-    def forward_masked(self, cache: DynamicCache, token_ids: Sequence[int], positions: Sequence[int],
-                       attention_mask: torch.Tensor | dict[str, torch.Tensor]) -> torch.Tensor:
-        """Feeds `token_ids` at explicit `positions` with a custom additive 4D mask (or one
-        per layer type); returns the logits of every fed token."""  # -> [num_tokens, vocab] float32
-        ids = torch.tensor([list(token_ids)], dtype=torch.long, device=self.device)  # [1, n]
-        pos = torch.tensor([list(positions)], dtype=torch.long, device=self.device)  # [1, n]
-        out = self.model(input_ids=ids, position_ids=pos, cache=cache, use_cache=True,
-                         attention_mask=attention_mask)
-        return out.logits[0].float()
 
 
 @dataclass
@@ -128,14 +121,36 @@ class DraftModelProposer(Proposer):
         self._kv: dict[str, SequenceKV] = {}
 
     def propose(self, states: Sequence[SequenceState], max_depth: int, max_nodes: int) -> list[DraftTree]:
-        if max_depth < 1 or max_nodes < 1:
-            raise ValueError(f"max_depth and max_nodes must be >= 1, got {max_depth}, {max_nodes}")
-        return [self._chain(state, min(max_depth, max_nodes)) for state in states]
+        return self.propose_batch(states, [max_depth] * len(states), [max_nodes] * len(states))
 
     def propose_batch(self, states: Sequence[SequenceState], max_depths: Sequence[int],
                       max_nodes: Sequence[int]) -> list[DraftTree]:
-        return [self.propose([state], depth, nodes)[0]
-                for state, depth, nodes in zip(states, max_depths, max_nodes, strict=True)]
+        """Every chain of the batch in one draft forward per depth (BatchedForward)."""
+        lengths = [min(depth, nodes) for depth, nodes in zip(_checked(max_depths), _checked(max_nodes), strict=True)]
+        if len(lengths) != len(states):
+            raise ValueError(f"{len(states)} states but {len(lengths)} max_depths and max_nodes")
+        if not states:
+            return []
+        kvs, feeds = zip(*(self._prepare(state) for state in states))
+        batch = BatchedForward(self.draft, [kv.cache for kv in kvs])
+        starts = [len(kv.token_ids) for kv in kvs]  # position of each row's first fed token
+        logits = batch.feed(feeds, [range(start, start + len(feed)) for start, feed in zip(starts, feeds)],
+                            [None] * len(kvs), [[len(feed) - 1] for feed in feeds])
+        chains: list[list[int]] = [[] for _ in states]
+        distributions: list[list[Distribution]] = [[] for _ in states]
+        for step in range(max(lengths)):
+            for i, kv in enumerate(kvs):
+                if step < lengths[i]:
+                    self._pick(logits[i][-1], kv, chains[i], distributions[i])
+            if step + 1 < max(lengths):  # feed each row's newest draft token while its chain goes on
+                tokens = [chain[-1:] if step + 1 < n else [] for chain, n in zip(chains, lengths)]
+                positions = [[start + len(feed) + step] * len(t) for start, feed, t in zip(starts, feeds, tokens)]
+                logits = batch.feed(tokens, positions, [None] * len(kvs), [[0] if t else [] for t in tokens])
+        for i, kv in enumerate(kvs):  # the cache keeps the committed tokens and all but the last draft
+            batch.write_back(i, kv.cache, range(batch.num_fed(i)))
+            kv.token_ids.extend(list(feeds[i]) + chains[i][:lengths[i] - 1])
+        return [DraftTree.chain(state.sequence_id, chain, dists)
+                for state, chain, dists in zip(states, chains, distributions)]
 
     def observe(self, sequence_id: str, new_token_ids: Sequence[int]) -> None:
         kv = self._kv.get(sequence_id)
@@ -170,39 +185,43 @@ class DraftModelProposer(Proposer):
 
     # ---- helpers ------------------------------------------------------------------------
 
-    def _sync(self, state: SequenceState) -> tuple[SequenceKV, torch.Tensor]:
-        """Brings the cache to exactly the committed tokens; returns it and the logits
-        after the last committed token ([vocab] float32)."""
+    def _prepare(self, state: SequenceState) -> tuple[SequenceKV, list[int]]:
+        """Crops the cache to the committed tokens it holds (at most all but the last one, whose
+        logits are needed) and prefills alone all but the last `BATCHED_FEED` committed tokens it
+        lacks (a prompt); returns the cache and the committed tokens still to feed (at least one)."""
         kv = self._kv.get(state.sequence_id)
         if kv is None or kv.num_committed != state.num_tokens:
             seen = 0 if kv is None else kv.num_committed
             raise RuntimeError(f"draft model cache of {state.sequence_id!r} has seen {seen} committed "
                                f"tokens, history has {state.num_tokens}: observe() was skipped")
-        keep = min(len(kv.token_ids), state.num_tokens - 1)  # feed at least the last token
+        keep = min(len(kv.token_ids), state.num_tokens - 1)
         kv.crop(keep)
         missing = state.token_ids[keep:].tolist()
-        logits = self.draft.extend(kv.cache, missing)
-        kv.token_ids.extend(missing)
-        return kv, logits
+        alone = missing[:-BATCHED_FEED]
+        if alone:
+            self.draft.extend(kv.cache, alone)
+            kv.token_ids.extend(alone)
+        return kv, missing[len(alone):]
 
-    def _chain(self, state: SequenceState, num_tokens: int) -> DraftTree:
-        kv, logits = self._sync(state)
-        chain: list[int] = []
-        distributions: list[Distribution] = []
-        for i in range(num_tokens):
-            if kv.sampling.greedy:
-                chain.append(int(torch.argmax(logits)))  # first maximum: ties go to the lowest id
-            else:
-                token, distribution = self._sample(logits, kv)
-                chain.append(token)
-                distributions.append(distribution)
-            if i + 1 < num_tokens:
-                logits = self.draft.extend(kv.cache, chain[-1:])
-                kv.token_ids.append(chain[-1])
-        return DraftTree.chain(state.sequence_id, chain, distributions)
+    def _pick(self, logits: torch.Tensor, kv: SequenceKV, chain: list[int],
+              distributions: list[Distribution]) -> None:
+        """Appends the next draft token of logits [vocab]: argmax, or drawn from the sparse q sent with it."""
+        if kv.sampling.greedy:
+            chain.append(int(torch.argmax(logits)))  # first maximum: ties go to the lowest id
+            return
+        token, distribution = self._sample(logits, kv)
+        chain.append(token)
+        distributions.append(distribution)
 
     def _sample(self, logits: torch.Tensor, kv: SequenceKV) -> tuple[int, Distribution]:
         """A token drawn from the sparse distribution it is sent with."""  # logits: [vocab] float32
         ids, probs = sparse_distribution(logits, kv.sampling, self.max_top_k)  # [k], [k]
         pick = int(torch.multinomial(probs, 1, generator=kv.generator))
         return int(ids[pick]), Distribution(tuple(ids.tolist()), tuple(probs.tolist()))
+
+
+def _checked(limits: Sequence[int]) -> Sequence[int]:
+    if any(limit < 1 for limit in limits):
+        raise ValueError(f"max_depth and max_nodes must be >= 1, got {list(limits)}")
+    return limits
+

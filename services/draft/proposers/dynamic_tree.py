@@ -16,16 +16,17 @@ Per proposal (`build`):
    `max_nodes` nodes. A child's cumulative probability never exceeds its parent's, so
    the kept tree is closed under parents; nodes are output in keep order, so parents
    come before children.
-Ties between tokens are broken by token id (stable sort). The cache is cropped back
-to the committed tokens afterwards; tree KV is scratch.
+Ties between tokens are broken by token id (stable sort). All sequences of one
+`propose_batch` expand together: one draft forward per depth for every frontier
+(`BatchedForward`); tree rows are scratch, never written back to a sequence's cache.
 
 The greedy-path reservation differs from EAGLE-2's pure top-probability rerank: it
 makes the tree a superset of the DRAFT_MODEL chain (so greedy acceptance is never
 shorter than the chain's), at the price that greedy-path nodes may have a lower
 cumulative probability than some dropped candidate.
 
-Draft probabilities are not returned (the proto has no field for them); the target
-treats proposals as deterministic.
+Trees go without draft distributions (siblings are distinct top-k tokens, not independent
+draws from one q): the target treats their nodes as one-hot.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from dataclasses import dataclass
 import torch
 
 from services.draft.proposers.base import ROOT, DraftTree
+from services.draft.proposers.batched_forward import BatchedForward
 from services.draft.proposers.draft_model import DraftModel, DraftModelProposer
 from services.draft.state import SequenceState
 
@@ -67,63 +69,73 @@ class DynamicTreeProposer(DraftModelProposer):
         independent draws from one q), so its trees go without distributions (one-hot q)."""
 
     def propose(self, states: Sequence[SequenceState], max_depth: int, max_nodes: int) -> list[DraftTree]:
-        if max_depth < 1 or max_nodes < 1:
-            raise ValueError(f"max_depth and max_nodes must be >= 1, got {max_depth}, {max_nodes}")
-        return [self.build(state, max_depth, max_nodes).tree for state in states]
+        return self.propose_batch(states, [max_depth] * len(states), [max_nodes] * len(states))
+
+    def propose_batch(self, states: Sequence[SequenceState], max_depths: Sequence[int],
+                      max_nodes: Sequence[int]) -> list[DraftTree]:
+        return [build.tree for build in self.build_batch(states, max_depths, max_nodes)]
 
     def build(self, state: SequenceState, max_depth: int, max_nodes: int) -> TreeBuild:
-        kv, logits = self._sync(state)
-        num_committed = len(kv.token_ids)
+        return self.build_batch([state], [max_depth], [max_nodes])[0]
+
+    def build_batch(self, states: Sequence[SequenceState], max_depths: Sequence[int],
+                    max_nodes: Sequence[int]) -> list[TreeBuild]:
+        """The trees of all states, one draft forward per depth for all of them (BatchedForward)."""
+        if not len(states) == len(max_depths) == len(max_nodes):
+            raise ValueError(f"{len(states)} states but {len(max_depths)} max_depths and {len(max_nodes)} max_nodes")
+        if any(limit < 1 for limit in (*max_depths, *max_nodes)):
+            raise ValueError(f"max_depth and max_nodes must be >= 1, got {list(max_depths)}, {list(max_nodes)}")
+        if not states:
+            return []
+        kvs, feeds = zip(*(self._prepare(state) for state in states))
+        batch = BatchedForward(self.draft, [kv.cache for kv in kvs])
+        committed = [len(kv.token_ids) + len(feed) for kv, feed in zip(kvs, feeds)]  # tokens after the feed
+        first = batch.feed(feeds, [range(n - len(feed), n) for n, feed in zip(committed, feeds)],
+                           [None] * len(kvs), [[len(feed) - 1] for feed in feeds])
+        for i, kv in enumerate(kvs):  # the committed tokens stay in the cache; the tree's rows are scratch
+            batch.write_back(i, kv.cache, range(len(feeds[i])))
+            kv.token_ids.extend(feeds[i])
         # A pure chain needs no side branches: expand the greedy path only.
-        width = 1 if max_nodes <= max_depth else self.top_k
-        c = _Candidates()
-        c.add_children(ROOT, 0, 1.0, torch.softmax(logits, dim=-1), width)
-        greedy = [0]
-        level = list(range(len(c.tokens)))
-        fed: list[int] = []  # candidate index of each tree slot in the cache, in order
-        try:
-            for depth in range(1, max_depth):
-                frontier = _frontier(c, level, greedy[-1], self.top_k)
-                mask = self._tree_mask(c, fed, frontier, num_committed)
-                positions = [num_committed - 1 + depth] * len(frontier)
-                out = self.draft.forward_masked(kv.cache, [c.tokens[i] for i in frontier], positions, mask)
-                fed += frontier
-                probs = torch.softmax(out, dim=-1)  # [len(frontier), vocab]
-                level = []
+        widths = [1 if nodes <= depth else self.top_k for depth, nodes in zip(max_depths, max_nodes)]
+        cands = [_Candidates() for _ in states]
+        for c, logits, width in zip(cands, first, widths):
+            c.add_children(ROOT, 0, 1.0, torch.softmax(logits[0], dim=-1), width)
+        greedy = [[0] for _ in states]
+        levels = [list(range(len(c.tokens))) for c in cands]
+        fed: list[list[int]] = [[] for _ in states]  # per row: candidate of each tree row fed, in order
+        for depth in range(1, max(max_depths)):
+            growing = [depth < max_depth for max_depth in max_depths]
+            frontiers = [_frontier(c, level, path[-1], self.top_k) if grow else []
+                         for c, level, path, grow in zip(cands, levels, greedy, growing)]
+            out = batch.feed([[c.tokens[n] for n in f] for c, f in zip(cands, frontiers)],
+                             [[n - 1 + depth] * len(f) for n, f in zip(committed, frontiers)],
+                             [_sees(c, rows, f, len(feed), torch.device("cpu"))
+                              for c, rows, f, feed in zip(cands, fed, frontiers, feeds)],
+                             [range(len(f)) for f in frontiers])
+            for i, frontier in enumerate(frontiers):
+                if not frontier:
+                    continue
+                c, probs = cands[i], torch.softmax(out[i], dim=-1)  # [len(frontier), vocab]
+                fed[i] += frontier
+                levels[i] = []
                 for row, node in enumerate(frontier):
                     c.expanded[node] = True
-                    first = len(c.tokens)
-                    c.add_children(node, depth, c.cum[node], probs[row], width)
-                    if node == greedy[-1]:
-                        greedy.append(first)
-                    level += range(first, len(c.tokens))
-        finally:  # tree KV is scratch: back to the committed tokens
-            kv.cache.crop(num_committed - kv.cache.get_seq_length())
-        kept = _keep(c, greedy[:min(max_depth, max_nodes)], max_nodes)
-        position = {node: i for i, node in enumerate(kept)}
-        tree = DraftTree.from_nodes(state.sequence_id, [c.tokens[i] for i in kept],
-                                    [ROOT if c.parents[i] == ROOT else position[c.parents[i]] for i in kept])
-        return TreeBuild(tree, tuple(c.tokens), tuple(c.parents), tuple(c.depths), tuple(c.cum),
-                         tuple(c.expanded), tuple(kept), tuple(greedy))
+                    start = len(c.tokens)
+                    c.add_children(node, depth, c.cum[node], probs[row], widths[i])
+                    if node == greedy[i][-1]:
+                        greedy[i].append(start)
+                    levels[i] += range(start, len(c.tokens))
+        return [_built(state.sequence_id, c, path, max_depth, nodes)
+                for state, c, path, max_depth, nodes in zip(states, cands, greedy, max_depths, max_nodes)]
 
-    # ---- helpers ------------------------------------------------------------------------
 
-    def _tree_mask(self, c: _Candidates, fed: list[int], frontier: list[int],
-                   num_committed: int) -> torch.Tensor | dict[str, torch.Tensor]:
-        """Additive mask [1, 1, len(frontier), num_committed + len(fed) + len(frontier)]:
-        each frontier node sees the committed prefix, its fed ancestors and itself (and
-        only keys within the sliding window on sliding-window layers)."""
-        slots = fed + frontier
-        allowed = _sees(c, fed, frontier, num_committed, torch.device("cpu"))
-        key_pos = torch.cat([torch.arange(num_committed),
-                             torch.tensor([num_committed - 1 + c.depths[n] for n in slots], dtype=torch.long)])
-        query_pos = torch.tensor([num_committed - 1 + c.depths[n] for n in frontier], dtype=torch.long)
-        windows = _layer_windows(self.draft.config)
-        masks = {kind: _additive(allowed if window is None else
-                                 allowed & (key_pos[None, :] > query_pos[:, None] - window),
-                                 self.draft.dtype, self.draft.device)
-                 for kind, window in windows.items()}
-        return masks if len(masks) > 1 else next(iter(masks.values()))
+def _built(sequence_id: str, c: _Candidates, greedy: list[int], max_depth: int, max_nodes: int) -> TreeBuild:
+    kept = _keep(c, greedy[:min(max_depth, max_nodes)], max_nodes)
+    position = {node: i for i, node in enumerate(kept)}
+    tree = DraftTree.from_nodes(sequence_id, [c.tokens[i] for i in kept],
+                                [ROOT if c.parents[i] == ROOT else position[c.parents[i]] for i in kept])
+    return TreeBuild(tree, tuple(c.tokens), tuple(c.parents), tuple(c.depths), tuple(c.cum),
+                     tuple(c.expanded), tuple(kept), tuple(greedy))
 
 
 class _Candidates:
@@ -159,25 +171,6 @@ def _keep(c: _Candidates, chain: list[int], max_nodes: int) -> list[int]:
     rest = sorted((i for i in range(len(c.tokens)) if i not in chosen),
                   key=lambda i: (-c.cum[i], c.depths[i], i))
     return chain + rest[:max(0, max_nodes - len(chain))]
-
-
-def _layer_windows(config) -> dict[str, int | None]:
-    """Sliding window per attention layer type; one entry ("all") when all layers agree."""
-    layer_types = getattr(config, "layer_types", None)
-    window = getattr(config, "sliding_window", None)
-    if layer_types and "sliding_attention" in layer_types and window:
-        windows: dict[str, int | None] = {"full_attention": None, "sliding_attention": int(window)}
-        return {kind: windows[kind] for kind in dict.fromkeys(layer_types)}
-    if not layer_types and window and getattr(config, "use_sliding_window", True):
-        return {"all": int(window)}  # e.g. Mistral: every layer slides
-    return {"all": None}
-
-
-def _additive(allowed: torch.Tensor, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-    """[q, k] bool -> [1, 1, q, k] additive mask (0 where allowed, dtype min elsewhere)."""
-    mask = torch.zeros(allowed.shape, dtype=dtype)
-    mask.masked_fill_(~allowed, torch.finfo(dtype).min)
-    return mask[None, None].to(device)
 
 
 def _sees(c: _Candidates, fed: list[int], frontier: list[int], cached: int, device) -> torch.Tensor:
