@@ -8,7 +8,7 @@ next --continuation tokens of the text are read teacher-forced (logits at every 
 with the prompt's KV as computed, and after every prompt block is stored in the engine's host tier
 and restored from it, through the model runner's own tier moves, with `kv_cold_precision fp8`: the
 blocks from --after-tokens on go through FP8 and come back dequantized, the first ones stay exact.
-Scored as benchmarks/quantization_accuracy.py scores int8 weights (services/bench/quantization.py):
+Scored as benchmarks/quantization_accuracy.py scores int8 weights (services/bench/kv_precision.py):
 how often the greedy (argmax) choice agrees, and the mean log-probability the reference's choice
 loses. `--record` writes the result beside the policy (services/target/engine/kv_cold_measured.json),
 where `auto` reads it: FP8 under pressure only while it is within the bound stated there.
@@ -20,49 +20,15 @@ import argparse
 import sys
 from pathlib import Path
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+from services.bench.kv_precision import restored_agreement  # noqa: E402
 from services.common.models.loading import resolve_model_dir  # noqa: E402
 from services.settings import read_settings  # noqa: E402
 from services.target.config import EngineConfig  # noqa: E402
-from services.target.engine.block_manager import PrefixMatch, TierMoves  # noqa: E402
 from services.target.engine.engine import Engine  # noqa: E402
 from services.target.engine.kv_precision import (  # noqa: E402
     MAX_LOGPROB_GAP, MIN_AGREEMENT, MeasuredCost, record_measurement)
-from services.target.model.model_runner_inputs import StepInput  # noqa: E402
-
-CHUNK = 512
-
-
-def measure(engine: Engine, texts: list[list[int]], prompt_tokens: int, continuation: int) -> tuple[int, int, float]:
-    """(positions, greedy agreements, summed log-prob gap) over the texts' continuations."""
-    runner, blocks, tier = engine.runner, engine.blocks, engine.blocks.host_tier
-    bs = blocks.block_size
-    positions = agree = 0
-    gap = 0.0
-    for t, ids in enumerate(texts):
-        seq, total = f"kv-precision-{t}", prompt_tokens + continuation
-        blocks.admit(seq, PrefixMatch((), (), 0), total, total)
-        for s in range(0, prompt_tokens, CHUNK):
-            chunk = ids[s:min(s + CHUNK, prompt_tokens)]
-            runner.forward([StepInput.chunk(seq, chunk, s, False)])
-        tail = ids[prompt_tokens:total]
-        read = StepInput(seq, tail, list(range(prompt_tokens, total)), prompt_tokens, len(tail))
-        ref = torch.log_softmax(runner.forward([read]), -1)  # [continuation, vocab]
-        table = blocks.block_table(seq)[:prompt_tokens // bs]  # the prompt's whole blocks
-        keys = [(None, (t, i), "kv-precision") for i in range(len(table))]
-        runner.move_tiers(TierMoves(tier, [(b, hash(k), k, i * bs) for i, (b, k) in enumerate(zip(table, keys))], []))
-        restores = [(b, tier.full_bytes(tier.take_entry(hash(k), k))) for b, k in zip(table, keys)]
-        runner.move_tiers(TierMoves(tier, [], restores))
-        test = torch.log_softmax(runner.forward([read]), -1)
-        blocks.release(seq)
-        choice = ref.argmax(-1)  # [continuation]
-        agree += int((test.argmax(-1) == choice).sum())
-        gap += float((ref.gather(1, choice[:, None]) - test.gather(1, choice[:, None])).sum())
-        positions += len(choice)
-    return positions, agree, gap
 
 
 def main() -> None:
@@ -90,15 +56,15 @@ def main() -> None:
             texts += [bos + ids[w * size:(w + 1) * size] for w in range(min(args.windows, len(ids) // size))]
         if not texts:
             raise SystemExit(f"no file has {need} tokens")
-        positions, agree, gap = engine.run_on_engine_thread(
-            measure, engine, texts, args.prompt_tokens, args.continuation)
+        result = engine.run_on_engine_thread(restored_agreement, engine, texts, args.prompt_tokens)
         kv_dtype = str(engine.config.torch_kv_dtype)
     finally:
         engine.shutdown()
-    cost = MeasuredCost(agree / positions, gap / positions, positions, args.after_tokens, kv_dtype)
+    cost = MeasuredCost(result.greedy_agreement, result.mean_logprob_gap, result.positions, args.after_tokens,
+                        kv_dtype)
     print(f"kv_cold_precision fp8 vs exact KV ({kv_dtype} pool), {len(texts)} texts, prompts of "
           f"{args.prompt_tokens} tokens (FP8 from token {args.after_tokens}), {args.continuation} teacher-forced "
-          f"tokens each: {positions} positions, greedy agreement {cost.greedy_agreement:.4f}, mean log-prob gap "
+          f"tokens each: {cost.positions} positions, greedy agreement {cost.greedy_agreement:.4f}, mean log-prob gap "
           f"{cost.mean_logprob_gap:.4f} nats; bound (auto): >= {MIN_AGREEMENT} and <= {MAX_LOGPROB_GAP}: "
           f"{'within' if cost.within_bound else 'OUTSIDE'}")
     if args.record:

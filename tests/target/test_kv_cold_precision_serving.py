@@ -1,7 +1,9 @@
 """Cold precision of the host tier through real gRPC servers (tiny Llama, fp32 pool): off by
 default (a model nothing was measured for), and with `kv_cold_precision fp8` evicted prefix
-blocks past the length threshold are held in FP8, smaller, restored dequantized, with greedy
-output close to (not equal to) recompute; the byte bound holds over FP8 entries."""
+blocks past the length threshold are held in FP8, smaller, and restored dequantized; the byte
+bound holds over FP8 entries. (How close restored FP8 KV keeps the model to recompute is measured
+teacher-forced in tests/target/test_kv_precision.py: free-running greedy tokens part for good at the
+first flipped choice, so position-by-position agreement of free-running output says little.)"""
 
 from __future__ import annotations
 
@@ -52,14 +54,14 @@ async def test_off_by_default_for_a_model_without_a_measured_cost(tiny_llama_dir
         await mesh.stop()
 
 
-async def test_fp8_copies_are_smaller_restored_and_agree_with_recompute_on_most_tokens(tiny_llama_dir):
+async def test_fp8_copies_are_smaller_and_restored_dequantized(tiny_llama_dir):
     after = 8  # the first two blocks of each prefix stay in full precision
     mesh = await start_mesh(tiny_llama_dir, **POOL, kv_cold_precision="fp8", kv_cold_after_tokens=after)
     try:
         layout = _layout(mesh)
         block_bytes = mesh.engine.runner.kv_block_bytes
         assert layout.full_bytes == block_bytes and layout.cold_bytes < block_bytes / 3
-        agree = total = 0
+        common = []
         for prompt in PROMPTS:
             expected = hf_greedy(tiny_llama_dir, prompt, TOKENS)  # recompute (fp32, no tier)
             first = await collect(mesh.router_stub, request(prompt, TOKENS))
@@ -72,8 +74,8 @@ async def test_fp8_copies_are_smaller_restored_and_agree_with_recompute_on_most_
             after_stats = await _stats(mesh)
             restored = after_stats.host_tier_cold_restored_blocks - before.host_tier_cold_restored_blocks
             assert again[2].usage.host_cached_prompt_tokens > 2 * after and restored > 0
-            agree += sum(a == b for a, b in zip(again[0], first[0]))  # token ids, position by position
-            total += len(first[0])
+            assert len(again[0]) == TOKENS
+            common.append(next((i for i, (a, b) in enumerate(zip(again[0], first[0])) if a != b), TOKENS))
             assert any(e.precision == COLD for e in held.values())
         stats = await _stats(mesh)
         assert stats.host_tier_cold_precision == "fp8"
@@ -81,10 +83,9 @@ async def test_fp8_copies_are_smaller_restored_and_agree_with_recompute_on_most_
         cold_held = [tier.entry_of(h) for h in tier.hashes() if tier.entry_of(h).precision == COLD]
         assert cold_held and all(e.num_bytes == layout.cold_bytes for e in cold_held)
         assert stats.host_tier_cold_bytes == len(cold_held) * layout.cold_bytes
-        # Restored FP8 KV is not the computed KV: the greedy tokens may part from recompute. On this
-        # tiny random model they agree on most positions (measured: see the report in the log).
-        print(f"greedy tokens after an FP8 restore equal to recompute: {agree}/{total}")
-        assert agree >= 0.75 * total
+        # Restored FP8 KV is not the computed KV: on this tiny random model (flat logits) the greedy
+        # tokens part from recompute after a few tokens (shown with -s; not asserted, see the docstring).
+        print(f"greedy tokens after an FP8 restore equal to recompute before they part: {common} of {TOKENS}")
     finally:
         await mesh.stop()
 
