@@ -120,6 +120,8 @@ class Engine:
 
     def _cold_precision(self, config: EngineConfig, spec) -> ColdPrecision:
         """The host tier's precision policy for long prefixes' later blocks (kv_precision.py)."""
+        if not config.kv_host_bytes:  # no tier: nothing to decide (EngineConfig refuses "fp8" without one)
+            return ColdPrecision("off", config.kv_cold_after_tokens, None, "no host tier")
         layout = PoolLayout(spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim,
                             config.torch_kv_dtype)
         if layout.full_bytes != self.runner.kv_block_bytes:  # a pool of another shape than one head_dim for all
@@ -127,8 +129,7 @@ class Engine:
                 raise ValueError("kv_cold_precision 'fp8': this model's KV pool is not one shape per layer")
             return ColdPrecision("off", config.kv_cold_after_tokens, None, "the pool is not one shape per layer")
         cold = build_cold_precision(config.kv_cold_precision, config.kv_cold_after_tokens, layout, config.model_dir)
-        if config.kv_host_bytes:
-            log.info("host tier precision: %s (%s)", cold.mode, cold.reason)
+        log.info("host tier precision: %s (%s)", cold.mode, cold.reason)
         return cold
 
     @classmethod
