@@ -32,6 +32,9 @@ class EngineConfig:
     num_blocks: int = _TARGET.num_blocks
     kv_host_bytes: int = _TARGET.kv_host_bytes  # host tier bound (services/target/engine/host_tier.py); 0 = off
     preemption_mode: str = _TARGET.preemption_mode  # swap or recompute preempted sequences (engine/scheduler.py)
+    # Host-tier copies of long prefixes' later blocks in FP8 (services/target/engine/kv_precision.py).
+    kv_cold_precision: str = _TARGET.kv_cold_precision
+    kv_cold_after_tokens: int = _TARGET.kv_cold_after_tokens
     # The shared tier (services/target/engine/shared_tier.py): Redis URL ("" = off), this replica's
     # byte bound there, entry lifetime, per-call timeout and key prefix.
     kv_shared_url: str = _TARGET.kv_shared_url
@@ -74,6 +77,9 @@ class EngineConfig:
         if self.kv_shared_url and not (self.kv_host_bytes and self.enable_prefix_caching):
             raise ValueError("kv_shared_url needs kv_host_bytes > 0 and prefix caching: shared-tier "
                              "entries are loaded through the host tier")
+        if self.kv_cold_precision == "fp8" and (self.kv_dtype == "fp8" or not self.kv_host_bytes):
+            raise ValueError("kv_cold_precision 'fp8' needs a host tier (kv_host_bytes > 0) below a pool that is not "
+                             "FP8 already (kv_dtype is not fp8)")
         if self.forward == "generic" and self.tensor_parallel > 1:
             raise ValueError("forward 'generic' cannot be split across ranks: tensor_parallel > 1 needs "
                              "a lean forward (forward auto, Gemma 3 or the Llama family)")

@@ -33,6 +33,9 @@ KV_DTYPES: tuple[str, ...] = get_args(KvDtype)
 PreemptionMode = Literal["auto", "swap", "recompute"]  # services/target/engine/scheduler.py
 PREEMPTION_MODES: tuple[str, ...] = get_args(PreemptionMode)
 
+KvColdPrecision = Literal["auto", "off", "fp8"]  # services/target/engine/kv_precision.py
+KV_COLD_PRECISIONS: tuple[str, ...] = get_args(KvColdPrecision)
+
 MAX_DRAFT_TIMEOUT_MS = 60_000  # longest per-step deadline of a draft call
 
 
@@ -66,6 +69,15 @@ class TargetSettings(SettingsGroup):
         "auto", description="what a sequence preempted for lack of KV blocks keeps: auto = its KV is swapped "
         "out to the host tier and back where the copies are measured cheaper than recomputing it, swap = "
         "always swapped, recompute = never; either way it is recomputed when the host tier has no room")
+    kv_cold_precision: KvColdPrecision = Field(
+        "auto", description="precision of the host tier's copies of evicted prefix blocks that start at or past "
+        "kv_cold_after_tokens: fp8 = float8_e4m3fn with a scale per token and KV head (the --kv-dtype fp8 format; "
+        "about a quarter of a float32 block, half of a bf16 one), restored into the pool dequantized; auto = fp8 "
+        "only when the tier would otherwise drop an older entry and the model's accuracy cost, as measured by "
+        "benchmarks/kv_precision.py, is within the stated bound (else full precision); off = full precision always")
+    kv_cold_after_tokens: int = Field(256, ge=0, description="a prefix's first tokens whose host-tier copies stay "
+                                      "in full precision whatever kv_cold_precision says (long prefixes' later "
+                                      "blocks are the cold ones)")
     kv_shared_url: str = Field("", description="shared tier below the host tier: a Redis URL "
                                "(redis://host:port/db) where committed prefix blocks are written and from which "
                                "blocks other replicas computed are loaded instead of recomputed; needs "

@@ -20,9 +20,9 @@ def _data(seed: int) -> torch.Tensor:
 def _run_stores(bm: BlockManager) -> list[int]:
     """What ModelRunner.move_tiers does with the stores, with each block's id as its bytes' seed."""
     moves = bm.take_tier_moves()
-    for block_id, h, key in moves.stores:
+    for block_id, h, key, _ in moves.stores:
         moves.tier.put(h, moves.tier.entry(key, _data(block_id)))
-    return [b for b, _, _ in moves.stores]
+    return [b for b, _, _, _ in moves.stores]
 
 
 def test_the_byte_bound_holds_and_the_oldest_entries_go_first():

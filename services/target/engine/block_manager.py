@@ -94,8 +94,9 @@ class TierMoves:
     destination of a restore or a copy-on-write copy of the same step."""
 
     tier: HostTier | None
-    stores: list[tuple[int, int, tuple]]  # (block id, hash, key) of evicted blocks, KV still in place
-    restores: list[tuple[int, object]]  # (destination block id, the entry's bytes: [block_bytes] uint8)
+    # (block id, hash, key, first token's position in its prefix) of evicted blocks, KV still in place
+    stores: list[tuple[int, int, tuple, int]]
+    restores: list[tuple[int, object]]  # (destination block id, the pool's bytes: [block_bytes] uint8)
     shared: SharedTier | None = None
     shares: list[tuple[int, int, tuple]] = field(default_factory=list)  # (block id, hash, key) to write there
     # Swapped sequences: (seq id, its blocks in order) to copy out with the stores, and (seq id,
@@ -109,6 +110,7 @@ class _Block:
     ref_count: int = 0
     hash: int | None = None
     key: tuple | None = None  # (parent_hash, tokens, extra_key): the collision check
+    index: int = 0  # of a cached block: its place in its prefix (the host tier's precision depends on it)
 
 
 @dataclass
@@ -134,7 +136,7 @@ class BlockManager:
         self._events: list[KVEvent] = []  # taken by drain_events
         self._copies: list[tuple[int, int]] = []  # copy-on-write (src, dst) blocks; see take_copies
         self.host_tier = host_tier  # None = evicted blocks are dropped, preempted sequences recomputed
-        self._stores: list[tuple[int, int, tuple]] = []  # see take_tier_moves
+        self._stores: list[tuple[int, int, tuple, int]] = []  # see take_tier_moves
         self._restores: list[tuple[int, object]] = []
         self.shared_tier: SharedTier | None = None  # see attach_shared_tier
         self._shares: list[tuple[int, int, tuple]] = []
@@ -319,7 +321,7 @@ class BlockManager:
             h = block_hash(parent, tokens, extra_key)
             block = self._blocks[entry.table[i]]
             if h not in self._cached and block.hash is None:
-                block.hash, block.key = h, (parent, tokens, extra_key)
+                block.hash, block.key, block.index = h, (parent, tokens, extra_key), i
                 self._cached[h] = entry.table[i]
                 self._events.append(KVEvent("stored", h, parent, bs, _scope(extra_key)))
                 if self.shared_tier is not None and self.shared_tier.wants(h):
@@ -469,10 +471,10 @@ class BlockManager:
             held = self.host_tier.take_entry(h, key)
             if held is None:
                 break  # missing or failed its check: recomputed from here
-            data, shared = held.data, shared + (held.origin == "shared")
+            data, shared = self.host_tier.full_bytes(held), shared + (held.origin == "shared")
             block_id = self._take_free_block()
             block = self._blocks[block_id]
-            block.hash, block.key = h, key
+            block.hash, block.key, block.index = h, key, len(entry.table)
             self._cached[h] = block_id
             self._events.append(KVEvent("stored", h, key[0], len(key[1]), _scope(key[2])))
             self._restores.append((block_id, data))
@@ -521,7 +523,7 @@ class BlockManager:
             del self._cached[block.hash]
             parent, tokens, extra_key = block.key
             if self.host_tier is not None:  # its KV is still in place until the next forward pass
-                self._stores.append((block_id, block.hash, block.key))
+                self._stores.append((block_id, block.hash, block.key, block.index * self.block_size))
             self._events.append(KVEvent("removed", block.hash, parent, len(tokens), _scope(extra_key)))
             block.hash = block.key = None
             self._evictions += 1

@@ -31,6 +31,7 @@ from services.target.structured.compiler import ConstraintCompiler
 from services.target.structured.grammar_state import GrammarState
 from services.target.structured.hooks import servable_plan
 from services.target.engine.host_tier import build_host_tier, engine_stat_fields
+from services.target.engine.kv_precision import ColdPrecision, PoolLayout, build_cold_precision
 from services.target.engine import shared_tier
 from services.target.engine.kv_events import KVEventLog
 from services.target.model.model_runner import ModelRunner, load_model
@@ -67,9 +68,10 @@ class Engine:
                                   tp=ranks.tp if ranks else None)
         if ranks is not None and config.kv_host_bytes:
             log.warning("host tier off: it does not hold a tensor-parallel target's KV shards yet")
+        cold = self._cold_precision(config, spec)
         self.blocks.attach_host_tier(build_host_tier(config.kv_host_bytes if ranks is None else 0, self.name,
                                                      config.torch_kv_dtype,
-                                                     config.block_size, self.runner.kv_block_bytes))
+                                                     config.block_size, self.runner.kv_block_bytes, cold))
         if self.blocks.host_tier is not None:
             self.blocks.attach_shared_tier(shared_tier.build_shared_tier(
                 config.kv_shared_url, config.kv_shared_prefix, config.kv_shared_bytes, config.kv_shared_ttl_s,
@@ -116,6 +118,20 @@ class Engine:
             self.speculator.seats_full = self.scheduler.seats_full  # saturated: batch-mates' TPOT is bounded
         if ranks is not None:
             ranks.tp.on_lost(self._lose_rank)
+
+    def _cold_precision(self, config: EngineConfig, spec) -> ColdPrecision:
+        """The host tier's precision policy for long prefixes' later blocks (kv_precision.py)."""
+        if not config.kv_host_bytes:  # no tier: nothing to decide (EngineConfig refuses "fp8" without one)
+            return ColdPrecision("off", config.kv_cold_after_tokens, None, "no host tier")
+        layout = PoolLayout(spec.num_layers, config.block_size, spec.num_kv_heads, spec.head_dim,
+                            config.torch_kv_dtype)
+        if layout.full_bytes != self.runner.kv_block_bytes:  # a pool of another shape than one head_dim for all
+            if config.kv_cold_precision == "fp8":
+                raise ValueError("kv_cold_precision 'fp8': this model's KV pool is not one shape per layer")
+            return ColdPrecision("off", config.kv_cold_after_tokens, None, "the pool is not one shape per layer")
+        cold = build_cold_precision(config.kv_cold_precision, config.kv_cold_after_tokens, layout, config.model_dir)
+        log.info("host tier precision: %s (%s)", cold.mode, cold.reason)
+        return cold
 
     @classmethod
     def load(cls, config: EngineConfig) -> "Engine":

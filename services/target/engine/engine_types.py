@@ -74,6 +74,12 @@ class EngineStats:
     host_tier_swap_out_seconds: float = 0.0  # (counter)
     host_tier_swap_in_seconds: float = 0.0  # (counter)
     swap_seconds_per_block: float = 0.0  # measured copy out + in of one block (0 until measured)
+    # Host-tier copies of long prefixes' later blocks in FP8 (services/target/engine/kv_precision.py).
+    host_tier_cold_precision: str = "off"  # the policy as resolved: off | fp8 | fp8-under-pressure
+    host_tier_cold_blocks: int = 0  # of host_tier_blocks, held in FP8 now
+    host_tier_cold_bytes: int = 0  # of host_tier_bytes, held by them
+    host_tier_cold_stored_blocks: int = 0  # of host_tier_stored_blocks, stored in FP8 (counter)
+    host_tier_cold_restored_blocks: int = 0  # of restored blocks, decoded from FP8 (counter)
 
 
 class EngineFailed(RuntimeError):

@@ -14,6 +14,12 @@ the identity it was computed under (model id, KV dtype, block size) with a check
 bytes. `take` serves an entry only if all of these match; anything else (another model, a
 truncated or corrupted entry) is dropped and the caller recomputes the block.
 
+An entry is held in full precision, or in FP8 when the tier's cold-precision policy says so
+(services/target/engine/kv_precision.py: long prefixes' later blocks, by setting or under
+pressure when the model's measured accuracy cost allows): then its bytes are the FP8 pool's
+layout, its identity says FP8 and its checksum covers those stored bytes; it is decoded into the
+pool's dtype when served, so a restored FP8 block is close to, not equal to, what was computed.
+
 Entries move between tiers, they are never in both: `take` removes what it serves (the
 device pool owns a block in use), an eviction stores it again.
 
@@ -37,6 +43,8 @@ from dataclasses import dataclass
 
 import torch
 
+from services.target.engine.kv_precision import COLD, FULL, ColdPrecision
+
 log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
@@ -56,10 +64,12 @@ class HostEntry:
     data: torch.Tensor  # [block_bytes] uint8 on the host
     checksum: bytes
     origin: str = "host"  # "host": evicted from this pool; "shared": loaded from the shared tier
+    precision: str = FULL  # FULL: the pool's bytes; COLD: the FP8 pool's layout (kv_precision.py)
 
     @classmethod
-    def build(cls, key: tuple, data: torch.Tensor, identity: TierIdentity, origin: str = "host") -> "HostEntry":
-        return cls(key, identity, data, checksum(data), origin)
+    def build(cls, key: tuple, data: torch.Tensor, identity: TierIdentity, origin: str = "host",
+              precision: str = FULL) -> "HostEntry":
+        return cls(key, identity, data, checksum(data), origin, precision)
 
     @property
     def num_bytes(self) -> int:
@@ -87,16 +97,27 @@ class HostTierStats:
     swapped_in_blocks: int = 0  # copied back when they resumed (counter)
     swap_out_seconds: float = 0.0
     swap_in_seconds: float = 0.0
+    cold_precision: str = "off"  # the cold-precision policy as resolved (kv_precision.COLD_MODES)
+    cold_entries: int = 0  # of entries, those held in FP8
+    cold_bytes: int = 0  # of used_bytes, held by them
+    cold_stored_blocks: int = 0  # of stored_blocks, stored in FP8 (counter)
+    cold_restored_blocks: int = 0  # of restored_blocks, decoded from FP8 (counter)
 
 
 class HostTier:
     """Bounded by `capacity_bytes`; thread-safe (the engine thread writes, stats read anywhere)."""
 
-    def __init__(self, capacity_bytes: int, identity: TierIdentity) -> None:
+    def __init__(self, capacity_bytes: int, identity: TierIdentity, cold: ColdPrecision | None = None) -> None:
         if capacity_bytes <= 0:
             raise ValueError(f"capacity_bytes must be > 0, got {capacity_bytes}")
         self.capacity_bytes = capacity_bytes
         self.identity = identity
+        self.cold = cold if cold is not None and cold.mode != "off" else None
+        # What an FP8 entry of this tier is (the FP8 pool's format): None when the policy is off.
+        self.cold_identity = None if self.cold is None else TierIdentity(
+            identity.model_id, str(torch.float8_e4m3fn), identity.block_size, self.cold.codec.layout.cold_bytes)
+        self._cold_mode = cold.mode if cold is not None else "off"
+        self._cold_stored = self._cold_restored = 0
         # block hash -> (entry, bytes it was counted at); oldest first
         self._entries: OrderedDict[int, tuple[HostEntry, int]] = OrderedDict()
         self._used = 0
@@ -116,6 +137,23 @@ class HostTier:
     def entry(self, key: tuple, data: torch.Tensor, origin: str = "host") -> HostEntry:
         """An entry of this tier's own identity."""
         return HostEntry.build(key, data, self.identity, origin)
+
+    def store(self, block_hash: int, key: tuple, row: torch.Tensor, start_token: int) -> bool:
+        """Stores an evicted block's KV (row [block_bytes] uint8, the pool's bytes; `start_token`:
+        its first token's position in its prefix), in FP8 where the cold-precision policy says so."""
+        if self.cold is not None:
+            with self._lock:
+                short = self._used + self._swap_bytes + self.identity.block_bytes > self.capacity_bytes
+            if self.cold.wants_cold(start_token, short):
+                data = self.cold.codec.encode(row.view(1, -1))[0]  # [cold_bytes] uint8
+                return self.put(block_hash, HostEntry.build(key, data, self.cold_identity, precision=COLD))
+        return self.put(block_hash, self.entry(key, row))
+
+    def full_bytes(self, entry: HostEntry) -> torch.Tensor:
+        """A checked entry's KV in the pool's bytes [block_bytes] uint8 (an FP8 entry decoded)."""
+        if entry.precision == FULL:
+            return entry.data
+        return self.cold.codec.decode(entry.data.view(1, -1))[0]
 
     def has(self, block_hash: int, key: tuple) -> bool:
         """An entry is held under `block_hash` with this key (cheap: no checksum; `take` checks)."""
@@ -140,6 +178,7 @@ class HostTier:
             self._used += size
             self._event("stored", block_hash, entry.key)
             self._stored += entry.origin == "host"  # shared-tier loads are counted there
+            self._cold_stored += entry.precision == COLD
             return True
 
     def take(self, block_hash: int, key: tuple) -> torch.Tensor | None:
@@ -158,12 +197,14 @@ class HostTier:
             entry, size = held
             self._used -= size
             self._event("removed", block_hash, entry.key)  # to the pool, or dropped as bad
-        ok = (entry.identity == self.identity and entry.data.dtype == torch.uint8
-              and entry.num_bytes == self.identity.block_bytes and checksum(entry.data) == entry.checksum)
+        identity = self.identity if entry.precision == FULL else self.cold_identity  # None: FP8 not served here
+        ok = (identity is not None and entry.identity == identity and entry.data.dtype == torch.uint8
+              and entry.num_bytes == identity.block_bytes and checksum(entry.data) == entry.checksum)
         with self._lock:
             if ok:
                 self._restored += 1
                 self._restored_shared += entry.origin == "shared"
+                self._cold_restored += entry.precision == COLD
             else:
                 self._rejected += 1
         return entry if ok else None
@@ -299,18 +340,21 @@ class HostTier:
 
     def stats(self) -> HostTierStats:
         with self._lock:
+            cold = [size for entry, size in self._entries.values() if entry.precision == COLD]
             return HostTierStats(self.capacity_bytes, self._used + self._swap_bytes, len(self._entries),
                                  self._stored, self._restored, self._restored_shared, self._dropped, self._rejected,
                                  self._store_s, self._restore_s, self._swap_bytes, self._swapped_out,
-                                 self._swapped_in, self._swap_out_s, self._swap_in_s)
+                                 self._swapped_in, self._swap_out_s, self._swap_in_s, self._cold_mode,
+                                 len(cold), sum(cold), self._cold_stored, self._cold_restored)
 
 
 def build_host_tier(capacity_bytes: int, model_id: str, kv_dtype: torch.dtype, block_size: int,
-                    block_bytes: int) -> HostTier | None:
-    """The engine's host tier; None when `capacity_bytes` is 0 (off)."""
+                    block_bytes: int, cold: ColdPrecision | None = None) -> HostTier | None:
+    """The engine's host tier; None when `capacity_bytes` is 0 (off). `cold`: its precision policy
+    for evicted blocks (None: full precision always)."""
     if capacity_bytes == 0:
         return None
-    return HostTier(capacity_bytes, TierIdentity(model_id, str(kv_dtype), block_size, block_bytes))
+    return HostTier(capacity_bytes, TierIdentity(model_id, str(kv_dtype), block_size, block_bytes), cold)
 
 
 def engine_stat_fields(tier: HostTier | None, block_size: int) -> dict:
@@ -329,4 +373,7 @@ def engine_stat_fields(tier: HostTier | None, block_size: int) -> dict:
                 recompute_seconds_per_block=tier.recompute_s_per_block,
                 host_tier_swap_bytes=s.swap_bytes, host_tier_swapped_out_blocks=s.swapped_out_blocks,
                 host_tier_swapped_in_blocks=s.swapped_in_blocks, host_tier_swap_out_seconds=s.swap_out_seconds,
-                host_tier_swap_in_seconds=s.swap_in_seconds, swap_seconds_per_block=tier.swap_s_per_block)
+                host_tier_swap_in_seconds=s.swap_in_seconds, swap_seconds_per_block=tier.swap_s_per_block,
+                host_tier_cold_precision=s.cold_precision, host_tier_cold_blocks=s.cold_entries,
+                host_tier_cold_bytes=s.cold_bytes, host_tier_cold_stored_blocks=s.cold_stored_blocks,
+                host_tier_cold_restored_blocks=s.cold_restored_blocks)

@@ -208,9 +208,9 @@ class ModelRunner:
         if moves.stores:
             start = time.perf_counter()
             try:
-                rows = self._read_blocks([b for b, _, _ in moves.stores])  # [num_stores, block_bytes]
-                for (_, h, key), row in zip(moves.stores, rows):
-                    tier.put(h, tier.entry(key, row.clone()))
+                rows = self._read_blocks([b for b, _, _, _ in moves.stores])  # [num_stores, block_bytes]
+                for (_, h, key, first_token), row in zip(moves.stores, rows):
+                    tier.store(h, key, row.clone(), first_token)  # in FP8 where the tier's precision policy says
             except Exception:
                 log.exception("host tier: storing %d evicted blocks failed", len(moves.stores))
             tier.add_time(store_s=time.perf_counter() - start)
