@@ -81,10 +81,11 @@ def is_prepared(model_dir: Path) -> bool:
 
 
 def source_gguf(model_dir: Path) -> Path | None:
-    """The GGUF file `model_dir` was converted from, where the directory keeps it (prepared since
-    the GGUF weight format, `--weights gguf`), else None."""
+    """The GGUF file `model_dir` was converted from, where the directory keeps it (the default model
+    prepared since the GGUF weight format, `--weights gguf`), else None. The loader checks its
+    blocks against the directory's weights (services/target/model/gguf_weights.py)."""
     path = Path(model_dir) / SOURCE_GGUF
-    return path if is_prepared(model_dir) and path.is_file() else None
+    return path if path.is_file() else None
 
 
 def prepare_default_model(cache_dir: Path | None = None, force: bool = False, progress: bool = True) -> Path:
