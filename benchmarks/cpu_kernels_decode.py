@@ -2,6 +2,7 @@
 
     python benchmarks/cpu_kernels_decode.py                       # default model, bf16, 64 tokens x 3 rounds
     python benchmarks/cpu_kernels_decode.py --variants fp16 bf16-avx512 bf16-avx512/bfloat16 --rounds 5
+    python benchmarks/cpu_kernels_decode.py --variants bf16-avx512/bfloat16 gguf/bfloat16  # the GGUF's own blocks
 
 Loads one engine per variant, `WEIGHTS[/KV_DTYPE]` (KV_DTYPE `auto` unless named). On a CPU without
 native bf16, `fp16` is the pure-torch path: fbgemm linears, torch's row ops and attention;
@@ -11,7 +12,8 @@ so attention stays torch's; `bf16-avx512/bfloat16` adds the C++ decode attention
 only). Prefills the same --context-token prompt in each, then
 runs --tokens one-token decode steps per engine per round, the engines taking turns, so both see
 the same machine load. Prints each round's tok/s (tokens / summed step time of `ModelRunner.forward`,
-no scheduler, sampler or gRPC) and the median over rounds.
+no scheduler, sampler or gRPC) and the median over rounds, and the bytes of linear-layer weights
+a decode token reads (every packed weight once; the embedding lookup's one row left out).
 """
 
 from __future__ import annotations
@@ -28,6 +30,20 @@ from services.common.models.loading import resolve_model_dir
 from services.target.config import EngineConfig
 from services.target.engine.engine import Engine
 from services.target.kernels import cpu_kernels
+
+
+def linear_weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the packed linear weights (what one decode token streams), counted once each."""
+    from services.target.model.gguf_weights import GGUFLinear
+    seen, total = set(), 0
+    for module in model.modules():
+        if isinstance(module, GGUFLinear) and id(module) not in seen:
+            seen.add(id(module))
+            total += module.packed.nbytes()
+        elif hasattr(module, "panels") and id(module) not in seen:  # AVX512LinearBF16
+            seen.add(id(module))
+            total += module.panels.numel() * module.panels.element_size()
+    return total
 
 
 def main() -> None:
@@ -67,7 +83,8 @@ def main() -> None:
         row_ops = engines[w].runner.lean_forward.row_ops if hasattr(engines[w].runner, "lean_forward") else "?"
         print(f"{w:>21}: median {statistics.median(rates[w]):6.1f} tok/s  (rounds: "
               f"{', '.join(f'{x:.1f}' for x in rates[w])}; C++ row ops: {row_ops}; "
-              f"KV pool {engines[w].config.torch_kv_dtype})")
+              f"KV pool {engines[w].config.torch_kv_dtype}; linear weights read per token: "
+              f"{linear_weight_bytes(engines[w].runner.model) / 1e6:.0f} MB)")
 
 
 if __name__ == "__main__":

@@ -21,7 +21,7 @@ from services.common.settings_group import SettingsGroup
 KernelBackend = Literal["auto", "triton", "cpu", "reference"]
 KERNEL_BACKENDS: tuple[str, ...] = get_args(KernelBackend)
 
-WeightFormat = Literal["auto", "none", "bf16", "bf16-avx512", "fp16", "int8"]
+WeightFormat = Literal["auto", "none", "bf16", "bf16-avx512", "gguf", "fp16", "int8"]
 WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
 
 KvDtype = Literal[("auto", *MODEL_DTYPES, "fp8")]
@@ -49,7 +49,9 @@ class TargetSettings(SettingsGroup):
         "auto", description="linear-layer weights; auto = specmesh's AVX-512 kernel (bf16-avx512) for a "
         "bf16 model on an AVX-512 CPU, else oneDNN-packed bf16 on a CPU with bf16 dot products in "
         "hardware, else fp16 packed for fbgemm when a bf16/fp16 model runs on the CPU; "
-        "int8 = per-channel int8 (fbgemm dynamic quantization)")
+        "int8 = per-channel int8 (fbgemm dynamic quantization); gguf = the blocks of the GGUF a prepared "
+        "model came from (the default model), multiplied by specmesh's AVX512-BF16 kernel with outputs equal "
+        "to bf16-avx512's bit for bit in fewer bytes (a CPU without AVX512-BF16 falls back to bf16-avx512)")
     forward: ForwardKind = Field(
         "auto", description="the model's forward; auto = a lean forward where one computes the model exactly "
         "(Gemma 3, the Llama family), else transformers' modules; generic = transformers' modules always "

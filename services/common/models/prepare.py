@@ -14,6 +14,9 @@ Conversion path (no `accelerate` needed):
 - config: built explicitly as a `Gemma3TextConfig` from the GGUF metadata plus the
   Gemma 3 constants that GGUF does not carry (local rope theta, layer pattern).
 - tokenizer: transformers' GGUF tokenizer converter, saved as `tokenizer.json`.
+- the GGUF itself stays in the directory (`source.gguf`): `--weights gguf` multiplies its blocks
+  (services/target/model/gguf_weights.py). A directory prepared before that lacks it and serves
+  the bf16 weights until prepared again.
 
 The directory appears atomically: everything is written and verified in a temporary
 sibling directory, a marker file is written last, and the directory is renamed into
@@ -40,6 +43,7 @@ PREPARED_MARKER = "specmesh-prepared.json"
 FORMAT_VERSION = 1
 DEFAULT_MODEL_ALIASES = ("default", DEFAULT_MODEL_NAME)
 
+SOURCE_GGUF = "source.gguf"  # the GGUF a directory was converted from, kept beside it (`source_gguf`)
 _STALE_WORK_DIR_S = 3600.0  # a killed run leaves its temp dir; conversion takes ~30 s
 _STAGES = ("assemble", "load gguf", "convert", "save", "verify")
 _REQUIRED_FILES = ("config.json", "model.safetensors", "tokenizer.json", "tokenizer_config.json")
@@ -74,6 +78,14 @@ def is_prepared(model_dir: Path) -> bool:
     if marker.get("source_sha256") != _source_sha256():
         return False
     return all((model_dir / name).is_file() for name in _REQUIRED_FILES)
+
+
+def source_gguf(model_dir: Path) -> Path | None:
+    """The GGUF file `model_dir` was converted from, where the directory keeps it (the default model
+    prepared since the GGUF weight format, `--weights gguf`), else None. The loader checks its
+    blocks against the directory's weights (services/target/model/gguf_weights.py)."""
+    path = Path(model_dir) / SOURCE_GGUF
+    return path if path.is_file() else None
 
 
 def prepare_default_model(cache_dir: Path | None = None, force: bool = False, progress: bool = True) -> Path:
@@ -122,6 +134,7 @@ def _convert(work: Path, out: Path, progress: bool) -> dict[str, float]:
         with _stage(bar, timings, "save"):
             _save(out, config, tokenizer, state_dict)
             del state_dict
+            os.replace(gguf_path, out / SOURCE_GGUF)  # the source's blocks, for `--weights gguf`
         with _stage(bar, timings, "verify"):
             _verify(out, config)
     finally:
@@ -203,7 +216,7 @@ def _tokenizer_from_gguf(gguf_path: Path, config):
     return tokenizer
 
 
-def _hf_name(gguf_name: str) -> str:
+def hf_name(gguf_name: str) -> str:
     """Map a gemma3 GGUF tensor name to its `Gemma3ForCausalLM` parameter name."""
     top = {"token_embd.weight": "model.embed_tokens.weight", "output_norm.weight": "model.norm.weight",
            "output.weight": "lm_head.weight"}
@@ -238,7 +251,7 @@ def _state_dict_from_gguf(reader, config) -> dict[str, torch.Tensor]:
     state_dict: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         weights = dequantize(tensor.data, tensor.tensor_type)  # [out_features, in_features] or [dim]
-        name = _hf_name(tensor.name)
+        name = hf_name(tensor.name)
         if tensor.name.endswith("norm.weight"):
             weights = weights - 1.0  # GGUF stores Gemma's RMSNorm scale as 1 + w
         state_dict[name] = torch.from_numpy(np.ascontiguousarray(weights, dtype=np.float32)).to(torch.bfloat16)

@@ -29,6 +29,7 @@ from torch import nn
 
 from services.target.model.attention import AttentionMetadata, paged_attention
 from services.target.kernels import cpu_linear, cpu_rowops
+from services.target.model.gguf_weights import GGUFLinear, tied_embedding_rows
 from services.target.model.linear import AVX512LinearBF16
 
 _STATIC_ROPE = ("default", "linear")  # inv_freq fixed at load; dynamic kinds rescale per call
@@ -108,7 +109,7 @@ def choose_row_ops(row_ops: bool | None, lm_head: nn.Module, embed: nn.Module) -
     are specmesh's kernel (which already gave up bit-exactness) and the model is bf16."""
     if row_ops is None:
         lm_head = getattr(lm_head, "shard", lm_head)  # a tensor-parallel rank's (tp/shard.py)
-        row_ops = isinstance(lm_head, AVX512LinearBF16) and embed.weight.dtype == torch.bfloat16
+        row_ops = isinstance(lm_head, (AVX512LinearBF16, GGUFLinear)) and embed.weight.dtype == torch.bfloat16
     if row_ops and not cpu_linear.available():
         raise ValueError(f"row_ops cannot run here: {cpu_linear.unavailable_reason()}")
     return row_ops
@@ -161,6 +162,7 @@ class Gemma3PagedForward:
         self.num_kv_heads = config.num_key_value_heads
         self.head_dim = config.head_dim
         self.embed = text.embed_tokens
+        self.embed_rows = tied_embedding_rows(model)  # the lookup in the lm_head's GGUF blocks, or None
         self.final_norm = _one_plus(text.norm)
         self.lm_head = model.lm_head
         self.softcap = config.final_logit_softcapping
@@ -202,7 +204,10 @@ class Gemma3PagedForward:
         """-> logits [R, vocab]; with `feature_rows` [F] also the features of those rows (the last
         layer's output after the final norm, [F, hidden]): (logits, features)."""
         embed = self.embed
-        h = nn.functional.embedding(input_ids, embed.weight, embed.padding_idx)
+        if self.embed_rows is not None:  # the same bf16 values, read from the tied GGUF blocks
+            h = self.embed_rows(input_ids)
+        else:
+            h = nn.functional.embedding(input_ids, embed.weight, embed.padding_idx)
         h = h * embed.embed_scale.to(embed.weight.dtype)  # [T, hidden]
         rope = self._cos_sin(position_ids, h.dtype)
         if self.row_ops:

@@ -23,6 +23,11 @@ place: docs/kernels.md.
                   step, and a row's outputs never depend on the other rows of the step. Faster
                   than oneDNN at few rows (much faster where oneDNN emulates bf16), as fast at
                   many (benchmarks/linear_formats.py).
+  weights="gguf"  the blocks of the GGUF file the model was prepared from (the default model's
+                  Q8_0 / Q5_0 / Q4_K / Q6_K), multiplied by specmesh's AVX512-BF16 kernel
+                  (kernels/cpu_gguf_linear.cpp) with outputs equal to bf16-avx512's bit for bit, reading
+                  ~1.1 bytes a weight instead of 2 (model/gguf_weights.py). Where the CPU lacks
+                  AVX512-BF16 it falls back to bf16-avx512 (same outputs on an AVX512-BF16 CPU), saying so.
   weights="fp16"  each weight converted once to fp16 and packed for fbgemm; activations go in
                   as float32 and products accumulate in float32. bf16 values are exact in fp16
                   except the 0.02% of Gemma 3 270M weights below fp16's normal range (< 6.1e-5),
@@ -37,14 +42,18 @@ The lm_head keeps float32 outputs (no bf16 rounding of the logits before samplin
 
 from __future__ import annotations
 
+import logging
 import warnings
+from pathlib import Path
 
 import torch
 from torch import nn
 
-from services.target.kernels import cpu_linear
+from services.target.kernels import cpu_gguf_linear, cpu_linear
 
 from services.target.settings import WEIGHT_FORMATS  # noqa: E402,F401  (declared once, for the settings too)
+
+log = logging.getLogger(__name__)
 
 
 class PackedLinearFP16(nn.Module):
@@ -170,9 +179,22 @@ def int8_scales(w: torch.Tensor) -> torch.Tensor:
     return (w.abs().amax(dim=1) / 127.0).clamp(min=1e-12).float()
 
 
-def resolve_weight_format(weights: str, dtype: torch.dtype, device: str) -> str:
+def resolve_weight_format(weights: str, dtype: torch.dtype, device: str, gguf_source: Path | None = None) -> str:
+    """The format the linear layers get; `gguf_source`: the GGUF the model was prepared from, if kept."""
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
+    if weights == "gguf":
+        if gguf_source is None:
+            raise ValueError("weights='gguf' needs a model prepared from a GGUF file that keeps it (the default "
+                             "model, prepared again with `specmesh models prepare --force` if it predates this)")
+        if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
+            raise ValueError("weights='gguf' serves bf16 activations on the CPU (--dtype bfloat16)")
+        reason = cpu_gguf_linear.unavailable_reason()
+        if reason is not None:
+            log.warning("weights='gguf' cannot run here (%s): the GGUF's blocks dequantized to bf16 "
+                        "instead (bf16-avx512)", reason)
+            return resolve_weight_format("bf16-avx512" if cpu_linear.available() else "auto", dtype, device)
+        return weights
     if weights != "auto":
         return weights
     if torch.device(device).type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
@@ -182,14 +204,20 @@ def resolve_weight_format(weights: str, dtype: torch.dtype, device: str) -> str:
     return "bf16" if dtype == torch.bfloat16 and native_bf16_cpu() else "fp16"
 
 
-def prepack_linears(model: nn.Module, weights: str) -> int:
+def prepack_linears(model: nn.Module, weights: str, gguf_source: Path | None = None) -> int:
     """Replaces every nn.Linear of `model` by its packed form (in place); returns how many.
 
     The lm_head is replaced too (its outputs stay float32); a tied input embedding keeps its
-    own tensor, so embedding lookups are unchanged.
+    own tensor, so embedding lookups are unchanged (the lean forwards look up in the lm_head's
+    GGUF blocks instead where it has them: gguf_weights.tied_embedding_rows).
     """
     if weights == "none":
         return 0
+    if weights == "gguf":
+        from services.target.model.gguf_weights import pack_gguf_linears
+        if gguf_source is None:
+            raise ValueError("weights='gguf' needs the GGUF file the model was prepared from")
+        return pack_gguf_linears(model, gguf_source)
     classes = {"bf16": PackedLinearBF16, "bf16-avx512": AVX512LinearBF16, "fp16": PackedLinearFP16,
                "int8": Int8Linear}
     if weights not in classes:

@@ -324,8 +324,10 @@ def load_model(model_dir: Path, dtype: torch.dtype, device: str = "cpu", weights
         from services.target.tp.shard import shard_model
         shard_model(model, tp)
         spec = replace(spec, num_kv_heads=spec.num_kv_heads // tp.world)
-    weight_format = resolve_weight_format(weights, dtype, device)
-    packed = prepack_linears(model, weight_format)
+    from services.common.models.prepare import source_gguf
+    gguf_source = source_gguf(model_dir) if tp is None or tp.world == 1 else None  # blocks are not sharded
+    weight_format = resolve_weight_format(weights, dtype, device, gguf_source)
+    packed = prepack_linears(model, weight_format, gguf_source)
     log.info("linear layers: %s (asked: %s), %d packed", weight_format, weights, packed)
     return model, tokenizer, spec
 

@@ -1,0 +1,117 @@
+"""`--weights gguf`: the linear layers of a model prepared from a GGUF file multiply the file's own
+blocks (kernels/cpu_gguf_linear.py), not the bf16 weights the preparation dequantized from them.
+
+The prepared directory keeps its source GGUF (services/common/models/prepare.py, `source_gguf`).
+Each linear layer of the loaded model is matched to its GGUF tensors by name (the names the
+preparation mapped: `prepare.hf_name`), the fused projections (gemma3_forward.fuse_projections) to
+their parts in order, and a tied lm_head to the token embedding. Before a layer is replaced, the
+blocks' bf16 values are checked equal to the layer's loaded weight on a few rows, so a GGUF that
+is not the directory's source is refused instead of served. The outputs then equal
+`--weights bf16-avx512` bit for bit (tests/target/test_gguf_weights.py).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import torch
+from torch import nn
+
+from services.target.kernels import cpu_gguf_linear
+
+log = logging.getLogger(__name__)
+
+_CHECK_ROWS = 4  # rows of each part compared with the loaded weight: first and last, two between
+
+
+class GGUFLinear(nn.Module):
+    """y = x W^T with W the GGUF blocks of one (or a fused run of) weight(s) [out, in], no bias."""
+
+    def __init__(self, packed: cpu_gguf_linear.Packed, out_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.packed = packed
+        self.in_features, self.out_features = packed.in_features, packed.out_features
+        self.out_dtype = out_dtype
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
+        flat = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [rows, in] bf16
+        y = cpu_gguf_linear.gguf_linear(flat, self.packed)  # [rows, out] bf16
+        return y.to(self.out_dtype or x.dtype).reshape(*x.shape[:-1], self.out_features)
+
+    def rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` [T] of W as bf16 [T, in]: a tied embedding's lookup in the same blocks."""
+        return cpu_gguf_linear.rows(self.packed, ids)
+
+
+def _sources(name: str, model: nn.Module, lm_head: nn.Module | None, module: nn.Module) -> list[str]:
+    """The Hugging Face weight names a linear layer of the (fused) model holds, in output order."""
+    from services.target.model.gemma3_forward import FUSED
+
+    if module is lm_head:
+        tied = getattr(model.config, "tie_word_embeddings", False)
+        return ["model.embed_tokens.weight" if tied else "lm_head.weight"]
+    if name.startswith(FUSED + "."):
+        kind, _, layer = name[len(FUSED) + 1:].rpartition("_")
+        parts = {"qkv": ("self_attn", ("q_proj", "k_proj", "v_proj")), "gate_up": ("mlp", ("gate_proj", "up_proj"))}
+        owner, names = parts[kind]
+        return [f"model.layers.{layer}.{owner}.{n}.weight" for n in names]
+    return [f"{name}.weight"]
+
+
+def _check_rows(parts: cpu_gguf_linear.Decoded, weight: torch.Tensor, what: str) -> None:
+    n = parts.q.shape[0]
+    rows = sorted({0, n // 3, 2 * n // 3, n - 1})[:_CHECK_ROWS]
+    sample = cpu_gguf_linear.Decoded(parts.q[rows], parts.scales[rows],
+                                     None if parts.offsets is None else parts.offsets[rows], parts.sub_block)
+    if tuple(weight.shape) != parts.q.shape or not torch.equal(cpu_gguf_linear.dequantize_bf16(sample),
+                                                               weight[rows].to(torch.bfloat16)):
+        raise ValueError(f"the GGUF's blocks of {what} are not the loaded model's weights: the directory's "
+                         "GGUF is not its source; prepare the model again (`specmesh models prepare --force`)")
+
+
+def pack_gguf_linears(model: nn.Module, gguf_path: Path) -> int:
+    """Replaces each nn.Linear of `model` (fused already, not sharded) by a GGUFLinear over the
+    blocks of `gguf_path`; returns how many. The lm_head keeps float32 outputs."""
+    from gguf import GGUFReader
+
+    from services.common.models.prepare import hf_name
+
+    if not cpu_gguf_linear.available():
+        raise ValueError(f"weights='gguf' cannot run here: {cpu_gguf_linear.unavailable_reason()}")
+    reader = GGUFReader(gguf_path)
+    tensors = {hf_name(t.name): t for t in reader.tensors}
+    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
+    total = 0
+    for name, module in targets:
+        if module.bias is not None:
+            raise ValueError(f"weights='gguf': {name} has a bias, which the GGUF kernel does not add")
+        parts, offset = [], 0
+        for source in _sources(name, model, lm_head, module):
+            if source not in tensors:
+                raise ValueError(f"weights='gguf': {gguf_path.name} has no tensor for {source} ({name})")
+            tensor = tensors[source]
+            decoded = cpu_gguf_linear.decode_blocks(np.asarray(tensor.data), tensor.tensor_type.name)
+            _check_rows(decoded, module.weight.detach()[offset:offset + decoded.q.shape[0]], source)
+            offset += decoded.q.shape[0]
+            parts.append(decoded)
+        if offset != module.out_features:
+            raise ValueError(f"weights='gguf': {name}'s GGUF parts have {offset} rows, the layer {module.out_features}")
+        packed = cpu_gguf_linear.pack(parts[0] if len(parts) == 1 else cpu_gguf_linear.concat(parts))
+        total += packed.nbytes()
+        parent_name, _, attr = name.rpartition(".")
+        parent = model.get_submodule(parent_name) if parent_name else model
+        setattr(parent, attr, GGUFLinear(packed, torch.float32 if module is lm_head else None))
+    log.info("GGUF weights: %d linear layers from %s, %.0f MB in the kernel's layout", len(targets), gguf_path.name,
+             total / 1e6)
+    return len(targets)
+
+
+def tied_embedding_rows(model: nn.Module):
+    """The lookup of a tied embedding in the lm_head's GGUF blocks (ids [T] -> [T, hidden] bf16), or None."""
+    lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(lm_head, GGUFLinear) and getattr(model.config, "tie_word_embeddings", False):
+        return lm_head.rows
+    return None

@@ -1,0 +1,97 @@
+"""`--weights gguf`: a model prepared from a GGUF file serves the file's blocks, and its logits equal
+`--weights bf16-avx512`'s (the blocks dequantized to bf16, as the preparation does) bit for bit, on
+prefill chunks, decode rows and verify trees; the tied embedding is looked up in the same blocks."""
+
+from __future__ import annotations
+
+import logging
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType, GGUFWriter, dequantize, quantize
+from safetensors.torch import load_file, save_file
+
+from services.common.models import build_tiny_model
+from services.common.models.prepare import _LAYER_PARTS, SOURCE_GGUF
+from services.target.kernels import cpu_gguf_linear
+from services.target.model import linear
+from services.target.model.gguf_weights import GGUFLinear
+
+from tests.target.test_gemma3_forward import _run, _runner
+from tests.target.test_gguf_linear import _blocks
+
+needs_kernel = pytest.mark.skipif(not cpu_gguf_linear.available(), reason=f"{cpu_gguf_linear.unavailable_reason()}")
+
+# Per GGUF tensor kind, the block types of layers 0, 1, 2, 3: the default model's mix (Q4_K_M)
+_LAYER_TYPES = {"attn_q": "Q5_0", "attn_k": "Q5_0", "attn_v": ("Q8_0", "Q5_0", "Q6_K", "Q8_0"),
+                "attn_output": "Q4_K", "ffn_gate": "Q5_0", "ffn_up": "Q5_0",
+                "ffn_down": ("Q6_K", "Q4_K", "Q4_K", "Q6_K")}
+
+
+@pytest.fixture(scope="module")
+def gguf_gemma_dir(tmp_path_factory):
+    """A tiny Gemma 3 (tied embedding, K multiples of 256 for the K-quants) whose linear weights and
+    embedding are GGUF blocks: source.gguf holds them, model.safetensors their bf16 values."""
+    out = build_tiny_model(tmp_path_factory.mktemp("gguf") / "tiny-gemma3-gguf", "gemma3", seed=3,
+                           hidden_size=256, intermediate_size=512, head_dim=64, query_pre_attn_scalar=64,
+                           tie_word_embeddings=True)
+    state = load_file(out / "model.safetensors")
+    hf_to_gguf = {v: k for k, v in _LAYER_PARTS.items()}
+    writer = GGUFWriter(out / SOURCE_GGUF, "gemma3")
+    for i, (name, weight) in enumerate(sorted(state.items())):
+        if name == "model.embed_tokens.weight":
+            gguf_name, type_name = "token_embd.weight", "Q8_0"
+        elif name.endswith("_proj.weight"):
+            _, _, layer, *part, _ = name.split(".")
+            kind = hf_to_gguf[".".join(part)]
+            types = _LAYER_TYPES[kind]
+            gguf_name, type_name = f"blk.{layer}.{kind}.weight", types if isinstance(types, str) else types[int(layer)]
+        else:
+            continue
+        qtype = GGMLQuantizationType[type_name]
+        if type_name in ("Q8_0", "Q5_0"):
+            raw = quantize(weight.float().numpy(), qtype)
+        else:  # gguf has no K-quant quantizer: random blocks
+            raw = _blocks(type_name, *weight.shape, seed=100 + i)
+        writer.add_tensor(gguf_name, raw, raw_dtype=qtype)
+        dequantized = np.ascontiguousarray(dequantize(raw, qtype), dtype=np.float32)
+        state[name] = torch.from_numpy(dequantized).to(torch.bfloat16)  # what prepare.py stores
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    save_file(state, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
+@needs_kernel
+def test_gguf_logits_equal_bf16_avx512_on_prefill_decode_and_tree_steps(gguf_gemma_dir):
+    gguf = _runner(gguf_gemma_dir, torch.bfloat16, "gguf")
+    assert isinstance(gguf.model.lm_head, GGUFLinear) and gguf.lean_forward.embed_rows is not None
+    expected = _run(_runner(gguf_gemma_dir, torch.bfloat16, "bf16-avx512"))
+    for got, want in zip(_run(gguf), expected):
+        assert torch.isfinite(want).all()
+        assert torch.equal(got, want)
+
+
+@needs_kernel
+def test_a_gguf_that_is_not_the_source_is_refused(gguf_gemma_dir, tmp_path):
+    other = build_tiny_model(tmp_path / "other", "gemma3", seed=4, hidden_size=256, intermediate_size=512,
+                             head_dim=64, query_pre_attn_scalar=64, tie_word_embeddings=True)
+    (other / SOURCE_GGUF).symlink_to(gguf_gemma_dir / SOURCE_GGUF)
+    with pytest.raises(ValueError, match="not the loaded model's weights"):
+        _runner(other, torch.bfloat16, "gguf")
+
+
+def test_gguf_needs_a_model_that_kept_its_gguf(tmp_path):
+    with pytest.raises(ValueError, match="prepared from a GGUF"):
+        linear.resolve_weight_format("gguf", torch.bfloat16, "cpu", None)
+
+
+def test_without_avx512_bf16_gguf_falls_back_with_a_log_line(monkeypatch, caplog, tmp_path):
+    monkeypatch.setattr(cpu_gguf_linear, "unavailable_reason", lambda: "the CPU lacks AVX512-BF16 (test)")
+    with caplog.at_level(logging.WARNING, logger="services.target.model.linear"):
+        fmt = linear.resolve_weight_format("gguf", torch.bfloat16, "cpu", tmp_path / SOURCE_GGUF)
+    assert fmt != "gguf"
+    assert "cannot run here (the CPU lacks AVX512-BF16 (test))" in caplog.text
