@@ -54,6 +54,11 @@ def run(engine: Engine, prompt_ids: list[int], max_tokens: int) -> tuple[float, 
     return first[0] - start, tokens, info["cached"], info["host"], info["shared"]
 
 
+def warm_up(engine: Engine) -> None:
+    """One short request first, so that no measured request pays an engine's first-call costs."""
+    run(engine, document(engine.tokenizer, 4 * engine.blocks.block_size + 3, 0), 2)
+
+
 def document(tokenizer, num_tokens: int, salt: int) -> list[int]:
     words = [f"item{salt}-{i} is stored on shelf {i % 37} in room {i % 11}." for i in range(num_tokens)]
     return tokenizer(" ".join(words)).input_ids[:num_tokens]
@@ -65,6 +70,7 @@ def per_block_costs(model_dir: Path, prefix_tokens: int, block_size: int) -> Non
                                       num_blocks=blocks + 8, max_batched_tokens=512))
     engine.start()
     try:
+        warm_up(engine)
         tok = engine.tokenizer
         prefix, other = document(tok, prefix_tokens, 1), document(tok, prefix_tokens, 2)
         cold, cold_out, _, _, _ = run(engine, prefix, 8)  # recomputed: nothing cached
@@ -95,6 +101,7 @@ def cross_replica(model_dir: Path, prefix_tokens: int, block_size: int, url: str
     a, b = Engine.load(config), Engine.load(config)
     for engine in (a, b):
         engine.start()
+        warm_up(engine)
     try:
         tok = a.tokenizer
         shared_doc, local_doc = document(tok, prefix_tokens, 3), document(tok, prefix_tokens, 4)
@@ -224,12 +231,20 @@ def measure(args) -> None:
                                           kv_host_bytes=host_bytes))
         engine.start()
         try:
+            warm_up(engine)
+            before = engine.stats()
             results[label] = multi_turn(engine, convs, args.max_tokens, args.rate)
+            s = engine.stats()
         finally:
             engine.shutdown()
         ttfts, _, (cached, host) = results[label]
         print(f"   {label:13s} TTFT P50 {statistics.median(ttfts) * 1000:8.1f} ms  P99 "
               f"{percentile(ttfts, 0.99) * 1000:8.1f} ms   cached prompt tokens {cached} ({host} from the host tier)")
+        print(f"   {'':13s} prompt tokens computed {s.prompt_tokens_computed - before.prompt_tokens_computed}, "
+              f"preemptions {s.num_preemptions - before.num_preemptions} ({s.swap_preemptions} swapped), "
+              f"evictions {s.evictions - before.evictions}, host tier: {s.host_tier_stored_blocks} stored "
+              f"({s.host_tier_store_seconds:.2f} s), {s.host_tier_restored_blocks} restored "
+              f"({s.host_tier_restore_seconds:.2f} s), {s.host_tier_dropped_blocks} dropped")
     a, b = results["host tier"][1], results["no host tier"][1]
     same = sum(a[k] == b[k] for k in a)
     p50 = statistics.median(results["no host tier"][0]) / statistics.median(results["host tier"][0])

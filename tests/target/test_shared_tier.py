@@ -53,7 +53,8 @@ def test_entries_written_by_one_tier_load_byte_equal_in_another(kv_prefix):
         _write(writer, chain)
         assert not any(writer.wants(h) for h, _ in chain)  # written: not offered again
         loaded = reader.load(chain, 1 << 20)
-        assert [torch.equal(d, _data(i)) for i, d in enumerate(loaded)] == [True] * 5
+        assert [torch.equal(e.data, _data(i)) for i, e in enumerate(loaded)] == [True] * 5
+        assert [e.origin for e in loaded] == ["shared"] * 5
         assert len(reader.load(chain, 3 * BLOCK_BYTES)) == 3  # at most max_bytes
         assert len(reader.load(chain + _chain(2, "model\x00other"), 1 << 20)) == 5  # stops at the first miss
         s = writer.stats()

@@ -28,9 +28,10 @@ the sequence that stored it, so it carries no key or checksum, only its length i
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import struct
 import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -66,8 +67,15 @@ class HostEntry:
         return self.data.numel()
 
 
-def checksum(data: torch.Tensor) -> bytes:
-    return hashlib.blake2b(data.contiguous().numpy(), digest_size=16).digest()
+def checksum(data: torch.Tensor | memoryview) -> bytes:
+    """Of a block's KV bytes: a [block_bytes] uint8 tensor, or the bytes as read from a store.
+
+    CRC-32: it guards against corrupted and truncated bytes, not against a writer who means harm
+    (no keyed digest would be checkable by every replica without a shared secret either), and it
+    runs at about 2 GB/s here against blake2b's 0.75: a restored block is checked once or twice,
+    and at ~0.3 MB a block (the default model) the digest was half of a block's restore cost."""
+    buffer = data.contiguous().numpy() if isinstance(data, torch.Tensor) else data
+    return struct.pack("<I", zlib.crc32(buffer))
 
 
 @dataclass(frozen=True)
