@@ -198,19 +198,30 @@ def main() -> None:
                         "(on a shared machine, swap the order to see the drift)")
     args = parser.parse_args()
     with ForeignCpu() as cpu:  # CPU used by anything outside this process meanwhile
-        measure(args)
+        measure(args, cpu)
     foreign = cpu.share()
     print(f"\nforeign CPU while measuring: median {100 * (foreign['median'] or 0):.1f}%, "
           f"max {100 * (foreign['max'] or 0):.1f}% ({foreign['samples']} samples)"
           + ("  VOID: another process used the machine" if foreign["void"] else ""))
 
 
-def measure(args) -> None:
+def foreign_since(cpu: ForeignCpu, start: float) -> str:
+    """The foreign CPU share of one part of the run (each side is measured under its own load)."""
+    share = cpu.share(start)
+    return (f"foreign CPU median {100 * (share['median'] or 0):.1f}%, max {100 * (share['max'] or 0):.1f}%"
+            + (" VOID" if share["void"] else ""))
+
+
+def measure(args, cpu: ForeignCpu) -> None:
     model_dir = resolve_model_dir(args.model, Path(read_settings().model_cache).expanduser())
     if not args.skip_costs:
+        start = time.monotonic()
         per_block_costs(model_dir, args.prefix_tokens, args.block_size)
+        print(f"   {foreign_since(cpu, start)}")
     if args.shared_url:
+        start = time.monotonic()
         cross_replica(model_dir, args.prefix_tokens, args.block_size, args.shared_url)
+        print(f"   {foreign_since(cpu, start)}")
     if args.skip_multi_turn:
         return
     probe = Engine.load(EngineConfig(model_dir=model_dir, dtype="bfloat16", num_blocks=64))
@@ -232,7 +243,7 @@ def measure(args) -> None:
         engine.start()
         try:
             warm_up(engine)
-            before = engine.stats()
+            before, start = engine.stats(), time.monotonic()
             results[label] = multi_turn(engine, convs, args.max_tokens, args.rate)
             s = engine.stats()
         finally:
@@ -244,7 +255,8 @@ def measure(args) -> None:
               f"preemptions {s.num_preemptions - before.num_preemptions} ({s.swap_preemptions} swapped), "
               f"evictions {s.evictions - before.evictions}, host tier: {s.host_tier_stored_blocks} stored "
               f"({s.host_tier_store_seconds:.2f} s), {s.host_tier_restored_blocks} restored "
-              f"({s.host_tier_restore_seconds:.2f} s), {s.host_tier_dropped_blocks} dropped")
+              f"({s.host_tier_restore_seconds:.2f} s), {s.host_tier_dropped_blocks} dropped; "
+              f"{time.monotonic() - start:.0f} s, {foreign_since(cpu, start)}")
     a, b = results["host tier"][1], results["no host tier"][1]
     same = sum(a[k] == b[k] for k in a)
     p50 = statistics.median(results["no host tier"][0]) / statistics.median(results["host tier"][0])
