@@ -263,6 +263,13 @@ def measure(args, cpu: ForeignCpu) -> None:
     p99 = percentile(results["no host tier"][0], 0.99) / percentile(results["host tier"][0], 0.99)
     print(f"   TTFT without / with the host tier: P50 {p50:.2f}x  P99 {p99:.2f}x;  "
           f"same outputs in {same} of {len(a)} turns")
+    # A conversation whose answers part at some turn had the same history on both sides up to
+    # there: the parting is the KV's rounding (bf16 restored as computed vs recomputed in other
+    # chunks), and every later turn of it differs because its history does.
+    first = [min((t for t in range(args.turns) if a[c, t] != b[c, t]), default=None) for c in range(len(convs))]
+    parted = [t for t in first if t is not None]
+    print(f"   conversations whose answers part: {len(parted)} of {len(convs)}, at turns {sorted(parted)}; "
+          f"turns after the first parting: {sum(args.turns - 1 - t for t in parted)}")
 
 
 if __name__ == "__main__":
