@@ -333,7 +333,10 @@ def build_shared_tier(url: str, key_prefix: str, capacity_bytes: int, ttl_s: int
     down now only means recompute until it is up."""
     if not url:
         return None
-    client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s)
+    # Reads of 1 MiB, not redis-py's 64 KiB: an entry is ~0.3 MB (the default model's block), and
+    # a load reads many; fewer, larger reads took ~25% off a 124-block load here.
+    client = redis.Redis.from_url(url, socket_timeout=timeout_s, socket_connect_timeout=timeout_s,
+                                  socket_read_size=1 << 20)
     return SharedTier(client, key_prefix, identity, capacity_bytes, ttl_s)
 
 
