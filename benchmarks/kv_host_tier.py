@@ -54,6 +54,11 @@ def run(engine: Engine, prompt_ids: list[int], max_tokens: int) -> tuple[float, 
     return first[0] - start, tokens, info["cached"], info["host"], info["shared"]
 
 
+def warm_up(engine: Engine) -> None:
+    """One short request first, so that no measured request pays an engine's first-call costs."""
+    run(engine, document(engine.tokenizer, 4 * engine.blocks.block_size + 3, 0), 2)
+
+
 def document(tokenizer, num_tokens: int, salt: int) -> list[int]:
     words = [f"item{salt}-{i} is stored on shelf {i % 37} in room {i % 11}." for i in range(num_tokens)]
     return tokenizer(" ".join(words)).input_ids[:num_tokens]
@@ -65,6 +70,7 @@ def per_block_costs(model_dir: Path, prefix_tokens: int, block_size: int) -> Non
                                       num_blocks=blocks + 8, max_batched_tokens=512))
     engine.start()
     try:
+        warm_up(engine)
         tok = engine.tokenizer
         prefix, other = document(tok, prefix_tokens, 1), document(tok, prefix_tokens, 2)
         cold, cold_out, _, _, _ = run(engine, prefix, 8)  # recomputed: nothing cached
@@ -95,6 +101,7 @@ def cross_replica(model_dir: Path, prefix_tokens: int, block_size: int, url: str
     a, b = Engine.load(config), Engine.load(config)
     for engine in (a, b):
         engine.start()
+        warm_up(engine)
     try:
         tok = a.tokenizer
         shared_doc, local_doc = document(tok, prefix_tokens, 3), document(tok, prefix_tokens, 4)
@@ -191,19 +198,30 @@ def main() -> None:
                         "(on a shared machine, swap the order to see the drift)")
     args = parser.parse_args()
     with ForeignCpu() as cpu:  # CPU used by anything outside this process meanwhile
-        measure(args)
+        measure(args, cpu)
     foreign = cpu.share()
     print(f"\nforeign CPU while measuring: median {100 * (foreign['median'] or 0):.1f}%, "
           f"max {100 * (foreign['max'] or 0):.1f}% ({foreign['samples']} samples)"
           + ("  VOID: another process used the machine" if foreign["void"] else ""))
 
 
-def measure(args) -> None:
+def foreign_since(cpu: ForeignCpu, start: float) -> str:
+    """The foreign CPU share of one part of the run (each side is measured under its own load)."""
+    share = cpu.share(start)
+    return (f"foreign CPU median {100 * (share['median'] or 0):.1f}%, max {100 * (share['max'] or 0):.1f}%"
+            + (" VOID" if share["void"] else ""))
+
+
+def measure(args, cpu: ForeignCpu) -> None:
     model_dir = resolve_model_dir(args.model, Path(read_settings().model_cache).expanduser())
     if not args.skip_costs:
+        start = time.monotonic()
         per_block_costs(model_dir, args.prefix_tokens, args.block_size)
+        print(f"   {foreign_since(cpu, start)}")
     if args.shared_url:
+        start = time.monotonic()
         cross_replica(model_dir, args.prefix_tokens, args.block_size, args.shared_url)
+        print(f"   {foreign_since(cpu, start)}")
     if args.skip_multi_turn:
         return
     probe = Engine.load(EngineConfig(model_dir=model_dir, dtype="bfloat16", num_blocks=64))
@@ -224,18 +242,34 @@ def measure(args) -> None:
                                           kv_host_bytes=host_bytes))
         engine.start()
         try:
+            warm_up(engine)
+            before, start = engine.stats(), time.monotonic()
             results[label] = multi_turn(engine, convs, args.max_tokens, args.rate)
+            s = engine.stats()
         finally:
             engine.shutdown()
         ttfts, _, (cached, host) = results[label]
         print(f"   {label:13s} TTFT P50 {statistics.median(ttfts) * 1000:8.1f} ms  P99 "
               f"{percentile(ttfts, 0.99) * 1000:8.1f} ms   cached prompt tokens {cached} ({host} from the host tier)")
+        print(f"   {'':13s} prompt tokens computed {s.prompt_tokens_computed - before.prompt_tokens_computed}, "
+              f"preemptions {s.num_preemptions - before.num_preemptions} ({s.swap_preemptions} swapped), "
+              f"evictions {s.evictions - before.evictions}, host tier: {s.host_tier_stored_blocks} stored "
+              f"({s.host_tier_store_seconds:.2f} s), {s.host_tier_restored_blocks} restored "
+              f"({s.host_tier_restore_seconds:.2f} s), {s.host_tier_dropped_blocks} dropped; "
+              f"{time.monotonic() - start:.0f} s, {foreign_since(cpu, start)}")
     a, b = results["host tier"][1], results["no host tier"][1]
     same = sum(a[k] == b[k] for k in a)
     p50 = statistics.median(results["no host tier"][0]) / statistics.median(results["host tier"][0])
     p99 = percentile(results["no host tier"][0], 0.99) / percentile(results["host tier"][0], 0.99)
     print(f"   TTFT without / with the host tier: P50 {p50:.2f}x  P99 {p99:.2f}x;  "
           f"same outputs in {same} of {len(a)} turns")
+    # A conversation whose answers part at some turn had the same history on both sides up to
+    # there: the parting is the KV's rounding (bf16 restored as computed vs recomputed in other
+    # chunks), and every later turn of it differs because its history does.
+    first = [min((t for t in range(args.turns) if a[c, t] != b[c, t]), default=None) for c in range(len(convs))]
+    parted = [t for t in first if t is not None]
+    print(f"   conversations whose answers part: {len(parted)} of {len(convs)}, at turns {sorted(parted)}; "
+          f"turns after the first parting: {sum(args.turns - 1 - t for t in parted)}")
 
 
 if __name__ == "__main__":

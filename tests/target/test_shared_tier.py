@@ -5,6 +5,9 @@ Redis down means no entries, never an error."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import struct
 import time
 
 import redis
@@ -12,7 +15,7 @@ import torch
 
 from services.target.engine.block_manager import BlockManager
 from services.target.engine.host_tier import HostTier, TierIdentity
-from services.target.engine.shared_tier import SharedTier, prefetch
+from services.target.engine.shared_tier import MAGIC, SharedTier, prefetch
 from tests.target.shared_redis import URL, free_port, kv_prefix  # noqa: F401 (fixture)
 
 BLOCK_BYTES = 256
@@ -53,7 +56,8 @@ def test_entries_written_by_one_tier_load_byte_equal_in_another(kv_prefix):
         _write(writer, chain)
         assert not any(writer.wants(h) for h, _ in chain)  # written: not offered again
         loaded = reader.load(chain, 1 << 20)
-        assert [torch.equal(d, _data(i)) for i, d in enumerate(loaded)] == [True] * 5
+        assert [torch.equal(e.data, _data(i)) for i, e in enumerate(loaded)] == [True] * 5
+        assert [e.origin for e in loaded] == ["shared"] * 5
         assert len(reader.load(chain, 3 * BLOCK_BYTES)) == 3  # at most max_bytes
         assert len(reader.load(chain + _chain(2, "model\x00other"), 1 << 20)) == 5  # stops at the first miss
         s = writer.stats()
@@ -154,6 +158,41 @@ def test_prefetch_loads_past_what_this_replica_holds_into_the_host_tier(kv_prefi
         assert [host.entry_of(h).origin for h, _ in chain] == ["host"] + ["shared"] * 5
         assert prefetch(blocks, host, reader, chain) == 0  # everything held: no Redis call
         assert reader.stats().loaded_blocks == 5
+    finally:
+        writer.close()
+        reader.close()
+
+
+def test_an_entry_of_the_previous_format_is_refused(kv_prefix):
+    """Format 1 (blake2b checksum) entries left by an older replica: refused, recomputed."""
+    chain = _chain(1)
+    tier = _tier(kv_prefix)
+    try:
+        (h, key), data = chain[0], _data(0)
+        frame = tier.frame(key, data)
+        (size,) = struct.unpack_from("<I", frame, len(MAGIC))
+        header = json.loads(frame[len(MAGIC) + 4:len(MAGIC) + 4 + size])
+        header.update(v=1, sum=hashlib.blake2b(data.numpy(), digest_size=16).hexdigest())
+        raw = json.dumps(header).encode()
+        tier.client.set(tier.redis_key(h), MAGIC + struct.pack("<I", len(raw)) + raw + data.numpy().tobytes())
+        assert tier.load(chain, 1 << 20) == []
+        assert tier.stats().rejected_blocks == 1
+    finally:
+        tier.close()
+
+
+def test_a_loaded_entry_keeps_its_checksum_and_is_checked_again_when_taken(kv_prefix):
+    chain = _chain(2)
+    writer, reader = _tier(kv_prefix), _tier(kv_prefix)
+    host = HostTier(1 << 20, IDENTITY)
+    try:
+        _write(writer, chain)
+        assert prefetch(BlockManager(num_blocks=8, block_size=4, host_tier=host), host, reader, chain) == 2
+        first, second = (host.entry_of(h) for h, _ in chain)
+        assert first.checksum == host.entry(chain[0][1], _data(0)).checksum  # the one the writer framed
+        second.data[7] ^= 0x01  # corrupted in this process after the load's check
+        assert torch.equal(host.take(*chain[0]), _data(0))
+        assert host.take(*chain[1]) is None and host.stats().rejected_blocks == 1
     finally:
         writer.close()
         reader.close()

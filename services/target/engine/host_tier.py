@@ -34,9 +34,10 @@ the sequence that stored it, so it carries no key or checksum, only its length i
 
 from __future__ import annotations
 
-import hashlib
 import logging
+import struct
 import threading
+import zlib
 from collections import OrderedDict
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -76,8 +77,14 @@ class HostEntry:
         return self.data.numel()
 
 
-def checksum(data: torch.Tensor) -> bytes:
-    return hashlib.blake2b(data.contiguous().numpy(), digest_size=16).digest()
+def checksum(data: torch.Tensor | memoryview) -> bytes:
+    """Of a block's KV bytes: a [block_bytes] uint8 tensor, or the bytes as read from a store.
+
+    CRC-32: it catches corrupted and truncated bytes (an unkeyed digest stops no deliberate writer
+    either), at ~2 GB/s here against blake2b's ~0.75; with blake2b the digest was half of a
+    default-model block's restore cost (~0.3 MB a block, checked on load and again on restore)."""
+    buffer = data.contiguous().numpy() if isinstance(data, torch.Tensor) else data
+    return struct.pack("<I", zlib.crc32(buffer))
 
 
 @dataclass(frozen=True)
