@@ -23,15 +23,18 @@ TRACEPARENT = f"00-{0xA1:032x}-{0xB2:016x}-01"
 
 async def test_the_client_sends_what_the_draft_has_not_seen_and_resyncs_after_a_late_step():
     service = DraftService(DraftConfig())
-    propose, sent, late = service.propose, [], []
+    prepare, answer, sent, late = service.prepare, service.answer, [], []
 
-    def recording_propose(request, per_sequence=False):  # (new tokens, traceparent) the draft got
+    def recording_prepare(request, per_sequence=False):  # (new tokens, traceparent) the draft got
         sent.append([(list(s.new_token_ids), s.traceparent) for s in request.sequences])
+        return prepare(request, per_sequence)
+
+    def late_answer(prepared):
         if late:
             late.clear()
-            time.sleep(1.0)  # past the client's 0.3 s deadline; the draft still appends the tokens
-        return propose(request, per_sequence)
-    service.propose = recording_propose
+            time.sleep(1.0)  # past the client's 0.3 s deadline; the draft has appended the tokens
+        return answer(prepared)
+    service.prepare, service.answer = recording_prepare, late_answer
     server = GrpcServer(ServerConfig(port=0), lambda s: add_to_server(s, service), [SERVICE_NAME])
     await server.start()
     client = DraftClient(server.address, timeout_s=0.3, vocab_size=32)

@@ -46,7 +46,7 @@ def supports(model: nn.Module) -> bool:
             and all(rope.get(t, {}).get("rope_type", "default") in _STATIC_ROPE for t in set(config.layer_types)))
 
 
-FUSED = "specmesh_fused"  # the model's submodule holding the fused projections
+from services.target.model.fused_name import FUSED  # noqa: E402  the model's submodule holding the fused projections
 
 
 class _Columns(nn.Module):

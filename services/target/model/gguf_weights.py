@@ -20,6 +20,7 @@ import torch
 from torch import nn
 
 from services.target.kernels import cpu_gguf_linear
+from services.target.model.fused_name import FUSED
 
 log = logging.getLogger(__name__)
 
@@ -47,8 +48,6 @@ class GGUFLinear(nn.Module):
 
 def _sources(name: str, model: nn.Module, lm_head: nn.Module | None, module: nn.Module) -> list[str]:
     """The Hugging Face weight names a linear layer of the (fused) model holds, in output order."""
-    from services.target.model.gemma3_forward import FUSED
-
     if module is lm_head:
         tied = getattr(model.config, "tie_word_embeddings", False)
         return ["model.embed_tokens.weight" if tied else "lm_head.weight"]
