@@ -45,8 +45,11 @@ def test_targets_have_gpus_a_headless_service_and_every_container_health_probes(
     target = _stateful_set(docs, "specmesh-target")
     assert services[target["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
     container = target["spec"]["template"]["spec"]["containers"][0]
-    assert container["resources"]["requests"]["nvidia.com/gpu"] == 1
-    assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
+    # A tensor-parallel target gets one device per rank: the pod's GPUs are its rank count.
+    command = container["command"]
+    ranks = int(command[command.index("--tensor-parallel") + 1])
+    assert container["resources"]["requests"]["nvidia.com/gpu"] == ranks
+    assert container["resources"]["limits"]["nvidia.com/gpu"] == ranks
     for _, c in _containers(docs):
         port = c["ports"][0]["containerPort"]
         for probe in (c["readinessProbe"], c["livenessProbe"]):
