@@ -67,6 +67,9 @@ class EngineConfig:
     grammar_cache_dir: Path | None = None
     grammar_compile_timeout_s: float = 10.0  # a constraint compiling longer is refused (INVALID_ARGUMENT)
     grammar_max_bytes: int = 64 << 20  # a compiled grammar larger than this is refused
+    # Rows a grammar restricts to few tokens get logits over those only (structured/vocab_subsets.py);
+    # False: every row through the whole output layer (the A/B of benchmarks/structured_outputs.py).
+    grammar_vocab_subsets: bool = True
 
     def __post_init__(self) -> None:
         check_declared(TargetSettings, self, _TARGET_FIELDS)

@@ -29,6 +29,7 @@ from services.target.engine.fault_point import FaultPoint
 from services.target.speculation.no_draft_service import NoDraftService
 from services.target.structured.compiler import ConstraintCompiler
 from services.target.structured.grammar_state import GrammarState
+from services.target.structured.vocab_subsets import step_vocab_subsets
 from services.target.structured.hooks import servable_plan
 from services.target.engine.host_tier import build_host_tier, engine_stat_fields
 from services.target.engine.kv_precision import ColdPrecision, PoolLayout, build_cold_precision
@@ -529,11 +530,15 @@ class Engine:
         proposals = self.speculator.propose(batch) if self.speculator else {}
         inputs, trees = self._step_inputs(batch, proposals)
         want = self.speculator.feature_seqs(batch) if self.speculator else frozenset()
+        # Grammar-restricted rows: logits over their allowed tokens only (structured/vocab_subsets.py)
+        subsets = step_vocab_subsets(batch, inputs, trees, self.spec.vocab_size) \
+            if self.config.grammar_vocab_subsets and self.runner.takes_vocab_subsets \
+            and any(item.seq.grammar is not None for item in batch) else None
         with verify_span(trees, batch, self.speculator):
             if want:  # EAGLE: the features of those sequences' rows too
-                logits, features = self.runner.forward_with_features(inputs, want)
+                logits, features = self.runner.forward_with_features(inputs, want, vocab_subsets=subsets)
             else:
-                logits, features = self.runner.forward(inputs), {}  # [num_rows, vocab]
+                logits, features = self.runner.forward(inputs, vocab_subsets=subsets), {}  # [num_rows, vocab]
         rows = split_logits(logits, inputs)  # per batch item: [num_logits, vocab]
         verified, failed = self.speculator.verify(batch, rows, trees) if trees else ({}, {})
         if features:

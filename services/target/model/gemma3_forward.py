@@ -31,6 +31,7 @@ from services.target.model.attention import AttentionMetadata, paged_attention
 from services.target.kernels import cpu_linear, cpu_rowops
 from services.target.model.gguf_weights import GGUFLinear, tied_embedding_rows
 from services.target.model.linear import AVX512LinearBF16
+from services.target.model.output_layer import OutputLayer
 
 _STATIC_ROPE = ("default", "linear")  # inv_freq fixed at load; dynamic kinds rescale per call
 
@@ -166,6 +167,7 @@ class Gemma3PagedForward:
         self.final_norm = _one_plus(text.norm)
         self.lm_head = model.lm_head
         self.softcap = config.final_logit_softcapping
+        self.output = OutputLayer(model, self.embed, self.embed_rows, self.softcap)  # full or subset rows
         rotary = text.rotary_emb
         self.rope = {t: (getattr(rotary, f"{t}_inv_freq"), getattr(rotary, f"{t}_attention_scaling"))
                      for t in set(config.layer_types)}
@@ -200,9 +202,12 @@ class Gemma3PagedForward:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logit_rows: torch.Tensor,
-                 meta: AttentionMetadata, feature_rows: torch.Tensor | None = None):
+                 meta: AttentionMetadata, feature_rows: torch.Tensor | None = None,
+                 vocab_subsets: dict[int, torch.Tensor] | None = None):
         """-> logits [R, vocab]; with `feature_rows` [F] also the features of those rows (the last
-        layer's output after the final norm, [F, hidden]): (logits, features)."""
+        layer's output after the final norm, [F, hidden]): (logits, features). `vocab_subsets`
+        {logit row: allowed ids}: those rows' logits only over those ids, -inf elsewhere
+        (services/target/model/output_layer.py)."""
         embed = self.embed
         if self.embed_rows is not None:  # the same bf16 values, read from the tied GGUF blocks
             h = self.embed_rows(input_ids)
@@ -211,7 +216,7 @@ class Gemma3PagedForward:
         h = h * embed.embed_scale.to(embed.weight.dtype)  # [T, hidden]
         rope = self._cos_sin(position_ids, h.dtype)
         if self.row_ops:
-            return self._call_row_ops(h, rope, logit_rows, meta, feature_rows)
+            return self._call_row_ops(h, rope, logit_rows, meta, feature_rows, vocab_subsets)
         num_tokens, eps = h.shape[0], self.eps
         for layer in self.layers:
             cos, sin = rope[layer.rope]
@@ -231,19 +236,14 @@ class Gemma3PagedForward:
             gate_up = layer.gate_up_proj(x)  # [T, 2 * intermediate]
             x = layer.down_proj(self.act(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:])
             h = h + _rms_norm(x, layer.post_feedforward_norm, eps)
-        logits = self._logits(_rms_norm(h.index_select(0, logit_rows), self.final_norm, eps))  # norm is per row
+        logits = self.output(_rms_norm(h.index_select(0, logit_rows), self.final_norm, eps), vocab_subsets)  # norm is per row
         if feature_rows is None:
             return logits
         return logits, _rms_norm(h.index_select(0, feature_rows), self.final_norm, eps)
 
-    def _logits(self, h: torch.Tensor) -> torch.Tensor:  # [R, hidden] normed -> [R, vocab]
-        logits = self.lm_head(h)
-        if self.softcap is not None:
-            logits = torch.tanh(logits / self.softcap) * self.softcap
-        return logits
-
     def _call_row_ops(self, h: torch.Tensor, rope: dict, logit_rows: torch.Tensor,
-                      meta: AttentionMetadata, feature_rows: torch.Tensor | None = None):
+                      meta: AttentionMetadata, feature_rows: torch.Tensor | None = None,
+                      vocab_subsets: dict[int, torch.Tensor] | None = None):
         """The loop of __call__ with each layer's norms, residual adds and q/k norm + RoPE fused
         into three C++ row ops: each residual add runs with the norm after it (the next layer's
         input norm, or the final norm, which is per row, so computing it on every row and
@@ -264,5 +264,5 @@ class Gemma3PagedForward:
                 d = layer.down_proj(self.act(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:])
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
             h, x = cpu_rowops.add_rms_norm(h, d, layer.post_feedforward_norm, next_norm, eps)
-        logits = self._logits(x.index_select(0, logit_rows))
+        logits = self.output(x.index_select(0, logit_rows), vocab_subsets)  # [R, vocab]
         return logits if feature_rows is None else (logits, x.index_select(0, feature_rows))

@@ -38,6 +38,7 @@ from torch import nn
 from services.target.kernels import cpu_rowops
 from services.target.model.attention import AttentionMetadata, paged_attention
 from services.target.model.gemma3_forward import FUSED, _rotate_half, choose_row_ops
+from services.target.model.output_layer import OutputLayer
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at load
@@ -109,6 +110,7 @@ class LlamaPagedForward:
         self.embed = text.embed_tokens
         self.final_norm = _weight(text.norm)
         self.lm_head = model.lm_head
+        self.output = OutputLayer(model, self.embed)  # full or subset rows (output_layer.py)
         self.inv_freq = text.rotary_emb.inv_freq  # [head_dim / 2] f32
         self.rope_scaling = text.rotary_emb.attention_scaling
         self.q_size = self.num_heads * self.head_dim
@@ -142,14 +144,15 @@ class LlamaPagedForward:
 
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logit_rows: torch.Tensor,
-                 meta: AttentionMetadata, feature_rows: torch.Tensor | None = None):
+                 meta: AttentionMetadata, feature_rows: torch.Tensor | None = None,
+                 vocab_subsets: dict[int, torch.Tensor] | None = None):
         """-> logits [R, vocab]; with `feature_rows` [F] also (logits, features [F, hidden] after the
-        final norm)."""
+        final norm). `vocab_subsets` {logit row: allowed ids}: those rows over those ids only."""
         embed = self.embed
         h = nn.functional.embedding(input_ids, embed.weight, embed.padding_idx)  # [T, hidden]
         cos, sin = self._cos_sin(position_ids, h.dtype)
         if self.row_ops:
-            return self._call_row_ops(h, cos, sin, logit_rows, meta, feature_rows)
+            return self._call_row_ops(h, cos, sin, logit_rows, meta, feature_rows, vocab_subsets)
         num_tokens, eps, heads = h.shape[0], self.eps, self.num_heads
         for layer in self.layers:
             x = _rms_norm(h, layer.input_norm, eps)
@@ -166,13 +169,14 @@ class LlamaPagedForward:
             x = _rms_norm(h, layer.post_attention_norm, eps)
             gate_up = layer.gate_up_proj(x)  # [T, 2 * intermediate]
             h = h + layer.down_proj(self.act(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:])
-        logits = self.lm_head(_rms_norm(h.index_select(0, logit_rows), self.final_norm, eps))  # [R, vocab]
+        logits = self.output(_rms_norm(h.index_select(0, logit_rows), self.final_norm, eps), vocab_subsets)
         if feature_rows is None:
             return logits
         return logits, _rms_norm(h.index_select(0, feature_rows), self.final_norm, eps)  # the norm is per row
 
     def _call_row_ops(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, logit_rows: torch.Tensor,
-                      meta: AttentionMetadata, feature_rows: torch.Tensor | None = None):
+                      meta: AttentionMetadata, feature_rows: torch.Tensor | None = None,
+                      vocab_subsets: dict[int, torch.Tensor] | None = None):
         """The loop of __call__ through the C++ row ops: each residual add runs with the norm after
         it (the next layer's input norm, or the final norm, which is per row, so computing it on
         every row and selecting the logit rows after gives the same rows)."""
@@ -193,5 +197,5 @@ class LlamaPagedForward:
                 d = layer.down_proj(self.act(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:])
             next_norm = self.row_weights[i + 1][0] if i + 1 < len(self.layers) else self.final_norm_f32
             h, x = cpu_rowops.add_rms_norm(h, d, None, next_norm, eps, weight_after=True)
-        logits = self.lm_head(x.index_select(0, logit_rows))  # [R, vocab]
+        logits = self.output(x.index_select(0, logit_rows), vocab_subsets)  # [R, vocab]
         return logits if feature_rows is None else (logits, x.index_select(0, feature_rows))

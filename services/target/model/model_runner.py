@@ -72,14 +72,18 @@ class ModelRunner:
         self._lean_forward = forward
         self.kernels = get_kernels(self._kernel_backend, cpp_attention=getattr(forward, "row_ops", False))
 
-    def forward(self, inputs: list[StepInput]) -> torch.Tensor:
+    def forward(self, inputs: list[StepInput], vocab_subsets: dict[int, torch.Tensor] | None = None,
+                ) -> torch.Tensor:
         """Computes and stores KV for every input token; returns logits [num_rows, vocab]
         (float32): each input's `num_logits` last rows, inputs in order. With tensor parallelism
-        the step's plan goes to the other ranks first (one message), and they compute it alongside."""
-        return self.forward_with_features(inputs)[0]
+        the step's plan goes to the other ranks first (one message), and they compute it alongside.
+        `vocab_subsets` {logit row: allowed ids}: rows a grammar restricts to those ids get logits
+        only there, -inf elsewhere (a lean forward on one rank; elsewhere every row is whole)."""
+        return self.forward_with_features(inputs, vocab_subsets=vocab_subsets)[0]
 
     @torch.inference_mode()
     def forward_with_features(self, inputs: list[StepInput], feature_seqs: frozenset[str] = frozenset(),
+                              vocab_subsets: dict[int, torch.Tensor] | None = None,
                               ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """`forward`, and for the inputs of `feature_seqs` the features of all their rows (the last
         layer's output after the final norm: [q_len, hidden] per sequence, the feature head's
@@ -92,7 +96,7 @@ class ModelRunner:
             offset += len(inp.token_ids)
         start = time.perf_counter()
         if self.tp is None:
-            logits, features = self._execute(plan, feature_rows)
+            logits, features = self._execute(plan, feature_rows, vocab_subsets)
         else:
             plan.copies, self._copies = self._copies, []  # ran here already; the other ranks run them first
             self.tp.send_step(plan.encode())
@@ -134,22 +138,31 @@ class ModelRunner:
 
     @torch.inference_mode()
     def _execute(self, plan: StepPlan, feature_rows: dict[str, range],
+                 vocab_subsets: dict[int, torch.Tensor] | None = None,
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         meta = self._metadata(plan.slots, plan.positions, plan.q_lens, plan.context_lens, plan.block_tables,
                               tree_mask(plan.q_lens, plan.parents, self.device))
-        return self._forward(plan.token_ids, plan.positions, plan.logit_rows, meta, feature_rows)
+        return self._forward(plan.token_ids, plan.positions, plan.logit_rows, meta, feature_rows, vocab_subsets)
+
+    @property
+    def takes_vocab_subsets(self) -> bool:
+        """Whether a step's forward computes grammar-restricted rows over their allowed ids only."""
+        output = getattr(self.lean_forward, "output", None)
+        return self.tp is None and output is not None and output.takes_subsets
 
     def _forward(self, ids: list[int], positions: list[int], logit_rows: list[int], meta: AttentionMetadata,
-                 feature_rows: dict[str, range]) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 feature_rows: dict[str, range], vocab_subsets: dict[int, torch.Tensor] | None = None,
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         dev = self.device
         if self.lean_forward is not None:
             args = (torch.tensor(ids, dtype=torch.long, device=dev),
                     torch.tensor(positions, dtype=torch.long, device=dev),
                     torch.tensor(logit_rows, dtype=torch.long, device=dev), meta)
+            subsets = vocab_subsets if vocab_subsets and self.takes_vocab_subsets else None
             if not feature_rows:
-                return self.lean_forward(*args).float(), {}  # [num_rows, vocab]
+                return self.lean_forward(*args, vocab_subsets=subsets).float(), {}  # [num_rows, vocab]
             rows = torch.tensor([r for span in feature_rows.values() for r in span], dtype=torch.long, device=dev)
-            logits, features = self.lean_forward(*args, feature_rows=rows)  # features [F, hidden]
+            logits, features = self.lean_forward(*args, feature_rows=rows, vocab_subsets=subsets)  # features [F, hidden]
             split = features.split([len(span) for span in feature_rows.values()])
             return logits.float(), dict(zip(feature_rows, split))
         out = self.model(

@@ -8,11 +8,17 @@ everything else reads it or explores from it and returns it as it was:
   state along its own node's path (accept the node's token, recurse, roll back);
 - `forced_tokens(limit)`: the tokens the grammar forces next (grammar drafts).
 
+A step's masks are computed once, before the forward (`step_masks`, cached until the next
+commit): the forward then needs logits only over the tokens a row allows where that set is
+small (services/target/structured/vocab_subsets.py), and the masking after it reuses them.
+
 Masking sets forbidden logits to -inf, so any later softmax renormalises over the allowed
 tokens; stop tokens are allowed only where the grammar accepts the output so far.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 import xgrammar as xgr
@@ -24,6 +30,33 @@ class GrammarViolation(RuntimeError):
     """A token the grammar forbids reached commit (a bug upstream; fails that request only)."""
 
 
+@dataclass(frozen=True)
+class RowMasks:
+    """The masks of one step's logit rows of a sequence: row 0 follows the committed output,
+    row 1 + i follows draft node i (a plain row: row 0 only)."""
+
+    bitmask: torch.Tensor  # [1 + num_nodes, ceil(vocab / 32)] int32, xgrammar's layout
+    masked: tuple[int, ...]  # the rows that are masked (unreachable and terminated rows are not)
+    prev_tokens: tuple[int | None, ...]  # per row, the token it follows (the UTF-8 guard's context)
+
+    def allowed_ids(self, row: int, limit: int, vocab_size: int) -> torch.Tensor | None:
+        """The token ids row `row` allows ([k] int64, ascending), or None if it is not masked or
+        allows more than `limit` (each nonzero 32-bit word allows at least one: checked first)."""
+        if row not in self.masked:
+            return None
+        words = self.bitmask[row]  # [num_words] int32
+        nonzero = words.nonzero().flatten()  # [w]
+        if nonzero.numel() > limit:
+            return None
+        bits = (words[nonzero].unsqueeze(1) >> _BIT_SHIFTS) & 1  # [w, 32]
+        ids = (nonzero.unsqueeze(1) * 32 + _BIT_SHIFTS)[bits.bool()]  # ascending
+        ids = ids[ids < vocab_size]
+        return ids if ids.numel() <= limit else None
+
+
+_BIT_SHIFTS = torch.arange(32, dtype=torch.int64)
+
+
 class GrammarState:
     def __init__(self, compiled: xgr.CompiledGrammar, vocab_size: int, utf8_guard: Utf8Guard | None = None) -> None:
         self.matcher = xgr.GrammarMatcher(compiled)  # unlimited rollback: trees roll back freely
@@ -32,6 +65,7 @@ class GrammarState:
         self._bitmask = xgr.allocate_token_bitmask(1, vocab_size)  # [1, ceil(vocab / 32)] int32
         self.num_committed = 0
         self.last_token: int | None = None  # the last committed token
+        self._step: tuple[tuple, RowMasks] | None = None  # (key, masks) of this step, until a commit
 
     # ---- committed state ---------------------------------------------------
     def commit(self, token: int) -> None:
@@ -41,6 +75,7 @@ class GrammarState:
                                    f"{self.num_committed} committed tokens")
         self.num_committed += 1
         self.last_token = int(token)
+        self._step = None
 
     def fork(self) -> "GrammarState":
         """An independent copy of the committed state (n samples over one prefill)."""
@@ -51,6 +86,7 @@ class GrammarState:
         other._bitmask = xgr.allocate_token_bitmask(1, self.vocab_size)
         other.num_committed = self.num_committed
         other.last_token = self.last_token
+        other._step = None
         return other
 
     @property
@@ -61,11 +97,7 @@ class GrammarState:
     def mask_next(self, logits: torch.Tensor) -> torch.Tensor:
         """logits: [n, vocab] -> float32 copy with the LAST row masked (the sampled row)."""
         out = logits.float().clone()
-        if not self.matcher.is_terminated():
-            self.matcher.fill_next_token_bitmask(self._bitmask)
-            xgr.apply_token_bitmask_inplace(out[-1:], self._bitmask)
-            if self.utf8_guard is not None:
-                self.utf8_guard.mask_(out[-1], self.last_token)
+        self.apply(out[-1:], self.step_masks())
         return out
 
     def mask_tree(self, rows: torch.Tensor, tokens: list[int], parents: list[int]) -> torch.Tensor:
@@ -75,6 +107,27 @@ class GrammarState:
         after its path. A node whose token the grammar forbids can never be accepted (its
         token is masked in its parent's row); its subtree's rows are left as they are."""
         out = rows.float().clone()
+        self.apply(out, self.step_masks(tokens, parents))
+        return out
+
+    def apply(self, rows: torch.Tensor, masks: RowMasks) -> None:
+        """rows: [len(masks.bitmask), vocab] float32 logits, masked in place."""
+        if not masks.masked:
+            return
+        xgr.apply_token_bitmask_inplace(rows, masks.bitmask, indices=list(masks.masked))
+        if self.utf8_guard is not None:
+            for row in masks.masked:
+                self.utf8_guard.mask_(rows[row], masks.prev_tokens[row])
+
+    def step_masks(self, tokens=(), parents=()) -> RowMasks:
+        """The masks of this step's rows: row 0 after the committed output, row 1 + i after
+        draft node i (tokens, parents: the draft tree; none for a plain row). Computed by a
+        depth-first walk that accepts each node's token and rolls back after its subtree, so
+        the committed state is left as it was; cached until the next commit."""
+        tokens, parents = [int(t) for t in tokens], [int(p) for p in parents]
+        key = (self.num_committed, tuple(tokens), tuple(parents))
+        if self._step is not None and self._step[0] == key:
+            return self._step[1]
         children: list[list[int]] = [[] for _ in range(len(tokens) + 1)]  # by row: 0 = root
         for i, parent in enumerate(parents):
             children[parent + 1].append(i + 1)
@@ -99,12 +152,10 @@ class GrammarState:
             self._fill(bitmask, child, masked)
             stack.append((child, 0))
         assert depth == 0
-        if masked:
-            xgr.apply_token_bitmask_inplace(out, bitmask, indices=masked)
-            if self.utf8_guard is not None:
-                for row in masked:  # each row follows its node's token (row 0: the committed output)
-                    self.utf8_guard.mask_(out[row], self.last_token if row == 0 else int(tokens[row - 1]))
-        return out
+        prev = (self.last_token, *tokens)
+        masks = RowMasks(bitmask, tuple(sorted(masked)), prev)
+        self._step = (key, masks)
+        return masks
 
     def forced_tokens(self, limit: int) -> list[int]:
         """Up to `limit` tokens the grammar forces next (one tokenisation of the forced

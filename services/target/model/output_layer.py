@@ -1,0 +1,76 @@
+"""The output layer of a lean forward: hidden rows -> logits, over the whole vocabulary or, for
+rows a grammar restricts to a few tokens, over those tokens only.
+
+On the default model the tied output layer is 262,144 x 640 weights, more than half of what a
+decode step reads. A constrained row at a structural position (a key, a brace, an enum value)
+allows a handful of tokens: its logits elsewhere are -inf after the mask anyway, so the rows of
+the allowed tokens are gathered and multiplied alone (`vocab_subsets`, computed before the
+forward from the grammar's masks: services/target/structured/vocab_subsets.py), and the other
+entries are set to -inf, as the mask would set them.
+
+A subset row's logits are the same dot products, summed in float32 in another order than the
+packed kernel's, then rounded to the layer's dtype: they can differ from the full row's in the
+last bit. Whether a row is a subset row depends only on the grammar state at its position, so
+the same position gets the same logits with and without speculation.
+"""
+
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+
+class OutputLayer:
+    def __init__(self, model: nn.Module, embed: nn.Module, embed_rows=None, softcap: float | None = None) -> None:
+        self.lm_head = model.lm_head
+        self.softcap = softcap
+        self.vocab_size = model.config.get_text_config().vocab_size if hasattr(model.config, "get_text_config") \
+            else model.config.vocab_size
+        self.weight_rows = _weight_rows(model, embed, embed_rows)  # ids [k] -> [k, hidden], or None
+        self.subset_rows = 0  # rows computed over a subset since load (the engine's stats report it)
+        self.subset_ids = 0  # the tokens those rows covered
+
+    @property
+    def takes_subsets(self) -> bool:
+        return self.weight_rows is not None
+
+    def __call__(self, h: torch.Tensor, vocab_subsets: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
+        """h: [R, hidden] normed rows; vocab_subsets: {row: allowed ids [k]} -> logits [R, vocab]."""
+        if not vocab_subsets or self.weight_rows is None:
+            return self._cap(self.lm_head(h))
+        out = torch.full((h.shape[0], self.vocab_size), float("-inf"), dtype=h.dtype, device=h.device)
+        full = [r for r in range(h.shape[0]) if r not in vocab_subsets]
+        if full:
+            index = torch.tensor(full, dtype=torch.long, device=h.device)
+            out[index] = self._cap(self.lm_head(h.index_select(0, index)))
+        self.subset_rows += len(vocab_subsets)
+        for row, ids in vocab_subsets.items():
+            self.subset_ids += ids.numel()
+            ids = ids.to(h.device)
+            w = self.weight_rows(ids)  # [k, hidden]
+            out[row, ids] = self._cap(torch.mv(w.float(), h[row].float()).to(h.dtype))  # [k]
+        return out
+
+    def _cap(self, logits: torch.Tensor) -> torch.Tensor:
+        if self.softcap is not None:
+            logits = torch.tanh(logits / self.softcap) * self.softcap
+        return logits
+
+
+def _weight_rows(model: nn.Module, embed: nn.Module, embed_rows):
+    """ids -> the output layer's weight rows [k, hidden] in the model's dtype, where they can be
+    read: a tied embedding (its table, or its GGUF blocks), or an unpacked lm_head; None when
+    the only copy is packed for the kernel (every row then goes through it)."""
+    config = model.config.get_text_config() if hasattr(model.config, "get_text_config") else model.config
+    if getattr(config, "tie_word_embeddings", False):
+        if embed_rows is not None:
+            return embed_rows
+        weight = getattr(embed, "weight", None)
+        if isinstance(weight, torch.Tensor) and weight.dim() == 2:
+            return lambda ids: weight.index_select(0, ids)
+        return None
+    lm_head = model.lm_head
+    weight = getattr(lm_head, "weight", None) if isinstance(lm_head, nn.Linear) else None
+    if isinstance(weight, torch.Tensor) and weight.dim() == 2 and getattr(lm_head, "bias", None) is None:
+        return lambda ids: weight.index_select(0, ids)
+    return None

@@ -1,0 +1,115 @@
+"""Logits over a grammar's allowed tokens only (services/target/model/output_layer.py,
+services/target/structured/vocab_subsets.py).
+
+- The output layer: a subset row holds the full row's logits at its ids (the same dot products,
+  summed in another order) and -inf elsewhere; every other row of the step is unchanged; tied
+  (Gemma 3) and untied (Llama) output layers, float32 and bfloat16.
+- A step's masks: the ids a row allows are exactly the tokens its mask leaves finite, and a row
+  allowing more than the limit gets none.
+- Through the mesh: constrained greedy output is token-identical with subsets on and off, with
+  and without grammar speculation, while on, rows were computed over subsets.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+import xgrammar as xgr
+
+from services.common.models.tiny import TINY_VOCAB_SIZE, build_tiny_tokenizer
+from services.target.engine.block_manager import BlockManager, PrefixMatch
+from services.target.model.model_runner import ModelRunner, load_model
+from services.target.model.model_runner_inputs import StepInput
+from services.target.structured.grammar_state import GrammarState
+from specmesh.proto.v1 import common_pb2
+from tests.mesh import collect, request, start_mesh
+from tests.structured import ORDER_SCHEMA, valid_order
+
+EMPTY = PrefixMatch((), (), 0)
+
+
+def _runner(model_dir, dtype):
+    model, _, spec = load_model(model_dir, dtype)
+    return ModelRunner(model, spec, BlockManager(64, 4), dtype, kernels="cpu")
+
+
+def _step(runner, subsets):
+    """A prefill chunk sampling its last row, beside a draft tree of 3 nodes: 5 logit rows."""
+    runner.blocks.admit("a", EMPTY, 24, 9)
+    runner.blocks.admit("b", EMPTY, 24, 6)
+    runner.forward([StepInput.chunk("b", list(range(30, 36)), 0, True)])
+    inputs = [StepInput.chunk("a", list(range(5, 14)), 0, True),
+              StepInput.tree("b", 40, 6, [41, 42, 43], [-1, 0, 0], [1, 2, 2])]
+    return runner.forward(inputs, vocab_subsets=subsets)  # [5, vocab]
+
+
+@pytest.mark.parametrize("arch", ["gemma", "llama"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_subset_row_holds_the_full_rows_logits_at_its_ids_and_minus_inf_elsewhere(
+        tiny_gemma_dir, tiny_llama_dir, arch, dtype):
+    model_dir = tiny_gemma_dir if arch == "gemma" else tiny_llama_dir
+    full = _step(_runner(model_dir, dtype), None)
+    runner = _runner(model_dir, dtype)
+    if not runner.takes_vocab_subsets:  # an untied output layer packed for the kernel: every row whole
+        assert arch == "llama" and dtype == torch.bfloat16
+        pytest.skip("this output layer is packed: no weight rows to gather")
+    subsets = {0: torch.tensor([3, 17, 99, 200]), 2: torch.tensor([7]), 4: torch.tensor([0, 383])}
+    part = _step(runner, subsets)
+    assert runner.lean_forward.output.subset_rows == 3
+    # The same dot products summed in another order (or the layer run over fewer rows): one
+    # rounding step apart at most.
+    tol = dict(rtol=1e-5, atol=1e-5) if dtype == torch.float32 else dict(rtol=2 ** -7, atol=2 ** -7)
+    for row in range(full.shape[0]):
+        if row not in subsets:
+            torch.testing.assert_close(part[row], full[row], **tol)  # through the whole layer, as before
+            continue
+        ids = subsets[row]
+        rest = torch.ones(full.shape[1], dtype=torch.bool)
+        rest[ids] = False
+        assert torch.isinf(part[row, rest]).all() and (part[row, rest] < 0).all()
+        torch.testing.assert_close(part[row, ids], full[row, ids], **tol)
+
+
+def test_allowed_ids_are_the_tokens_the_mask_leaves_and_none_past_the_limit():
+    vocab = TINY_VOCAB_SIZE + 8
+    info = xgr.TokenizerInfo.from_huggingface(build_tiny_tokenizer(), vocab_size=vocab, stop_token_ids=[2])
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(ORDER_SCHEMA), any_whitespace=False)
+    state = GrammarState(compiled, vocab)  # compact JSON, as the constraint compiler builds it
+    forced = state.forced_tokens(6)
+    assert len(forced) >= 2
+    masks = state.step_masks(forced[:2], [-1, 0])  # a chain of two forced tokens: 3 masked rows
+    rows = torch.zeros(3, vocab)
+    state.apply(rows, masks)
+    for row in masks.masked:
+        ids = masks.allowed_ids(row, vocab, vocab)
+        assert ids.tolist() == torch.isfinite(rows[row]).nonzero().flatten().tolist()
+        assert masks.allowed_ids(row, ids.numel() - 1, vocab) is None or ids.numel() == 0
+    assert state.step_masks(forced[:2], [-1, 0]) is masks  # computed once per step
+    state.commit(forced[0])
+    assert state.step_masks(forced[1:2], [-1]) is not masks  # a commit moves on
+
+
+async def _outputs(model_dir, **overrides):
+    speculation = overrides.pop("speculation", None)
+    mesh = await start_mesh(model_dir, speculation=speculation, **overrides)
+    try:
+        constraint = common_pb2.Constraint(json_schema=json.dumps(ORDER_SCHEMA))
+        outs = [await collect(mesh.router_stub, request(p, 96, constraint=constraint))
+                for p in ("Order:", "the cat sat on the mat. the cat")]
+        return outs, mesh.engine.runner.lean_forward.output.subset_rows
+    finally:
+        await mesh.stop()
+
+
+async def test_constrained_greedy_is_identical_with_subsets_on_and_off_with_and_without_speculation(tiny_llama_dir):
+    grammar = {"speculation_method": "grammar", "speculation_depth": 8}
+    off, off_rows = await _outputs(tiny_llama_dir, grammar_vocab_subsets=False)
+    on, on_rows = await _outputs(tiny_llama_dir)
+    spec_on, spec_rows = await _outputs(tiny_llama_dir, speculation=grammar)
+    assert off_rows == 0 and on_rows > 0 and spec_rows > 0
+    for (want, text, last), (a, _, _), (b, _, _) in zip(off, on, spec_on):
+        assert valid_order(text) and last.finish_reason == common_pb2.FINISH_REASON_STOP, text
+        assert a == want and b == want
