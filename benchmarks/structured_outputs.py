@@ -39,6 +39,7 @@ import time
 import urllib.error
 import urllib.request
 from collections import defaultdict
+from dataclasses import replace
 from pathlib import Path
 
 import jsonschema
@@ -53,6 +54,7 @@ from services.router.app import build_router_server
 from services.router.config import RouterConfig
 from services.target.config import EngineConfig
 from services.target.engine import plain_sampling as plain_sampling_module
+from services.target.engine import engine as engine_module
 from services.target.engine.engine import Engine
 from services.target.server.app import build_target_server
 from services.target.speculation import speculator as speculator_module
@@ -95,9 +97,12 @@ PROMPTS = {
                  "User: what is the weather in Lisbon, Portugal, in celsius?\nTool call JSON: ",
 }
 MODES = ("free", "constrained", "constrained+grammar")
+# The same two constrained modes with every row through the whole output layer (the engine's
+# grammar_vocab_subsets off): what logits over the allowed tokens only saves.
+WHOLE_ROWS = {"constrained, whole rows": "constrained", "constrained+grammar, whole rows": "constrained+grammar"}
 SPECULATION_DEPTH = 8  # specmesh's draft depth, and vLLM's n-gram num_speculative_tokens
 VLLM_MODES = {"vLLM constrained": 0, "vLLM constrained+ngram": SPECULATION_DEPTH}  # mode -> n-gram depth
-ALL_MODES = (*MODES, *VLLM_MODES)
+ALL_MODES = (*MODES, *WHOLE_ROWS, *VLLM_MODES)
 
 
 class MaskTimer:
@@ -108,6 +113,16 @@ class MaskTimer:
         self.calls = 0
         for module, name in ((plain_sampling_module, "masked_sample_rows"), (speculator_module, "masked_verify_rows")):
             setattr(module, name, self._timed(getattr(module, name)))
+        # The masks are built before the forward (vocab subsets), then reused by the hooks above.
+        fn = engine_module.step_vocab_subsets
+
+        def timed_subsets(*args):
+            start = time.perf_counter()
+            try:
+                return fn(*args)
+            finally:
+                self.seconds += time.perf_counter() - start
+        engine_module.step_vocab_subsets = timed_subsets
 
     def _timed(self, fn):
         def timed(seq, *args):
@@ -145,8 +160,9 @@ async def run(model_dir: Path, tokens: int, repeats: int, spans: dict) -> dict:
     await target.start()
     timer = MaskTimer()
     stats = defaultdict(lambda: defaultdict(float))
-    for mode in MODES:
-        method = "prompt_lookup" if mode == "constrained+grammar" else "off"
+    for mode in (*MODES, *WHOLE_ROWS):
+        engine.config = replace(engine.config, grammar_vocab_subsets=mode not in WHOLE_ROWS)
+        method = "prompt_lookup" if WHOLE_ROWS.get(mode, mode) == "constrained+grammar" else "off"
         router = build_router_server(ServerConfig(port=0), RouterConfig(
             target_address=target.address, tokens={TOKEN_A: "bench"}, speculation_method=method,
             speculation_depth=SPECULATION_DEPTH))
@@ -302,6 +318,11 @@ def report(stats: dict, foreign: dict[str, float | None], refused: dict[str, str
         print(f"{sampling}: constrained / free per decoded token {decode(con) / decode(free):.2f}x "
               f"(whole request {whole(con) / whole(free):.2f}x); grammar speculation / constrained "
               f"decode tokens/s {decode(con) / decode(spec):.2f}x (whole request {whole(con) / whole(spec):.2f}x)")
+        for mode, base in WHOLE_ROWS.items():
+            if (mode, sampling) in stats:
+                rows = stats[(mode, sampling)]
+                print(f"{sampling}: {base} with allowed-token logits / {mode}: decode tokens/s "
+                      f"{decode(rows) / decode(stats[(base, sampling)]):.2f}x")
         for mode in VLLM_MODES:
             if (mode, sampling) in stats:
                 other = stats[(mode, sampling)]

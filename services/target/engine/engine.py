@@ -534,11 +534,13 @@ class Engine:
         subsets = step_vocab_subsets(batch, inputs, trees, self.spec.vocab_size) \
             if self.config.grammar_vocab_subsets and self.runner.takes_vocab_subsets \
             and any(item.seq.grammar is not None for item in batch) else None
+        # Only a step with subset rows passes them: the runner's plain signature stays the common path.
+        extra = {"vocab_subsets": subsets} if subsets else {}
         with verify_span(trees, batch, self.speculator):
             if want:  # EAGLE: the features of those sequences' rows too
-                logits, features = self.runner.forward_with_features(inputs, want, vocab_subsets=subsets)
+                logits, features = self.runner.forward_with_features(inputs, want, **extra)
             else:
-                logits, features = self.runner.forward(inputs, vocab_subsets=subsets), {}  # [num_rows, vocab]
+                logits, features = self.runner.forward(inputs, **extra), {}  # [num_rows, vocab]
         rows = split_logits(logits, inputs)  # per batch item: [num_logits, vocab]
         verified, failed = self.speculator.verify(batch, rows, trees) if trees else ({}, {})
         if features:
