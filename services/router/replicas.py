@@ -74,6 +74,13 @@ class ReplicaStats:
     host_restore_s_per_block: float = 0.0
     shared_load_s_per_block: float = 0.0
     recompute_s_per_block: float = 0.0
+    # Precision of the host tier's copies (kv_cold_precision): as configured, as resolved, why;
+    # the FP8 blocks and bytes it holds now (shown by ListModels and `specmesh status`).
+    cold_setting: str = ""
+    cold_precision: str = ""
+    cold_reason: str = ""
+    host_tier_cold_blocks: int = 0
+    host_tier_cold_bytes: int = 0
 
 
 class Replica:
@@ -154,7 +161,9 @@ class Replica:
                                   s.shared_tier_bytes, s.shared_tier_capacity_bytes, s.shared_tier_restored_blocks,
                                   s.host_tier_restore_seconds / restored if restored else 0.0,
                                   s.shared_tier_load_seconds / s.shared_tier_loaded_blocks
-                                  if s.shared_tier_loaded_blocks else 0.0, s.recompute_seconds_per_block)
+                                  if s.shared_tier_loaded_blocks else 0.0, s.recompute_seconds_per_block,
+                                  s.host_tier_cold_setting, s.host_tier_cold_precision, s.host_tier_cold_reason,
+                                  s.host_tier_cold_blocks, s.host_tier_cold_bytes)
         if not self.healthy:
             log.info("replica %s rejoined", self.address)
         self.healthy = True

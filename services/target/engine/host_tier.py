@@ -109,6 +109,8 @@ class HostTierStats:
     cold_bytes: int = 0  # of used_bytes, held by them
     cold_stored_blocks: int = 0  # of stored_blocks, stored in FP8 (counter)
     cold_restored_blocks: int = 0  # of restored_blocks, decoded from FP8 (counter)
+    restored_bytes: int = 0  # of restored entries, as stored (FP8 entries at their FP8 size) (counter)
+    cold_swapped_out_blocks: int = 0  # of swapped_out_blocks, stored in FP8 (counter)
 
 
 class HostTier:
@@ -124,7 +126,8 @@ class HostTier:
         self.cold_identity = None if self.cold is None else TierIdentity(
             identity.model_id, str(torch.float8_e4m3fn), identity.block_size, self.cold.codec.layout.cold_bytes)
         self._cold_mode = cold.mode if cold is not None else "off"
-        self._cold_stored = self._cold_restored = 0
+        self._cold_stored = self._cold_restored = self._cold_swapped_out = 0
+        self._restored_bytes = 0
         # block hash -> (entry, bytes it was counted at); oldest first
         self._entries: OrderedDict[int, tuple[HostEntry, int]] = OrderedDict()
         self._used = 0
@@ -212,6 +215,7 @@ class HostTier:
                 self._restored += 1
                 self._restored_shared += entry.origin == "shared"
                 self._cold_restored += entry.precision == COLD
+                self._restored_bytes += entry.num_bytes
             else:
                 self._rejected += 1
         return entry if ok else None
@@ -352,7 +356,8 @@ class HostTier:
                                  self._stored, self._restored, self._restored_shared, self._dropped, self._rejected,
                                  self._store_s, self._restore_s, self._swap_bytes, self._swapped_out,
                                  self._swapped_in, self._swap_out_s, self._swap_in_s, self._cold_mode,
-                                 len(cold), sum(cold), self._cold_stored, self._cold_restored)
+                                 len(cold), sum(cold), self._cold_stored, self._cold_restored,
+                                 self._restored_bytes, self._cold_swapped_out)
 
 
 def build_host_tier(capacity_bytes: int, model_id: str, kv_dtype: torch.dtype, block_size: int,
@@ -383,4 +388,5 @@ def engine_stat_fields(tier: HostTier | None, block_size: int) -> dict:
                 host_tier_swap_in_seconds=s.swap_in_seconds, swap_seconds_per_block=tier.swap_s_per_block,
                 host_tier_cold_precision=s.cold_precision, host_tier_cold_blocks=s.cold_entries,
                 host_tier_cold_bytes=s.cold_bytes, host_tier_cold_stored_blocks=s.cold_stored_blocks,
-                host_tier_cold_restored_blocks=s.cold_restored_blocks)
+                host_tier_cold_restored_blocks=s.cold_restored_blocks, host_tier_restore_bytes=s.restored_bytes,
+                host_tier_cold_swapped_out_blocks=s.cold_swapped_out_blocks)

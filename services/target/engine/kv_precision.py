@@ -171,7 +171,8 @@ def build_cold_precision(setting: str, after_tokens: int, layout: PoolLayout, mo
                "positions")
     if not cost.within_bound:
         return ColdPrecision("off", after_tokens, None, f"auto: outside the bound: {summary}")
-    return ColdPrecision("fp8-under-pressure", after_tokens, codec, f"auto: {summary}")
+    return ColdPrecision("fp8-under-pressure", after_tokens, codec,
+                         f"auto: within the measured bound, FP8 under pressure: {summary}")
 
 
 def model_fingerprint(model_dir: Path) -> str:
