@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 
+from services.router.replicas import replica_stats
 from services.settings import read_settings
 from services.status import status_lines
 from services.target.engine.kv_precision import PoolLayout
@@ -84,6 +85,11 @@ async def test_status_shows_fp8_blocks_held_and_restore_bytes_count_them_at_thei
         full = s.host_tier_restored_blocks - s.host_tier_cold_restored_blocks
         assert s.host_tier_restore_bytes == (full * mesh.engine.runner.kv_block_bytes
                                              + s.host_tier_cold_restored_blocks * layout.cold_bytes)
+        assert s.host_tier_restore_bandwidth == s.host_tier_restore_bytes / s.host_tier_restore_seconds > 0
+        assert s.kv_block_bytes == mesh.engine.runner.kv_block_bytes
+        # The router prices this replica's host-tier hits at its stored bytes per block: less than a full
+        # block while it holds FP8 copies.
+        assert replica_stats(held).host_bytes_per_block < held.kv_block_bytes
         assert {"specmesh.kv.host.restore_bytes", "specmesh.kv.host.fp8_swapped_out"} <= set(exported_gauges())
     finally:
         await mesh.stop()

@@ -342,7 +342,7 @@ class Engine:
                 recompute_preemptions=self.scheduler.num_preemptions - self.scheduler.num_swap_preemptions,
                 evictions=b.evictions, prefix_queries=b.prefix_queries,
                 prefix_query_tokens=b.prefix_query_tokens, prefix_hit_tokens=b.prefix_hit_tokens,
-                kv_bytes=self.runner.kv_pool.num_bytes,
+                kv_bytes=self.runner.kv_pool.num_bytes, kv_block_bytes=self.runner.kv_block_bytes,
                 fragmentation=(allocated - used) / allocated if allocated else 0.0,
                 prompt_tokens_computed=self.scheduler.prompt_tokens_computed,
                 **engine_stat_fields(self.blocks.host_tier, self.blocks.block_size),

@@ -86,6 +86,8 @@ class EngineStats:
     # Bytes of restored host-tier entries as stored (FP8 ones at their FP8 size): over
     # host_tier_restore_seconds, the tier's measured restore bandwidth (counter).
     host_tier_restore_bytes: int = 0
+    host_tier_restore_bandwidth: float = 0.0  # host_tier_restore_bytes / host_tier_restore_seconds (0: unmeasured)
+    kv_block_bytes: int = 0  # one block's KV in every layer, in the pool's dtype
 
 
 class EngineFailed(RuntimeError):

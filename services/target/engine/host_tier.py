@@ -389,4 +389,6 @@ def engine_stat_fields(tier: HostTier | None, block_size: int) -> dict:
                 host_tier_cold_precision=s.cold_precision, host_tier_cold_blocks=s.cold_entries,
                 host_tier_cold_bytes=s.cold_bytes, host_tier_cold_stored_blocks=s.cold_stored_blocks,
                 host_tier_cold_restored_blocks=s.cold_restored_blocks, host_tier_restore_bytes=s.restored_bytes,
-                host_tier_cold_swapped_out_blocks=s.cold_swapped_out_blocks)
+                host_tier_cold_swapped_out_blocks=s.cold_swapped_out_blocks,
+                host_tier_restore_bandwidth=s.restored_bytes / s.restore_seconds
+                if s.restored_bytes and s.restore_seconds > 0 else 0.0)
