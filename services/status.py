@@ -8,6 +8,9 @@ each replica's last GetStats).
     cache 127.0.0.1:50054  prefix index: 1/1 target replicas synced, 40 entries, 52 events, 1 snapshots  backend memory
     pool default (model default)
       replica 127.0.0.1:50052  SERVING  KV 3/2048 blocks used, 1 cached, 2045 free  running 0  waiting 0  queued tokens 0
+        cold KV precision auto -> off (no measured accuracy cost for this model and pool dtype), host tier ...
+
+(the precision line only for a replica with a host tier: `precision_text`.)
 
 `cache_address` may name several instances (a comma-separated list, and `dns:///NAME:PORT`
 entries resolved as the router resolves them, services/common/dns_replicas.py): each
@@ -83,6 +86,8 @@ def status_lines(settings: Settings) -> tuple[list[str], bool]:
         for r in pool.replicas:
             ok = ok and r.healthy
             lines.append("  " + replica_line(r))
+            if r.has_stats and r.host_tier_capacity_bytes:
+                lines.append("    " + precision_text(r))
     return lines, ok
 
 
@@ -97,6 +102,16 @@ def replica_line(r: router_service_pb2.ReplicaStatus) -> str:
     return (f"replica {r.address}  {state}  KV {r.num_blocks - r.free_blocks}/{r.num_blocks} blocks used, "
             f"{r.cached_blocks} cached, {r.free_blocks} free{host}  running {r.running_requests}  "
             f"waiting {r.waiting_requests}  queued tokens {r.queued_tokens}")
+
+
+def precision_text(r: router_service_pb2.ReplicaStatus) -> str:
+    """A replica's host-tier KV precision: the setting, the policy it resolved to and why, and the
+    FP8 copies held now, e.g. `cold KV precision auto -> off (no measured accuracy cost for this
+    model and pool dtype), host tier holds 0 FP8 blocks (0.0 MiB)`."""
+    setting, resolved = r.kv_cold_precision_setting or "?", r.kv_cold_precision or "off"
+    reason = r.kv_cold_precision_reason.removeprefix(f"{setting}: ")  # the setting is shown already
+    return (f"cold KV precision {setting} -> {resolved} ({reason or 'no reason reported'}), host tier holds "
+            f"{r.host_tier_fp8_blocks} FP8 blocks ({r.host_tier_fp8_bytes / 2**20:.1f} MiB)")
 
 
 def cache_line(channel: grpc.Channel) -> str:

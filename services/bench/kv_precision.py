@@ -5,7 +5,9 @@ prefilled into an engine's pool, then its continuation is read (logits at every 
 with the prompt's KV as computed, and after every prompt block went to the engine's host tier and
 came back through the model runner's own tier moves (FP8 for the blocks the tier's policy picks,
 exact for the rest). At each continuation position: whether the greedy (argmax) choices agree,
-and the log-probability the reference's choice loses.
+and the log-probability the reference's choice loses. `swapped_agreement` measures the same for a
+sequence preempted by swap (`BlockManager.swap_out` / `resume`: the tier's policy picks which of
+its blocks go FP8) instead of its prompt's blocks evicted and restored.
 """
 
 from __future__ import annotations
@@ -49,6 +51,40 @@ def restored_agreement(engine, texts: list[list[int]], prompt_tokens: int) -> Ag
                     raise RuntimeError("the host tier did not keep a prompt block: raise its kv_host_bytes")
                 restores.append((b, tier.full_bytes(entry)))
             runner.move_tiers(TierMoves(tier, [], restores))
+            test = torch.log_softmax(runner.forward([read]), -1)
+        finally:
+            blocks.release(seq)
+        choice = ref.argmax(-1)  # [continuation]
+        agree += int((test.argmax(-1) == choice).sum())
+        gap += float((ref.gather(1, choice[:, None]) - test.gather(1, choice[:, None])).sum())
+        positions += len(choice)
+    return Agreement(positions, agree / positions, gap / positions)
+
+
+def swapped_agreement(engine, texts: list[list[int]], prompt_tokens: int) -> Agreement:
+    """As `restored_agreement`, the prompt's KV moved out and back by a swap preemption instead:
+    the sequence is swapped out after its prompt (`BlockManager.swap_out`, not by cost), resumed into
+    fresh blocks (`resume`) and its continuation read again; both moves run through the model
+    runner's own tier moves. Engine thread, no requests in flight, host tier on."""
+    runner, blocks, tier = engine.runner, engine.blocks, engine.blocks.host_tier
+    if tier is None:
+        raise ValueError("needs the host tier")
+    positions = agree = 0
+    gap = 0.0
+    for t, ids in enumerate(texts):
+        seq = f"kv-swap-precision-{t}"
+        blocks.admit(seq, PrefixMatch((), (), 0), len(ids), len(ids))
+        try:
+            for s in range(0, prompt_tokens, CHUNK):
+                runner.forward([StepInput.chunk(seq, ids[s:min(s + CHUNK, prompt_tokens)], s, False)])
+            tail = ids[prompt_tokens:]
+            read = StepInput(seq, tail, list(range(prompt_tokens, len(ids))), prompt_tokens, len(tail))
+            ref = torch.log_softmax(runner.forward([read]), -1)  # [continuation, vocab]
+            if not blocks.swap_out(seq, prompt_tokens, by_cost=False):
+                raise RuntimeError("the host tier has no room for the swap: raise its kv_host_bytes")
+            runner.move_tiers(blocks.take_tier_moves())  # copied out (its cold blocks in FP8)
+            blocks.resume(seq, len(ids))
+            runner.move_tiers(blocks.take_tier_moves())  # copied back into fresh blocks
             test = torch.log_softmax(runner.forward([read]), -1)
         finally:
             blocks.release(seq)

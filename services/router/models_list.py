@@ -29,4 +29,7 @@ def _replica(replica) -> router_service_pb2.ReplicaStatus:
         status.host_tier_restored_blocks = s.host_tier_restored_blocks
         status.shared_tier_bytes, status.shared_tier_capacity_bytes = s.shared_tier_bytes, s.shared_tier_capacity_bytes
         status.shared_tier_restored_blocks = s.shared_tier_restored_blocks
+        status.kv_cold_precision_setting, status.kv_cold_precision = s.cold_setting, s.cold_precision
+        status.kv_cold_precision_reason = s.cold_reason
+        status.host_tier_fp8_blocks, status.host_tier_fp8_bytes = s.host_tier_cold_blocks, s.host_tier_cold_bytes
     return status

@@ -25,8 +25,10 @@ Replica choice (`choose`), per `policy`:
   to the replica with the least KV holding cached prefixes (a new prefix evicts less there),
   then in turn.
   A prefix held below the pool (the replica's host tier, or the shared tier) counts at its
-  load cost (`Replica.cached_tokens`): each such block saves a recompute but costs its bytes
-  over the replica's measured bandwidth for that tier, in recompute-equivalent tokens.
+  load cost (`Replica.cached_tokens`): each such block saves a recompute but costs its load, in
+  recompute-equivalent tokens. A host-tier block costs the replica's mean stored bytes per block
+  (less where its tier holds FP8 copies) over its measured restore bandwidth; a shared-tier block
+  the measured Redis load per block plus a full block over that bandwidth (`ReplicaStats`).
 """
 
 from __future__ import annotations
@@ -69,11 +71,51 @@ class ReplicaStats:
     shared_tier_bytes: int = 0  # the replica's entries in the shared tier (zeros when off)
     shared_tier_capacity_bytes: int = 0
     shared_tier_restored_blocks: int = 0
-    # Measured costs per block (0 = not measured yet): restoring from the host tier (its bytes
-    # over its measured copy bandwidth), loading from the shared tier, and recomputing.
-    host_restore_s_per_block: float = 0.0
-    shared_load_s_per_block: float = 0.0
+    # What a tier hit costs, measured (0 = not measured yet): the host tier's restore bandwidth
+    # (bytes per second as stored), the bytes its prefix entries hold per block now (smaller where
+    # they are FP8; 0 = none held, priced as full blocks), a full block's bytes, the shared tier's
+    # Redis load per block; and what recomputing a block costs.
+    restore_bytes_per_s: float = 0.0
+    host_bytes_per_block: float = 0.0
+    block_bytes: int = 0
+    shared_redis_s_per_block: float = 0.0
     recompute_s_per_block: float = 0.0
+    # Precision of the host tier's copies (kv_cold_precision): as configured, as resolved, why;
+    # the FP8 blocks and bytes it holds now (shown by ListModels and `specmesh status`).
+    cold_setting: str = ""
+    cold_precision: str = ""
+    cold_reason: str = ""
+    host_tier_cold_blocks: int = 0
+    host_tier_cold_bytes: int = 0
+
+    @property
+    def host_restore_s_per_block(self) -> float:
+        """A host-tier hit: the replica's mean stored bytes per block over its measured restore
+        bandwidth (0 while unmeasured)."""
+        return _over(self.host_bytes_per_block or self.block_bytes, self.restore_bytes_per_s)
+
+    @property
+    def shared_load_s_per_block(self) -> float:
+        """A shared-tier hit: the Redis load, then a full-precision block restored through the host
+        tier (shared entries are never FP8); each part 0 while unmeasured."""
+        return self.shared_redis_s_per_block + _over(self.block_bytes, self.restore_bytes_per_s)
+
+
+def replica_stats(s: target_service_pb2.GetStatsResponse) -> ReplicaStats:
+    """The router's copy of a replica's `GetStats` answer."""
+    entries = s.host_tier_bytes - s.host_tier_swap_bytes  # prefix entries' bytes (swapped sequences' aside)
+    return ReplicaStats(
+        s.running_requests, s.waiting_requests, s.queued_tokens, s.num_blocks, s.free_blocks, s.cached_blocks,
+        s.block_size or 16, s.cache_model_id, s.host_tier_bytes, s.host_tier_capacity_bytes,
+        s.host_tier_restored_blocks, s.shared_tier_bytes, s.shared_tier_capacity_bytes,
+        s.shared_tier_restored_blocks, restore_bytes_per_s=s.host_tier_restore_bandwidth,
+        host_bytes_per_block=entries / s.host_tier_blocks if s.host_tier_blocks and entries > 0 else 0.0,
+        block_bytes=s.kv_block_bytes,
+        shared_redis_s_per_block=s.shared_tier_load_seconds / s.shared_tier_loaded_blocks
+        if s.shared_tier_loaded_blocks else 0.0, recompute_s_per_block=s.recompute_seconds_per_block,
+        cold_setting=s.host_tier_cold_setting, cold_precision=s.host_tier_cold_precision,
+        cold_reason=s.host_tier_cold_reason, host_tier_cold_blocks=s.host_tier_cold_blocks,
+        host_tier_cold_bytes=s.host_tier_cold_bytes)
 
 
 class Replica:
@@ -103,7 +145,7 @@ class Replica:
         one counts in full, as the target itself restores until it has measured)."""
         s = self.stats or ReplicaStats()
         host_cost = _ratio(s.host_restore_s_per_block, s.recompute_s_per_block)
-        shared_cost = _ratio(s.shared_load_s_per_block + s.host_restore_s_per_block, s.recompute_s_per_block)
+        shared_cost = _ratio(s.shared_load_s_per_block, s.recompute_s_per_block)
         host = host_blocks * (1 - host_cost) if s.host_tier_capacity_bytes else 0.0
         shared = shared_blocks * (1 - shared_cost) if s.shared_tier_capacity_bytes else 0.0
         return round((device_blocks + host + shared) * block_size)
@@ -147,14 +189,7 @@ class Replica:
                 self.healthy = False
             return False
         self.failed_checks = 0
-        restored = s.host_tier_restored_blocks + s.shared_tier_restored_blocks  # both go through the host tier
-        self.stats = ReplicaStats(s.running_requests, s.waiting_requests, s.queued_tokens, s.num_blocks,
-                                  s.free_blocks, s.cached_blocks, s.block_size or 16, s.cache_model_id,
-                                  s.host_tier_bytes, s.host_tier_capacity_bytes, s.host_tier_restored_blocks,
-                                  s.shared_tier_bytes, s.shared_tier_capacity_bytes, s.shared_tier_restored_blocks,
-                                  s.host_tier_restore_seconds / restored if restored else 0.0,
-                                  s.shared_tier_load_seconds / s.shared_tier_loaded_blocks
-                                  if s.shared_tier_loaded_blocks else 0.0, s.recompute_seconds_per_block)
+        self.stats = replica_stats(s)
         if not self.healthy:
             log.info("replica %s rejoined", self.address)
         self.healthy = True
@@ -279,6 +314,11 @@ class ReplicaSet:
     def _add(self, addresses) -> None:
         for address in addresses:
             self._replicas[address] = Replica(address, self._channel_factory(address))
+
+
+def _over(num_bytes: float, bytes_per_s: float) -> float:
+    """Seconds to move `num_bytes` at `bytes_per_s`; 0 while either is unknown."""
+    return num_bytes / bytes_per_s if num_bytes > 0 and bytes_per_s > 0 else 0.0
 
 
 def _ratio(load_s: float, recompute_s: float) -> float:

@@ -82,6 +82,11 @@ _COUNTERS = {
                                     "evicted KV blocks stored in the host tier in FP8"),
     "specmesh.kv.host.fp8_restored": ("host_tier_cold_restored_blocks", "{block}",
                                       "host-tier blocks restored from FP8 (dequantized into the pool)"),
+    "specmesh.kv.host.fp8_swapped_out": ("host_tier_cold_swapped_out_blocks", "{block}",
+                                         "preempted sequences' KV blocks swapped out in FP8 (kv_cold_precision)"),
+    "specmesh.kv.host.restore_bytes": ("host_tier_restore_bytes", "By",
+                                       "bytes of host-tier entries restored into the pool, as stored (FP8 at "
+                                       "their FP8 size): over restore_time, the measured restore bandwidth"),
     "specmesh.kv.host.swap_out_time": ("host_tier_swap_out_seconds", "s", "time spent swapping KV out"),
     "specmesh.kv.host.swap_in_time": ("host_tier_swap_in_seconds", "s", "time spent swapping KV back in"),
     "specmesh.kv.shared.written": ("shared_tier_written_blocks", "{block}", "KV blocks written to the shared tier"),

@@ -72,8 +72,8 @@ class TargetSettings(SettingsGroup):
         "out to the host tier and back where the copies are measured cheaper than recomputing it, swap = "
         "always swapped, recompute = never; either way it is recomputed when the host tier has no room")
     kv_cold_precision: KvColdPrecision = Field(
-        "auto", description="precision of the host tier's copies of evicted prefix blocks that start at or past "
-        "kv_cold_after_tokens: fp8 = float8_e4m3fn with a scale per token and KV head (the --kv-dtype fp8 format; "
+        "auto", description="precision of the host tier's copies of evicted prefix blocks, and of preempted "
+        "sequences' swapped-out blocks, that start at or past kv_cold_after_tokens: fp8 = float8_e4m3fn with a scale per token and KV head (the --kv-dtype fp8 format; "
         "about a quarter of a float32 block, half of a bf16 one), restored into the pool dequantized; auto = fp8 "
         "only when the tier would otherwise drop an older entry and the model's accuracy cost, as measured by "
         "benchmarks/kv_precision.py, is within the stated bound (else full precision); off = full precision always")

@@ -1,5 +1,5 @@
 """`specmesh status` against a running `specmesh up` (tiny model): every service SERVING and
-the replica's KV numbers; one-line errors for a taken port and a missing model; --version;
+the replica's KV numbers and host-tier precision; one-line errors for a taken port and a missing model; --version;
 help text on every flag."""
 
 from __future__ import annotations
@@ -68,6 +68,8 @@ def test_status_lists_every_service_serving_and_the_replicas_kv(mesh):
         f"  replica {host}:{base + 1}  SERVING  KV 0/64 blocks used, 0 cached, 64 free  "
         "host tier 0.0/1.5 MiB, 0 blocks restored  running 0  "
         "waiting 0  queued tokens 0",
+        "    cold KV precision auto -> off (no measured accuracy cost for this model and pool dtype), "
+        "host tier holds 0 FP8 blocks (0.0 MiB)",
     ]
 
 

@@ -27,7 +27,9 @@ Terms:
   measures that cheaper than recomputing it and has room; its blocks go back to the pool at
   once (the copy-out runs before the next forward pass, like an eviction's store), and when it
   resumes (`resume`) fresh blocks take its KV back. This works with prefix caching off too:
-  then the tier holds only swapped sequences.
+  then the tier holds only swapped sequences. The tier's cold-precision policy may hold its
+  blocks past `kv_cold_after_tokens` in FP8 (then they come back close to, not equal to, what
+  was computed; off, the default for a model nothing was measured for, they come back exact).
 
 Check, then commit: `can_reserve` / `can_admit` before `reserve` / `admit`; a call that
 cannot be satisfied raises `OutOfBlocks` and changes nothing. Everything else in the

@@ -69,7 +69,7 @@ class Engine:
                                   tp=ranks.tp if ranks else None)
         if ranks is not None and config.kv_host_bytes:
             log.warning("host tier off: it does not hold a tensor-parallel target's KV shards yet")
-        cold = self._cold_precision(config, spec)
+        cold = self.cold_precision = self._cold_precision(config, spec)  # shown by GetStats
         self.blocks.attach_host_tier(build_host_tier(config.kv_host_bytes if ranks is None else 0, self.name,
                                                      config.torch_kv_dtype,
                                                      config.block_size, self.runner.kv_block_bytes, cold))
@@ -342,11 +342,13 @@ class Engine:
                 recompute_preemptions=self.scheduler.num_preemptions - self.scheduler.num_swap_preemptions,
                 evictions=b.evictions, prefix_queries=b.prefix_queries,
                 prefix_query_tokens=b.prefix_query_tokens, prefix_hit_tokens=b.prefix_hit_tokens,
-                kv_bytes=self.runner.kv_pool.num_bytes,
+                kv_bytes=self.runner.kv_pool.num_bytes, kv_block_bytes=self.runner.kv_block_bytes,
                 fragmentation=(allocated - used) / allocated if allocated else 0.0,
                 prompt_tokens_computed=self.scheduler.prompt_tokens_computed,
                 **engine_stat_fields(self.blocks.host_tier, self.blocks.block_size),
-                **shared_tier.engine_stat_fields(self.blocks.shared_tier))
+                **shared_tier.engine_stat_fields(self.blocks.shared_tier),
+                host_tier_cold_setting=self.config.kv_cold_precision, host_tier_cold_reason=self.cold_precision.reason
+                if self.blocks.host_tier is not None else "no host tier")
 
     def live_request_ids(self) -> set[str]:
         """Requests the engine holds any state for (queued, running or holding blocks)."""

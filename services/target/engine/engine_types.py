@@ -80,6 +80,14 @@ class EngineStats:
     host_tier_cold_bytes: int = 0  # of host_tier_bytes, held by them
     host_tier_cold_stored_blocks: int = 0  # of host_tier_stored_blocks, stored in FP8 (counter)
     host_tier_cold_restored_blocks: int = 0  # of restored blocks, decoded from FP8 (counter)
+    host_tier_cold_setting: str = "off"  # kv_cold_precision as configured: off | fp8 | auto
+    host_tier_cold_reason: str = ""  # why it resolved to host_tier_cold_precision
+    host_tier_cold_swapped_out_blocks: int = 0  # of host_tier_swapped_out_blocks, stored in FP8 (counter)
+    # Bytes of restored host-tier entries as stored (FP8 ones at their FP8 size): over
+    # host_tier_restore_seconds, the tier's measured restore bandwidth (counter).
+    host_tier_restore_bytes: int = 0
+    host_tier_restore_bandwidth: float = 0.0  # host_tier_restore_bytes / host_tier_restore_seconds (0: unmeasured)
+    kv_block_bytes: int = 0  # one block's KV in every layer, in the pool's dtype
 
 
 class EngineFailed(RuntimeError):

@@ -30,6 +30,10 @@ are released (`reserve_swap`; prefix entries are dropped for it, never the rever
 by the model runner before anything overwrites those blocks (`fill_swap`) and taken back when
 the sequence resumes (`take_swap`). Swapped KV never leaves the process and is served only to
 the sequence that stored it, so it carries no key or checksum, only its length is checked.
+Under the same cold-precision policy as prefix entries, a swapped sequence's blocks from
+`kv_cold_after_tokens` on are held in FP8 (`fp8`: always; `fp8-under-pressure`: when its full-
+precision copy would push prefix entries out or not fit) and dequantized when it resumes; its
+first blocks, and every block when the policy is off, come back byte-exact.
 """
 
 from __future__ import annotations
@@ -56,6 +60,22 @@ class TierIdentity:
     kv_dtype: str
     block_size: int
     block_bytes: int  # bytes of one block's KV in every layer
+
+
+@dataclass
+class _Swap:
+    """A swapped sequence's room in the tier, and its KV once copied out: its first `num_full`
+    blocks as the pool's bytes, the rest in the FP8 pool's layout."""
+
+    num_blocks: int
+    num_full: int
+    size: int  # bytes reserved: what the two parts hold once filled
+    full: torch.Tensor | None = None  # [num_full, block_bytes] uint8
+    cold: torch.Tensor | None = None  # [num_blocks - num_full, cold_bytes] uint8
+
+    @property
+    def filled(self) -> bool:
+        return self.full is not None
 
 
 @dataclass
@@ -109,6 +129,8 @@ class HostTierStats:
     cold_bytes: int = 0  # of used_bytes, held by them
     cold_stored_blocks: int = 0  # of stored_blocks, stored in FP8 (counter)
     cold_restored_blocks: int = 0  # of restored_blocks, decoded from FP8 (counter)
+    restored_bytes: int = 0  # of restored entries, as stored (FP8 entries at their FP8 size) (counter)
+    cold_swapped_out_blocks: int = 0  # of swapped_out_blocks, stored in FP8 (counter)
 
 
 class HostTier:
@@ -124,7 +146,8 @@ class HostTier:
         self.cold_identity = None if self.cold is None else TierIdentity(
             identity.model_id, str(torch.float8_e4m3fn), identity.block_size, self.cold.codec.layout.cold_bytes)
         self._cold_mode = cold.mode if cold is not None else "off"
-        self._cold_stored = self._cold_restored = 0
+        self._cold_stored = self._cold_restored = self._cold_swapped_out = 0
+        self._restored_bytes = 0
         # block hash -> (entry, bytes it was counted at); oldest first
         self._entries: OrderedDict[int, tuple[HostEntry, int]] = OrderedDict()
         self._used = 0
@@ -132,8 +155,7 @@ class HostTier:
         self._stored = self._restored = self._restored_shared = self._dropped = self._rejected = 0
         self._store_s = self._restore_s = 0.0
         self._recompute_s_per_block: float | None = None  # measured by the model runner (EWMA)
-        # seq id -> (its KV [num_blocks, block_bytes] uint8, None until copied out; bytes reserved)
-        self._swaps: dict[str, tuple[torch.Tensor | None, int]] = {}
+        self._swaps: dict[str, _Swap] = {}  # seq id -> its room and, once copied out, its KV
         self._swap_bytes = 0
         self._swapped_out = self._swapped_in = 0
         self._swap_out_s = self._swap_in_s = 0.0
@@ -212,6 +234,7 @@ class HostTier:
                 self._restored += 1
                 self._restored_shared += entry.origin == "shared"
                 self._cold_restored += entry.precision == COLD
+                self._restored_bytes += entry.num_bytes
             else:
                 self._rejected += 1
         return entry if ok else None
@@ -254,38 +277,66 @@ class HostTier:
             return 0.0
 
     def reserve_swap(self, seq_id: str, num_blocks: int) -> bool:
-        """Reserves room for `seq_id`'s swapped KV, dropping the oldest prefix entries as needed;
-        False (nothing changed) when other swapped sequences leave too little of the bound."""
-        size = num_blocks * self.identity.block_bytes
+        """Reserves room for `seq_id`'s swapped KV (its first `num_blocks` blocks, from its first
+        token), dropping the oldest prefix entries as needed; False (nothing changed) when other
+        swapped sequences leave too little of the bound. The blocks the cold-precision policy
+        picks (`_swap_cold_blocks`) are reserved, and later held, at their FP8 size."""
         with self._lock:
             if seq_id in self._swaps:
                 raise ValueError(f"{seq_id} is already swapped out")
+            cold = self._swap_cold_blocks(num_blocks)
+            size = (num_blocks - cold) * self.identity.block_bytes + cold * (
+                self.cold.codec.layout.cold_bytes if cold else 0)
             if self._swap_bytes + size > self.capacity_bytes:
                 return False
             self._make_room(size)
-            self._swaps[seq_id] = (None, size)
+            self._swaps[seq_id] = _Swap(num_blocks, num_blocks - cold, size)
             self._swap_bytes += size
             return True
 
+    def _swap_cold_blocks(self, num_blocks: int) -> int:
+        """How many of a swapped sequence's `num_blocks` blocks go FP8 (lock held): those starting
+        at or past the policy's `after_tokens`, always (`fp8`) or when the full-precision copy would
+        push prefix entries out or not fit (`fp8-under-pressure`); none when the policy is off."""
+        if self.cold is None:
+            return 0
+        bs = self.identity.block_size
+        cold = max(0, num_blocks - -(-self.cold.after_tokens // bs))  # block i starts at token i * bs
+        full_size = num_blocks * self.identity.block_bytes
+        short = self._used + self._swap_bytes + full_size > self.capacity_bytes
+        return cold if cold and self.cold.wants_cold(self.cold.after_tokens, short) else 0
+
     def fill_swap(self, seq_id: str, data: torch.Tensor) -> bool:
         """Stores the reserved swap's KV (data [num_blocks, block_bytes] uint8, copied out by the
-        model runner); False when no such reservation is held (the sequence ended meanwhile)."""
+        model runner; its cold blocks are encoded to FP8 here); False when no such reservation is
+        held (the sequence ended meanwhile) or `data` is not its size."""
         with self._lock:
             held = self._swaps.get(seq_id)
-            if held is None or held[0] is not None or data.numel() != held[1]:
+            if (held is None or held.filled or data.dim() != 2 or data.shape[0] != held.num_blocks
+                    or data.shape[1] != self.identity.block_bytes):
                 return False
-            self._swaps[seq_id] = (data, held[1])
-            self._swapped_out += data.shape[0]
+            num_full = held.num_full
+        full = data[:num_full].clone() if num_full < held.num_blocks else data  # no hidden bytes kept
+        cold = self.cold.codec.encode(data[num_full:]) if num_full < held.num_blocks else None
+        with self._lock:
+            if self._swaps.get(seq_id) is not held or held.filled:
+                return False  # dropped (or filled) while it was encoded
+            held.full, held.cold = full, cold
+            self._swapped_out += held.num_blocks
+            self._cold_swapped_out += held.num_blocks - num_full
             return True
 
     def take_swap(self, seq_id: str) -> torch.Tensor | None:
-        """Removes and returns `seq_id`'s swapped KV [num_blocks, block_bytes]; None when none was
-        copied out (the caller must not use its blocks)."""
+        """Removes and returns `seq_id`'s swapped KV [num_blocks, block_bytes] in the pool's bytes
+        (FP8 blocks decoded); None when none was copied out (the caller must not use its blocks)."""
         with self._lock:
-            data = self._pop_swap(seq_id)
-            if data is not None:
-                self._swapped_in += data.shape[0]
-            return data
+            swap = self._pop_swap(seq_id)
+            if swap is None:
+                return None
+            self._swapped_in += swap.num_blocks
+        if swap.cold is None:
+            return swap.full
+        return torch.cat([swap.full, self.cold.codec.decode(swap.cold)])  # [num_blocks, block_bytes]
 
     def drop_swap(self, seq_id: str) -> None:
         """Frees `seq_id`'s swap, if any (it ended while swapped out, or its copy-out failed)."""
@@ -323,10 +374,13 @@ class HostTier:
             self._store_s += store_s
             self._restore_s += restore_s
 
-    def _pop_swap(self, seq_id: str) -> torch.Tensor | None:
-        data, size = self._swaps.pop(seq_id, (None, 0))
-        self._swap_bytes -= size
-        return data
+    def _pop_swap(self, seq_id: str) -> _Swap | None:
+        """Frees `seq_id`'s room; returns its swap if it was copied out (lock held)."""
+        swap = self._swaps.pop(seq_id, None)
+        if swap is None:
+            return None
+        self._swap_bytes -= swap.size
+        return swap if swap.filled else None
 
     def _make_room(self, size: int) -> None:
         """Drops the oldest prefix entries until `size` more bytes fit the bound (lock held; the
@@ -352,7 +406,8 @@ class HostTier:
                                  self._stored, self._restored, self._restored_shared, self._dropped, self._rejected,
                                  self._store_s, self._restore_s, self._swap_bytes, self._swapped_out,
                                  self._swapped_in, self._swap_out_s, self._swap_in_s, self._cold_mode,
-                                 len(cold), sum(cold), self._cold_stored, self._cold_restored)
+                                 len(cold), sum(cold), self._cold_stored, self._cold_restored,
+                                 self._restored_bytes, self._cold_swapped_out)
 
 
 def build_host_tier(capacity_bytes: int, model_id: str, kv_dtype: torch.dtype, block_size: int,
@@ -383,4 +438,7 @@ def engine_stat_fields(tier: HostTier | None, block_size: int) -> dict:
                 host_tier_swap_in_seconds=s.swap_in_seconds, swap_seconds_per_block=tier.swap_s_per_block,
                 host_tier_cold_precision=s.cold_precision, host_tier_cold_blocks=s.cold_entries,
                 host_tier_cold_bytes=s.cold_bytes, host_tier_cold_stored_blocks=s.cold_stored_blocks,
-                host_tier_cold_restored_blocks=s.cold_restored_blocks)
+                host_tier_cold_restored_blocks=s.cold_restored_blocks, host_tier_restore_bytes=s.restored_bytes,
+                host_tier_cold_swapped_out_blocks=s.cold_swapped_out_blocks,
+                host_tier_restore_bandwidth=s.restored_bytes / s.restore_seconds
+                if s.restored_bytes and s.restore_seconds > 0 else 0.0)

@@ -5,8 +5,11 @@ in the pool's layout. Under `kv_cold_precision` a block that starts at or past
 `kv_cold_after_tokens` can be stored instead in the format `--kv-dtype fp8` pools use
 (services/target/kernels/kv_store.py: float8_e4m3fn with one float32 scale per token per KV
 head), so the tier holds about 4x (float32 pool) or 2x (bf16 pool) as many of them, and is
-dequantized into the pool's dtype when restored. The first tokens of a prefix (system prompt,
-the attention sinks models lean on) always stay in full precision.
+dequantized into the pool's dtype when restored. The same policy picks the precision of a
+preempted sequence's swapped-out blocks (host_tier.HostTier.reserve_swap): those from
+`kv_cold_after_tokens` on go FP8 when it says so, and come back dequantized when it resumes. The
+first tokens of a prefix (system prompt, the attention sinks models lean on) always stay in full
+precision.
 
 A restored FP8 block is not the block that was computed: its values carry FP8's rounding, so
 the continuation can differ from recompute. That is why the policy is opt-in per model:
@@ -171,7 +174,8 @@ def build_cold_precision(setting: str, after_tokens: int, layout: PoolLayout, mo
                "positions")
     if not cost.within_bound:
         return ColdPrecision("off", after_tokens, None, f"auto: outside the bound: {summary}")
-    return ColdPrecision("fp8-under-pressure", after_tokens, codec, f"auto: {summary}")
+    return ColdPrecision("fp8-under-pressure", after_tokens, codec,
+                         f"auto: within the measured bound, FP8 under pressure: {summary}")
 
 
 def model_fingerprint(model_dir: Path) -> str:

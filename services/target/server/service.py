@@ -56,7 +56,9 @@ _HOST_TIER_STATS = ("host_tier_capacity_bytes", "host_tier_bytes", "host_tier_bl
                     "host_tier_swap_bytes", "host_tier_swapped_out_blocks", "host_tier_swapped_in_blocks",
                     "host_tier_swap_out_seconds", "host_tier_swap_in_seconds", "swap_seconds_per_block",
                     "host_tier_cold_precision", "host_tier_cold_blocks", "host_tier_cold_bytes",
-                    "host_tier_cold_stored_blocks", "host_tier_cold_restored_blocks")
+                    "host_tier_cold_stored_blocks", "host_tier_cold_restored_blocks", "host_tier_cold_setting",
+                    "host_tier_cold_reason", "host_tier_restore_bytes", "host_tier_cold_swapped_out_blocks",
+                    "host_tier_restore_bandwidth", "kv_block_bytes")
 SERVICE_NAME = target_service_pb2.DESCRIPTOR.services_by_name["TargetService"].full_name
 
 

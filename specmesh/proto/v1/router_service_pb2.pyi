@@ -112,7 +112,7 @@ class ModelPool(_message.Message):
     def __init__(self, name: _Optional[str] = ..., model: _Optional[str] = ..., max_context: _Optional[int] = ..., replicas: _Optional[_Iterable[_Union[ReplicaStatus, _Mapping]]] = ...) -> None: ...
 
 class ReplicaStatus(_message.Message):
-    __slots__ = ("address", "healthy", "has_stats", "running_requests", "waiting_requests", "queued_tokens", "num_blocks", "free_blocks", "cached_blocks", "in_flight", "host_tier_bytes", "host_tier_capacity_bytes", "host_tier_restored_blocks", "shared_tier_bytes", "shared_tier_capacity_bytes", "shared_tier_restored_blocks")
+    __slots__ = ("address", "healthy", "has_stats", "running_requests", "waiting_requests", "queued_tokens", "num_blocks", "free_blocks", "cached_blocks", "in_flight", "host_tier_bytes", "host_tier_capacity_bytes", "host_tier_restored_blocks", "shared_tier_bytes", "shared_tier_capacity_bytes", "shared_tier_restored_blocks", "kv_cold_precision_setting", "kv_cold_precision", "kv_cold_precision_reason", "host_tier_fp8_blocks", "host_tier_fp8_bytes")
     ADDRESS_FIELD_NUMBER: _ClassVar[int]
     HEALTHY_FIELD_NUMBER: _ClassVar[int]
     HAS_STATS_FIELD_NUMBER: _ClassVar[int]
@@ -129,6 +129,11 @@ class ReplicaStatus(_message.Message):
     SHARED_TIER_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHARED_TIER_CAPACITY_BYTES_FIELD_NUMBER: _ClassVar[int]
     SHARED_TIER_RESTORED_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    KV_COLD_PRECISION_SETTING_FIELD_NUMBER: _ClassVar[int]
+    KV_COLD_PRECISION_FIELD_NUMBER: _ClassVar[int]
+    KV_COLD_PRECISION_REASON_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_FP8_BLOCKS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TIER_FP8_BYTES_FIELD_NUMBER: _ClassVar[int]
     address: str
     healthy: bool
     has_stats: bool
@@ -145,7 +150,12 @@ class ReplicaStatus(_message.Message):
     shared_tier_bytes: int
     shared_tier_capacity_bytes: int
     shared_tier_restored_blocks: int
-    def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., has_stats: _Optional[bool] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., in_flight: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., host_tier_capacity_bytes: _Optional[int] = ..., host_tier_restored_blocks: _Optional[int] = ..., shared_tier_bytes: _Optional[int] = ..., shared_tier_capacity_bytes: _Optional[int] = ..., shared_tier_restored_blocks: _Optional[int] = ...) -> None: ...
+    kv_cold_precision_setting: str
+    kv_cold_precision: str
+    kv_cold_precision_reason: str
+    host_tier_fp8_blocks: int
+    host_tier_fp8_bytes: int
+    def __init__(self, address: _Optional[str] = ..., healthy: _Optional[bool] = ..., has_stats: _Optional[bool] = ..., running_requests: _Optional[int] = ..., waiting_requests: _Optional[int] = ..., queued_tokens: _Optional[int] = ..., num_blocks: _Optional[int] = ..., free_blocks: _Optional[int] = ..., cached_blocks: _Optional[int] = ..., in_flight: _Optional[int] = ..., host_tier_bytes: _Optional[int] = ..., host_tier_capacity_bytes: _Optional[int] = ..., host_tier_restored_blocks: _Optional[int] = ..., shared_tier_bytes: _Optional[int] = ..., shared_tier_capacity_bytes: _Optional[int] = ..., shared_tier_restored_blocks: _Optional[int] = ..., kv_cold_precision_setting: _Optional[str] = ..., kv_cold_precision: _Optional[str] = ..., kv_cold_precision_reason: _Optional[str] = ..., host_tier_fp8_blocks: _Optional[int] = ..., host_tier_fp8_bytes: _Optional[int] = ...) -> None: ...
 
 class GenerateRequest(_message.Message):
     __slots__ = ("prompt", "sampling", "model", "retrieval", "messages", "tools")
