@@ -174,7 +174,9 @@ async def test_samples_under_block_pressure_are_preempted_and_recomputed_exactly
 async def test_admission_counts_the_samples(tiny_llama_dir):
     mesh = await start_mesh(tiny_llama_dir, max_num_seqs=4, max_queued_requests=0)
     try:
-        call = mesh.router_stub.Generate(request(PROMPT, 200, temperature=1.0, n=4), metadata=AUTH_A)
+        # min_tokens: no sample may end early (a sampled end of sequence would free a place)
+        call = mesh.router_stub.Generate(request(PROMPT, 200, temperature=1.0, n=4, min_tokens=200),
+                                         metadata=AUTH_A)
         await call.read()  # admitted and streaming: its 4 samples fill the 4 places
         with pytest.raises(grpc.aio.AioRpcError) as exc:
             await collect(mesh.router_stub, request(PROMPT, 4))
