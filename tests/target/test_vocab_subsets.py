@@ -20,6 +20,7 @@ import torch
 import xgrammar as xgr
 
 from services.common.models.tiny import TINY_VOCAB_SIZE, build_tiny_tokenizer
+from services.target.kernels import cpu_gguf_linear
 from services.target.engine.block_manager import BlockManager, PrefixMatch
 from services.target.model.model_runner import ModelRunner, load_model
 from services.target.model.model_runner_inputs import StepInput
@@ -27,6 +28,7 @@ from services.target.structured.grammar_state import GrammarState
 from specmesh.proto.v1 import common_pb2
 from tests.mesh import collect, request, start_mesh
 from tests.structured import ORDER_SCHEMA, valid_order
+from tests.target.test_gguf_weights import gguf_gemma_dir  # noqa: F401 (fixture)
 
 EMPTY = PrefixMatch((), (), 0)
 
@@ -71,6 +73,35 @@ def test_a_subset_row_holds_the_full_rows_logits_at_its_ids_and_minus_inf_elsewh
         rest[ids] = False
         assert torch.isinf(part[row, rest]).all() and (part[row, rest] < 0).all()
         torch.testing.assert_close(part[row, ids], full[row, ids], **tol)
+
+
+def _weight_formats():
+    from tests.target.test_gemma3_forward import _formats
+    return [w for _, w in _formats() if w != "none"] + (["gguf"] if cpu_gguf_linear.available() else [])
+
+
+@pytest.mark.parametrize("weights", _weight_formats())
+def test_subset_rows_take_the_dtype_of_every_weight_formats_logits(tiny_gemma_dir, gguf_gemma_dir, weights):
+    """Packed kernels hand back float32 logits from bf16 rows: a step mixing whole and subset
+    rows (and one of subset rows only) keeps that dtype (it once failed to write float32 rows
+    into a bf16 buffer on the default model's kernel)."""
+    from tests.target.test_gemma3_forward import _runner as format_runner
+    model_dir = gguf_gemma_dir if weights == "gguf" else tiny_gemma_dir
+
+    def runner():
+        r = format_runner(model_dir, torch.bfloat16, weights)
+        r.blocks = BlockManager(64, 4)
+        return r
+    full = _step(runner(), None)
+    probe = runner()
+    if not probe.takes_vocab_subsets:
+        pytest.skip(f"{weights}: no weight rows to gather")
+    for subsets in ({0: torch.tensor([3, 17, 99]), 3: torch.tensor([7])},
+                    {row: torch.tensor([row, 40 + row]) for row in range(full.shape[0])}):
+        part = _step(runner(), subsets)
+        assert part.dtype == full.dtype
+        for row, ids in subsets.items():
+            torch.testing.assert_close(part[row, ids], full[row, ids], rtol=2 ** -7, atol=2 ** -7)
 
 
 def test_allowed_ids_are_the_tokens_the_mask_leaves_and_none_past_the_limit():

@@ -29,6 +29,7 @@ class OutputLayer:
         self.weight_rows = _weight_rows(model, embed, embed_rows)  # ids [k] -> [k, hidden], or None
         self.subset_rows = 0  # rows computed over a subset since load (the engine's stats report it)
         self.subset_ids = 0  # the tokens those rows covered
+        self._dtype: torch.dtype | None = None  # the logits' dtype (_logits_dtype)
 
     @property
     def takes_subsets(self) -> bool:
@@ -38,18 +39,30 @@ class OutputLayer:
         """h: [R, hidden] normed rows; vocab_subsets: {row: allowed ids [k]} -> logits [R, vocab]."""
         if not vocab_subsets or self.weight_rows is None:
             return self._cap(self.lm_head(h))
-        out = torch.full((h.shape[0], self.vocab_size), float("-inf"), dtype=h.dtype, device=h.device)
         full = [r for r in range(h.shape[0]) if r not in vocab_subsets]
+        whole = None
         if full:
             index = torch.tensor(full, dtype=torch.long, device=h.device)
-            out[index] = self._cap(self.lm_head(h.index_select(0, index)))
+            whole = self._cap(self.lm_head(h.index_select(0, index)))  # [len(full), vocab]
+        # The logits' dtype is the layer's output dtype, not the hidden rows': a kernel may hand
+        # back float32 logits from bf16 rows (the packed bf16 and GGUF kernels do).
+        dtype = self._logits_dtype(h) if whole is None else whole.dtype
+        out = torch.full((h.shape[0], self.vocab_size), float("-inf"), dtype=dtype, device=h.device)
+        if whole is not None:
+            out[index] = whole
         self.subset_rows += len(vocab_subsets)
         for row, ids in vocab_subsets.items():
             self.subset_ids += ids.numel()
             ids = ids.to(h.device)
             w = self.weight_rows(ids)  # [k, hidden]
-            out[row, ids] = self._cap(torch.mv(w.float(), h[row].float()).to(h.dtype))  # [k]
+            out[row, ids] = self._cap(torch.mv(w.float(), h[row].float()).to(dtype))  # [k]
         return out
+
+    def _logits_dtype(self, h: torch.Tensor) -> torch.dtype:
+        """The dtype the whole layer returns for rows like `h`, learnt once from one row."""
+        if self._dtype is None:
+            self._dtype = self.lm_head(h[:1]).dtype
+        return self._dtype
 
     def _cap(self, logits: torch.Tensor) -> torch.Tensor:
         if self.softcap is not None:
