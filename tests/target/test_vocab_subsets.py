@@ -119,6 +119,13 @@ def test_allowed_ids_are_the_tokens_the_mask_leaves_and_none_past_the_limit():
         assert ids.tolist() == torch.isfinite(rows[row]).nonzero().flatten().tolist()
         assert masks.allowed_ids(row, ids.numel() - 1, vocab) is None or ids.numel() == 0
     assert state.step_masks(forced[:2], [-1, 0]) is masks  # computed once per step
+    # A row the output layer restricted is not masked again (its logits are -inf off its ids):
+    masks.restricted.add(masks.masked[0])
+    again = torch.zeros(3, vocab)
+    state.apply(again, masks)
+    assert torch.isfinite(again[masks.masked[0]]).all()
+    assert torch.equal(again[list(masks.masked[1:])], rows[list(masks.masked[1:])])
+    masks.restricted.clear()
     state.commit(forced[0])
     assert state.step_masks(forced[1:2], [-1]) is not masks  # a commit moves on
 

@@ -18,7 +18,7 @@ tokens; stop tokens are allowed only where the grammar accepts the output so far
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import xgrammar as xgr
@@ -38,6 +38,9 @@ class RowMasks:
     bitmask: torch.Tensor  # [1 + num_nodes, ceil(vocab / 32)] int32, xgrammar's layout
     masked: tuple[int, ...]  # the rows that are masked (unreachable and terminated rows are not)
     prev_tokens: tuple[int | None, ...]  # per row, the token it follows (the UTF-8 guard's context)
+    # Rows whose logits the output layer computed over exactly their allowed ids (-inf
+    # elsewhere), set by the step that did so (vocab_subsets.py): `apply` skips their bitmask.
+    restricted: set[int] = field(default_factory=set)
 
     def allowed_ids(self, row: int, limit: int, vocab_size: int) -> torch.Tensor | None:
         """The token ids row `row` allows ([k] int64, ascending), or None if it is not masked or
@@ -114,7 +117,10 @@ class GrammarState:
         """rows: [len(masks.bitmask), vocab] float32 logits, masked in place."""
         if not masks.masked:
             return
-        xgr.apply_token_bitmask_inplace(rows, masks.bitmask, indices=list(masks.masked))
+        # A restricted row is already -inf wherever its mask is 0 (its ids are the mask's set bits).
+        indices = [row for row in masks.masked if row not in masks.restricted]
+        if indices:
+            xgr.apply_token_bitmask_inplace(rows, masks.bitmask, indices=indices)
         if self.utf8_guard is not None:
             for row in masks.masked:
                 self.utf8_guard.mask_(rows[row], masks.prev_tokens[row])

@@ -32,9 +32,11 @@ def step_vocab_subsets(batch, inputs, trees: dict, vocab_size: int) -> dict[int,
             masks = grammar.step_masks(proposal.token_ids, proposal.parents) if proposal is not None \
                 else grammar.step_masks()
             first = row + inp.num_logits - masks.bitmask.shape[0]  # a plain chunk: its last row samples
+            masks.restricted.clear()  # this step's forward decides (the masks live until a commit)
             for r in masks.masked:
                 ids = masks.allowed_ids(r, limit, vocab_size)
                 if ids is not None:
                     out[first + r] = ids
+                    masks.restricted.add(r)
         row += inp.num_logits
     return out
