@@ -108,9 +108,10 @@ class StepCostModel:
 
 
 class LoadAwareDepth:
-    """Per engine step: the draft depth that maximises committed tokens per second.
+    """Per engine step: each candidate's draft depth, chosen so the step commits the most
+    tokens per second within the step's first-token and time-per-token bounds.
 
-    `choose(plain_tokens, plain_outputs, alphas, max_depths, prefill_tokens)`:
+    `choose(plain_tokens, plain_outputs, alphas, max_depths, prefill_tokens, ...)`:
     - plain_tokens: tokens the step computes for sequences that do not speculate (prefill
       chunks, plain decodes); plain_outputs: tokens those commit (decodes only);
       plain_logits: their logit rows (default: plain_outputs); plain_trees: their draft trees
@@ -118,30 +119,34 @@ class LoadAwareDepth:
     - alphas / max_depths: each speculation candidate's acceptance estimate and plan limit;
     - prefill_tokens: of plain_tokens, those of requests still waiting for their first token;
     - waiting: requests queued now that this step does not start (no seat, budget or blocks
-      left): each waits for the whole step;
+      left);
     - arrival_rate: new requests per second lately (the scheduler's measure);
-    - full: every seat is taken (the engine is saturated: a seat frees only when a sequence
-      finishes, so the batch's rate no longer shortens anyone's queue wait).
-    Returns one depth for every candidate (0 = decode normally this step).
+    - full: every seat is taken.
+    Returns one depth per candidate (0 = decode normally this step).
 
-    TTFT bound: the first-token delay a step adds by speculating, (t_spec - t_plain), times
-    the chance that some request's first token waits for this step, stays within `ttft_slack`
-    of the plain step. That chance is 1 when a request is known to wait for the step — it
-    prefills one, or one is queued — else the chance that a request arrives while it runs,
-    1 - exp(-λ·t_spec). So a request that queues (the tail of the first-token times near
-    saturation) waits through steps each at most `ttft_slack` longer than plain: its TTFT at
-    most that much longer, whatever the number of steps; the discount by chance applies only
-    to steps no known request waits for. The plain step a request would wait for anyway is
-    not counted against speculation.
+    Depths per sequence, not one for the step: the k-th draft node of a chain at acceptance α
+    adds α^k expected tokens (E[A](d) − E[A](d−1)) and costs the same as any other node, so the
+    nodes worth verifying are the ones with the largest α^k, whoever's they are. The chooser
+    ranks every candidate node by α^k and takes the prefix of that ranking (each sequence's
+    nodes come in order, so a prefix is a depth per sequence) with the best tokens per second
+    that keeps the bounds; a copy-heavy sequence drafts deep beside a chat sequence that does
+    not draft at all (the allocation "Optimizing Speculative Decoding for Serving LLMs Using
+    Goodput" (SmartSpec) makes per batch, here per sequence).
 
-    TPOT bound, when the step is full (every seat taken) or a request waits: no row of the step
-    may get its tokens more slowly than in a plain step by more than `tpot_slack` — a row that
-    decodes plainly pays the whole step for its one token, a speculating row the step over its
-    expected tokens E[A]. Below saturation the batch's rate decides alone (idle compute is
-    spare); at saturation a faster batch frees no seat sooner for anyone already seated, so
-    speculation there must not be paid for by its batch-mates' time per token (measured at 85%
-    load: without this bound the steps grew up to ~17% under the arrival-rate discount, and the
-    rows of buckets that do not speculate took all of it).
+    Bounds, by what the step's time means to the requests around it:
+    - a request queued for a seat, budget or blocks (`waiting`) waits until seated sequences
+      finish: no row of the step may get its tokens more slowly than in a plain step, with the
+      model's error margin — a plain row pays the whole step for its one token, a speculating
+      row the step over its expected tokens E[A]. Near saturation that queue wait is most of the
+      first-token tail, and it amplifies: at 85% load a 5% slower seat release made every
+      bucket's P99 TTFT ~40% later (issue 32), where slowing no row releases seats no later;
+    - a request prefilled in the step: its first token may come at most `ttft_slack` of the
+      plain step later; one that may arrive while the step runs waits for it with chance
+      1 − exp(−λ·t_spec), and that expected delay stays within the same slack;
+    - every seat taken (nobody queued): no row's time per token beyond `tpot_slack` of a plain
+      step (a faster batch frees no seat sooner for anyone already seated, so speculation must
+      not be paid for by batch-mates' time per token). Below saturation the batch's rate
+      decides alone (idle compute is spare).
     """
 
     def __init__(self, cost: StepCostModel | None = None, ewma: float = 0.2, min_alpha: float = 0.05,
@@ -152,7 +157,7 @@ class LoadAwareDepth:
         self.min_alpha = min_alpha
         self.margin = margin  # speculation must beat plain decoding by this factor (model error)
         self.ttft_slack = ttft_slack  # expected first-token delay per step, of a plain step (the goal's 5%)
-        self.tpot_slack = tpot_slack  # at saturation: a row's time per token, of a plain step's
+        self.tpot_slack = tpot_slack  # all seats taken: a row's time per token, of a plain step's
 
     def observe_draft(self, seconds: float) -> None:
         w = self.ewma
@@ -160,38 +165,51 @@ class LoadAwareDepth:
 
     def choose(self, plain_tokens: int, plain_outputs: int, alphas: list[float],
                max_depths: list[int], prefill_tokens: int = 0, plain_logits: int | None = None,
-               arrival_rate: float = 0.0, plain_trees: int = 0, waiting: int = 0, full: bool = False) -> int:
-        """The common depth for all candidates (each still capped by its own max depth)."""
-        if not alphas:
-            return 0
+               arrival_rate: float = 0.0, plain_trees: int = 0, waiting: int = 0,
+               full: bool = False) -> list[int]:
+        """Each candidate's depth (at most its own max depth; 0 = decode plainly)."""
+        n = len(alphas)
+        if not n:
+            return []
         if not self.cost.ready:
             # Not measured yet: the plan as asked, except when a first token waits (its TTFT would pay).
-            return 0 if prefill_tokens or waiting else max(max_depths)
-        n = len(alphas)
+            return [0] * n if prefill_tokens or waiting else list(max_depths)
         rows = (plain_outputs if plain_logits is None else plain_logits) + n  # logit rows without speculation
         plain_time = self.cost.predict(plain_tokens + n, rows, plain_trees)
-        # A step holding a request's prefill, or with requests queued behind it, is part of their
-        # TTFT, and a request that arrives meanwhile waits for it too: speculation (the draft
-        # call and every verified draft token) may add at most `ttft_slack` of the plain step to
-        # a known waiting first token, and that much in expectation to one that may arrive.
-        slack = self.ttft_slack * plain_time
-        best_depth, best_rate = 0, (plain_outputs + n) / max(plain_time, 1e-9)
+        known = bool(prefill_tokens or waiting)  # a first token certainly waits for this step
         draft = self.draft_seconds or 0.0
-        for d in range(1, max(max_depths) + 1):
-            depths = [min(d, m) if a >= self.min_alpha else 0 for a, m in zip(alphas, max_depths)]
-            extra = sum(depths)  # draft nodes: each a token and a logit row of the verify pass
-            trees = plain_trees + sum(1 for k in depths if k)
-            step_time = self.cost.predict(plain_tokens + n + extra, rows + extra, trees) + draft
-            known = prefill_tokens or waiting
+        # gain[i][k]: tokens per verify pass of candidate i at depth k (E[A](k); 1 = a plain decode)
+        gain = [[expected_tokens(a, k) for k in range(m + 1)] if a >= self.min_alpha else [1.0]
+                for a, m in zip(alphas, max_depths)]
+        best, best_rate = [0] * n, (plain_outputs + n) / max(plain_time, 1e-9)
+        for depths in self._candidates(alphas, max_depths):
+            nodes, trees = sum(depths), sum(1 for k in depths if k)
+            step_time = self.cost.predict(plain_tokens + n + nodes, rows + nodes, plain_trees + trees) + draft
             pending = 1.0 if known else 1.0 - math.exp(-max(arrival_rate, 0.0) * step_time)
-            if pending * (step_time - plain_time) > slack:
-                break  # deeper only costs more
-            gains = [expected_tokens(a, k) if k else 1.0 for a, k in zip(alphas, depths)]  # tokens per row
+            if pending * (step_time - plain_time) > self.ttft_slack * plain_time:
+                continue  # a first token would wait too long for this step
+            gains = [g[k] for g, k in zip(gain, depths)]
             slowest = min(gains + ([1.0] if plain_outputs else []))  # the row that gains least
-            if (full or known) and step_time > (1 + self.tpot_slack) * plain_time * slowest:
-                continue  # that row's time per token would grow (a deeper step may still pay it back)
-            committed = plain_outputs + sum(gains)
-            rate = committed / max(step_time, 1e-9)
-            if rate > best_rate * (self.margin if best_depth == 0 else 1.0001):
-                best_depth, best_rate = d, rate
-        return best_depth
+            if waiting and step_time * self.margin > plain_time * slowest:
+                continue  # a seated row would finish later: the queue's seat later
+            if full and step_time > (1 + self.tpot_slack) * plain_time * slowest:
+                continue  # that row's time per token would grow past the slack
+            rate = (plain_outputs + sum(gains)) / max(step_time, 1e-9)
+            if rate > best_rate * (self.margin if not any(best) else 1.0001):
+                best, best_rate = depths, rate
+        return best
+
+    def _candidates(self, alphas: list[float], max_depths: list[int]):
+        """The depth vectors worth pricing: every prefix of the candidates' nodes ranked by
+        their marginal gain α^k (a sequence's nodes in order, so each prefix is a depth per
+        sequence), and one common depth for all (where a bound needs every row to gain,
+        including the ones that accept least, as a row that does not speculate gains nothing)."""
+        eligible = [a >= self.min_alpha for a in alphas]
+        ranked = sorted(((a ** k, i) for i, (a, m, ok) in enumerate(zip(alphas, max_depths, eligible))
+                         if ok for k in range(1, m + 1)), key=lambda x: -x[0])
+        depths = [0] * len(alphas)
+        for _, i in ranked:
+            depths[i] += 1
+            yield list(depths)
+        for d in range(1, max(max_depths, default=0) + 1):
+            yield [min(d, m) if ok else 0 for m, ok in zip(max_depths, eligible)]

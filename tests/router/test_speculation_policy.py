@@ -101,12 +101,12 @@ def _load_aware(a: float, b: float, draft_s: float):
 def test_load_aware_depth_speculates_on_an_idle_batch_and_stops_on_a_full_one():
     # Memory-bound (a step costs about the same for 1 or 40 tokens): draft deep.
     idle = _load_aware(a=0.030, b=0.00005, draft_s=0.001)
-    assert idle.choose(plain_tokens=0, plain_outputs=0, alphas=[0.8, 0.8], max_depths=[8, 8]) == 8
+    assert idle.choose(plain_tokens=0, plain_outputs=0, alphas=[0.8, 0.8], max_depths=[8, 8]) == [8, 8]
     # Compute-bound (every token costs): the same two sequences beside 60 decoding ones do not.
     busy = _load_aware(a=0.005, b=0.001, draft_s=0.001)
-    assert busy.choose(plain_tokens=60, plain_outputs=60, alphas=[0.8, 0.8], max_depths=[8, 8]) == 0
+    assert busy.choose(plain_tokens=60, plain_outputs=60, alphas=[0.8, 0.8], max_depths=[8, 8]) == [0, 0]
     # Low acceptance never pays, even idle.
-    assert idle.choose(plain_tokens=0, plain_outputs=0, alphas=[0.02], max_depths=[8]) == 0
+    assert idle.choose(plain_tokens=0, plain_outputs=0, alphas=[0.02], max_depths=[8]) == [0]
     # Before the cost model has data: the plan as asked.
     from services.common.speculation_cost import LoadAwareDepth
-    assert LoadAwareDepth().choose(0, 0, [0.5], [5]) == 5
+    assert LoadAwareDepth().choose(0, 0, [0.5], [5]) == [5]

@@ -10,7 +10,7 @@ import pytest
 from transformers import AutoTokenizer
 
 from services.common.sampling_params import SamplingConfig
-from services.common.speculation_cost import LoadAwareDepth, StepCostModel, sequence_alpha
+from services.common.speculation_cost import LoadAwareDepth, StepCostModel, expected_tokens, sequence_alpha
 from services.router.speculation_policy import PolicyConfig, SpeculationPolicy, acceptance_prior
 from services.target.output.detokenizer import IncrementalDetokenizer
 from services.target.engine.block_manager import BlockManager
@@ -53,27 +53,27 @@ def test_a_draft_tree_costs_a_step_time_of_its_own():
     # Plain: 8 tokens in 33.2 ms (241/s). At α = 0.5, depth d takes 66.2 + 3.2·d ms for
     # 16·(1 - 0.5^(d+1)) tokens: at most 174/s (d = 8), so no speculation; priced without the
     # trees, depth 2 (14 tokens in 40.6 ms, 345/s) would look best.
-    assert chooser.choose(0, 0, [0.5] * 8, [8] * 8) == 0
-    assert _chooser(a=0.030, b=0.0002, draft_s=0.001).choose(0, 0, [0.5] * 8, [8] * 8) == 2
+    assert chooser.choose(0, 0, [0.5] * 8, [8] * 8) == [0] * 8
+    assert _chooser(a=0.030, b=0.0002, draft_s=0.001).choose(0, 0, [0.5] * 8, [8] * 8) == [2] * 8
     # Copy-heavy sequences still pay for their trees, deeper ones (the fixed cost amortised).
-    assert chooser.choose(0, 0, [0.8] * 8, [8] * 8) == 8
+    assert chooser.choose(0, 0, [0.8] * 8, [8] * 8) == [8] * 8
 
 
 def test_a_prefill_step_speculates_only_within_the_ttft_slack():
     # Memory-bound: 30 ms + 0.05 ms per token and per logit row, draft call 1 ms; two
     # sequences at α = 0.8.
     idle = _chooser(a=0.030, b=0.00005, draft_s=0.001)
-    assert idle.choose(0, 0, [0.8, 0.8], [8, 8]) == 8
+    assert idle.choose(0, 0, [0.8, 0.8], [8, 8]) == [8, 8]
     # Beside a 100-token prefill (1 logit row): the plain step takes 30 + 5.1 + 0.15 ms, 5% more
-    # is 37.01 ms; depth d costs 36.25 + 0.2·d ms, so at most 3.
-    assert idle.choose(100, 1, [0.8, 0.8], [8, 8], prefill_tokens=100) == 3
+    # is 37.01 ms; the draft call and n draft nodes cost 36.25 + 0.1·n ms, so at most 7 nodes.
+    assert idle.choose(100, 1, [0.8, 0.8], [8, 8], prefill_tokens=100) == [4, 3]
     # A draft call longer than the slack: no speculation beside a prefill, as much as ever without.
     slow_draft = _chooser(a=0.030, b=0.00005, draft_s=0.01)
-    assert slow_draft.choose(100, 1, [0.8, 0.8], [8, 8], prefill_tokens=100) == 0
-    assert slow_draft.choose(100, 1, [0.8, 0.8], [8, 8]) == 8
+    assert slow_draft.choose(100, 1, [0.8, 0.8], [8, 8], prefill_tokens=100) == [0, 0]
+    assert slow_draft.choose(100, 1, [0.8, 0.8], [8, 8]) == [8, 8]
     # Before the cost model has data: the plan as asked, but not beside a prefill.
-    assert LoadAwareDepth().choose(0, 0, [0.5], [5]) == 5
-    assert LoadAwareDepth().choose(10, 1, [0.5], [5], prefill_tokens=10) == 0
+    assert LoadAwareDepth().choose(0, 0, [0.5], [5]) == [5]
+    assert LoadAwareDepth().choose(10, 1, [0.5], [5], prefill_tokens=10) == [0]
 
 
 def test_a_step_that_requests_may_arrive_in_speculates_within_the_expected_ttft_slack():
@@ -81,13 +81,14 @@ def test_a_step_that_requests_may_arrive_in_speculates_within_the_expected_ttft_
     # sequences at α = 0.8. The plain step takes 33.2 ms; 5% of it is 1.66 ms.
     chooser = _chooser(a=0.030, b=0.0002, draft_s=0.001)
     alphas, limits = [0.8] * 8, [8] * 8
-    assert chooser.choose(0, 0, alphas, limits) == 6  # nobody arriving: tokens per second decide
-    # 4 requests a second: depth 2 (40.6 ms) is waited for by an arrival with chance
-    # 1 - exp(-4 · 0.0406) = 0.15, an expected 0.15 · 7.4 = 1.1 ms; depth 3 (43.8 ms) 1.7 ms.
-    assert chooser.choose(0, 0, alphas, limits, arrival_rate=4.0) == 2
-    # The faster they arrive, the shorter the draft; a certain arrival is a prefill step.
-    assert [chooser.choose(0, 0, alphas, limits, arrival_rate=r) for r in (3.0, 10.0, 20.0)] == [3, 1, 0]
-    assert chooser.choose(0, 0, alphas, limits, prefill_tokens=1) == 0
+    assert chooser.choose(0, 0, alphas, limits) == [6] * 8  # nobody arriving: tokens per second decide
+    # 4 requests a second: 23 draft nodes (43.4 ms) are waited for by an arrival with chance
+    # 1 - exp(-4 · 0.0434) = 0.16, an expected 0.16 · 10.2 = 1.62 ms; a 24th node 1.72 ms.
+    assert chooser.choose(0, 0, alphas, limits, arrival_rate=4.0) == [3] * 7 + [2]
+    # The faster they arrive, the fewer the draft nodes; a certain arrival is a prefill step:
+    # one node and the draft call (1.4 ms) fit in its 1.66 ms.
+    assert [sum(chooser.choose(0, 0, alphas, limits, arrival_rate=r)) for r in (3.0, 10.0, 20.0)] == [29, 10, 5]
+    assert sum(chooser.choose(0, 0, alphas, limits, prefill_tokens=1)) == 1
 
 
 def test_arrival_rate_counts_recent_arrivals_and_falls_when_they_stop():
@@ -152,11 +153,11 @@ def test_target_depth_shortens_while_the_scheduler_sees_requests_arrive(tiny_lla
     batch = [_decoding(_seq(tokenizer, f"copy{i}", _aware(0.8))) for i in range(8)]
     assert {d for _, d in speculator._depths(batch)} == {5}  # no arrivals: the plan's depth
     now = time.monotonic()
-    for i in range(9):  # a request every 0.1 s up to now: 10 a second (6.3-13.5 give depth 1)
+    for i in range(9):  # a request every 0.1 s up to now: 10 a second (10 nodes, as above)
         tool = _seq(tokenizer, f"tool{i}", None)
         tool.timeline.arrival = now - 0.1 * (8 - i)
         scheduler.add(tool)
-    assert {d for _, d in speculator._depths(batch)} == {1}
+    assert sorted(d for _, d in speculator._depths(batch)) == [1] * 6 + [2] * 2
 
 
 def test_router_plan_carries_the_predicted_acceptance_to_the_target():
@@ -198,12 +199,50 @@ async def test_adaptive_mesh_sends_the_prior_in_the_plan(tiny_llama_dir):
 def test_a_queued_request_bounds_the_step_like_a_prefill():
     # Memory-bound as above: two sequences at α = 0.8 would draft 8 deep when nobody waits.
     idle = _chooser(a=0.030, b=0.00005, draft_s=0.001)
-    assert idle.choose(0, 0, [0.8, 0.8], [8, 8]) == 8
+    assert idle.choose(0, 0, [0.8, 0.8], [8, 8]) == [8, 8]
     # A request queued behind the step (no seat for it) waits for all of it, whatever the
     # arrival rate: the same bound as a prefill in the step. Plain: 30.2 ms, 5% = 1.51 ms;
-    # depth d adds the 1 ms draft call and 0.2·d ms, so at most 2.
-    assert idle.choose(0, 0, [0.8, 0.8], [8, 8], waiting=1) == 2
-    assert LoadAwareDepth().choose(0, 0, [0.5], [5], waiting=1) == 0  # unmeasured: not beside a queue
+    # the 1 ms draft call and 0.1 ms per node: at most 5 nodes.
+    assert idle.choose(0, 0, [0.8, 0.8], [8, 8], waiting=1) == [3, 2]
+    assert LoadAwareDepth().choose(0, 0, [0.5], [5], waiting=1) == [0]  # unmeasured: not beside a queue
+
+
+def test_a_queued_request_gets_no_seat_later_for_a_slower_row():
+    # A queued request waits until a seated sequence finishes: near saturation that wait is the
+    # first-token tail, and 5% slower seats made it ~40% later at 85% load (issue 32). So with
+    # a queue, no row of the step may get its tokens more slowly than plain (model margin 5%).
+    idle = _chooser(a=0.030, b=0.00005, draft_s=0.001)
+    # A plain row beside the candidate gains nothing from any draft: nobody speculates, where
+    # without the queue the candidate drafts 8 deep (and 5 with all seats taken).
+    assert idle.choose(1, 1, [0.8], [8]) == [8]
+    assert idle.choose(1, 1, [0.8], [8], full=True) == [5]
+    assert idle.choose(1, 1, [0.8], [8], waiting=1) == [0]
+    # Candidates that all gain speed up every row: allowed (within the first-token slack), each
+    # row faster by the margin.
+    depths = idle.choose(0, 0, [0.9, 0.6], [8, 8], waiting=1)
+    plain = idle.cost.predict(2, 2)
+    nodes = sum(depths)
+    spec = idle.cost.predict(2 + nodes, 2 + nodes, 2) + 0.001
+    assert all(depths) and spec <= 1.05 * plain
+    assert spec * 1.05 <= plain * min(expected_tokens(0.9, depths[0]), expected_tokens(0.6, depths[1]))
+    # One candidate that accepts almost nothing holds back both.
+    assert idle.choose(0, 0, [0.9, 0.01], [8, 8], waiting=1) == [0, 0]
+
+
+def test_each_sequence_drafts_as_deep_as_its_own_acceptance_pays():
+    # The k-th node of a chain at α adds α^k tokens: the step verifies the best nodes, whoever's.
+    # 30 ms + 0.2 ms per token and per logit row, draft call 1 ms, nobody waiting.
+    chooser = _chooser(a=0.030, b=0.0002, draft_s=0.001)
+    depths = chooser.choose(0, 0, [0.9, 0.85, 0.3, 0.05, 0.6], [5] * 5)
+    assert depths == [5, 5, 1, 0, 3]
+    # A common depth for all would verify the low-acceptance rows' nodes too, and commit fewer
+    # tokens per second than the chosen depths.
+    def rate(ds):
+        nodes = sum(ds)
+        t = chooser.cost.predict(5 + nodes, 5 + nodes, sum(1 for d in ds if d)) + 0.001
+        return sum(expected_tokens(a, d) for a, d in zip([0.9, 0.85, 0.3, 0.05, 0.6], ds)) / t
+    assert all(rate(depths) > rate([d if a >= 0.05 else 0 for a in [0.9, 0.85, 0.3, 0.05, 0.6]])
+               for d in range(1, 6))
 
 
 def test_verify_rows_never_push_a_queued_first_token_past_the_bound(tiny_llama_dir):
@@ -249,17 +288,18 @@ def test_a_full_step_never_slows_a_plain_row_past_the_tpot_slack():
     # 1 ms draft call and 0.1·d ms. Below saturation the batch's rate decides: depth 8. With
     # every seat taken, the plain row's one token may cost at most 5% more (31.71 ms): d <= 5.
     chooser = _chooser(a=0.030, b=0.00005, draft_s=0.001)
-    assert chooser.choose(1, 1, [0.8], [8]) == 8
-    assert chooser.choose(1, 1, [0.8], [8], full=True) == 5
+    assert chooser.choose(1, 1, [0.8], [8]) == [8]
+    assert chooser.choose(1, 1, [0.8], [8], full=True) == [5]
     # A candidate that accepts little is a row that gains little: at α = 0.1 a verify pass
-    # yields ~1.1 tokens, so full steps may grow ~15% for it, but not the 40% of depth 8
-    # when its batch-mate accepts 0.9 and the step's slope is steep.
+    # yields ~1.1 tokens, so full steps may grow ~10% for it, but not the 40% of depth 8 that
+    # its batch-mate at α = 0.9 alone would draft when the step's slope is steep.
     steep = _chooser(a=0.030, b=0.0005, draft_s=0.001)
-    assert steep.choose(0, 0, [0.9, 0.1], [8, 8]) == 8
+    assert steep.choose(0, 0, [0.9, 0.1], [8, 8]) == [8, 0]
     full = steep.choose(0, 0, [0.9, 0.1], [8, 8], full=True)
     plain = steep.cost.predict(2, 2)
-    assert 0 < full < 8
-    assert steep.cost.predict(2 + 2 * full, 2 + 2 * full, 2) + 0.001 <= 1.05 * plain * 1.1111
+    nodes = sum(full)
+    assert all(full) and full != [8, 8]
+    assert steep.cost.predict(2 + nodes, 2 + nodes, 2) + 0.001 <= 1.05 * plain * expected_tokens(0.1, full[1])
 
 
 def test_verify_rows_never_slow_a_seated_plain_row_past_the_bound_when_seats_are_full(tiny_llama_dir):

@@ -250,11 +250,12 @@ class Speculator:
 
     def _depths(self, batch: list[ScheduledSeq]) -> list[tuple[Sequence, int]]:
         """(sequence, depth >= 1) for the sequences that speculate this step. Load-aware plans
-        take the depth that maximises the batch's committed tokens per second, at most what
-        keeps the first-token delay of a request prefilled in the step, queued behind it, or
-        arriving while it runs (the scheduler's arrival rate), within the TTFT slack, and, once
-        every seat is taken, no row's time per token beyond the TPOT slack
-        (services/common/speculation_cost.LoadAwareDepth); 0 = decode normally."""
+        take, each, the depth that with the others' maximises the batch's committed tokens per
+        second (nodes ranked by their expected gain α^k), within the bounds: no seated row
+        slower than plain while a request is queued for a seat, budget or blocks; the
+        first-token delay of a request prefilled in the step or arriving while it runs (the
+        scheduler's arrival rate) within the TTFT slack; once every seat is taken, no row's
+        time per token beyond the TPOT slack (services/common/speculation_cost.LoadAwareDepth)."""
         fixed, aware = [], []
         plain_tokens = plain_outputs = plain_logits = prefill_tokens = 0
         for item in batch:
@@ -277,12 +278,10 @@ class Speculator:
             plain_tokens += 1 + depth
             plain_logits += 1 + depth
             plain_outputs += expected_tokens(self.alpha(seq), depth)
-        cap = self.load.choose(plain_tokens, int(plain_outputs), alphas, [d for _, d in aware],
-                               prefill_tokens, plain_logits, self.arrival_rate(), len(fixed),
-                               waiting=self.queue_length(), full=self.seats_full())
-        capped = [(seq, min(depth, cap)) for (seq, depth), alpha in zip(aware, alphas)
-                  if cap and alpha >= self.load.min_alpha]
-        return fixed + capped
+        depths = self.load.choose(plain_tokens, int(plain_outputs), alphas, [d for _, d in aware],
+                                  prefill_tokens, plain_logits, self.arrival_rate(), len(fixed),
+                                  waiting=self.queue_length(), full=self.seats_full())
+        return fixed + [(seq, depth) for (seq, _), depth in zip(aware, depths) if depth]
 
     @staticmethod
     def alpha(seq: Sequence) -> float:
