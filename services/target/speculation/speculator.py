@@ -250,8 +250,8 @@ class Speculator:
 
     def _depths(self, batch: list[ScheduledSeq]) -> list[tuple[Sequence, int]]:
         """(sequence, depth >= 1) for the sequences that speculate this step. Load-aware plans
-        take, each, the depth that with the others' maximises the batch's committed tokens per
-        second (nodes ranked by their expected gain α^k), within the bounds: no seated row
+        take, each, the depth that with the others' least makes the step's rows wait per token
+        (nodes ranked by their expected gain α^k), within the bounds: no seated row
         slower than plain while a request is queued for a seat, budget or blocks; the
         first-token delay of a request prefilled in the step or arriving while it runs (the
         scheduler's arrival rate) within the TTFT slack; once every seat is taken, no row's
