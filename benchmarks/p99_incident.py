@@ -104,6 +104,7 @@ async def main() -> None:
                 args.capacity_after = args.capacity
         attach_breakdowns(results, engine)
         attach_foreign(results, cpu)
+        args.step_cost = step_cost(engine)
         for arm, result in results.items():
             print(_line(arm, result), flush=True)
     finally:
@@ -152,6 +153,18 @@ def attach_breakdowns(results: dict, engine) -> None:
                           out_s=record["first_token_monotonic"] - first.first_token)
             if record.get("e2e_s") is not None:
                 record.update(decode_breakdown(first.first_token, record["sent_monotonic"] + record["e2e_s"], steps))
+
+
+def step_cost(engine) -> dict | None:
+    """The step cost model the target fitted on this machine by the end of the run (what its
+    per-step depth was priced with) and its draft call's moving mean, in ms."""
+    load = engine.speculator.load if engine.speculator is not None else None
+    fit = load.cost.coefficients() if load is not None else None
+    if fit is None:
+        return None
+    names = ("step_ms", "per_token_ms", "per_logit_row_ms", "per_tree_ms")
+    return {k: round(1e3 * v, 3) for k, v in zip(names, fit)} | {
+        "draft_call_ms": round(1e3 * (load.draft_seconds or 0.0), 3)}
 
 
 DISTURBED = 0.20  # a one-second sample with more foreign CPU than this disturbed the requests it overlaps
@@ -408,6 +421,11 @@ def calibration(results: dict, args) -> list[str]:
         per_arm = ", ".join(f"{a} {r['foreign_cpu']:.1%}" for a, r in results.items() if r.get("foreign_cpu") is not None)
         lines.append(f"Foreign CPU (processes outside this one, share of the machine): median {share['median']:.1%}, "
                      f"max {share['max']:.1%} over {share['samples']} one-second samples; per arm (median) {per_arm}")
+    cost = getattr(args, "step_cost", None)
+    if cost:
+        lines.append(f"Step cost the target fitted here (t = a + b·tokens + c·logit rows + e·trees): a {cost['step_ms']:.1f} ms, "
+                     f"b {cost['per_token_ms']:.2f}, c {cost['per_logit_row_ms']:.2f}, e {cost['per_tree_ms']:.2f} ms; "
+                     f"draft call {cost['draft_call_ms']:.2f} ms")
     return lines
 
 
