@@ -152,7 +152,7 @@ class LoadAwareDepth:
       1 − exp(−λ·t_spec), and that expected delay stays within the same slack;
     - every seat taken (nobody queued): no row's time per token beyond `tpot_slack` of a plain
       step (a faster batch frees no seat sooner for anyone already seated, so speculation must
-      not be paid for by batch-mates' time per token). Below saturation the batch's rate
+      not be paid for by batch-mates' time per token). Below saturation the objective
       decides alone (idle compute is spare).
     """
 
