@@ -1,11 +1,13 @@
-"""The P99 benchmark reports the step cost model the target fitted on the machine it ran on
-(what the per-step depth was priced with), read from a real engine."""
+"""The P99 benchmark's report: the step cost model the target fitted on the machine it ran on
+(what the per-step depth was priced with), read from a real engine; the noise-floor arm."""
 
 from __future__ import annotations
 
+import sys
+
 import pytest
 
-from benchmarks.p99_incident import calibration, step_cost
+from benchmarks.p99_incident import ARMS, DEFAULT_ARMS, _args, calibration, step_cost
 from tests.target.test_engine_serving import _engine
 
 
@@ -28,3 +30,13 @@ def test_the_report_states_the_step_cost_the_target_fitted(tiny_llama_dir):
         step_cost = fitted
     assert calibration({}, Args()) == ["Step cost the target fitted here (t = a + b·tokens + c·logit rows + "
                                        "e·trees): a 20.0 ms, b 0.50, c 2.00, e 3.00 ms; draft call 1.50 ms"]
+
+
+def test_a_second_off_arm_runs_only_when_asked(monkeypatch):
+    """off_again is off under another name: its ratio to off is the benchmark's noise floor."""
+    assert ARMS["off_again"] == ARMS["off"] and "off_again" not in DEFAULT_ARMS
+    monkeypatch.setattr(sys, "argv", ["p99_incident.py", "--arms", "off", "off_again", "adaptive"])
+    assert _args().arms == ["off", "off_again", "adaptive"]
+    monkeypatch.setattr(sys, "argv", ["p99_incident.py", "--arms", "of"])
+    with pytest.raises(SystemExit):  # a misspelt arm is refused, not silently dropped
+        _args()
