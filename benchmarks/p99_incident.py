@@ -214,7 +214,7 @@ async def calibrate(address: str, items, args, bursts: int = 3) -> float:
 
 async def run_rounds(address: str, items, arms: dict, qps: float, args, cpu: ForeignCpu) -> dict:
     """Each arm's router serves a warm-up schedule, then the measured requests in `--rounds`
-    parts, the arms taking turns per part (off, fixed, adaptive, off, ...): a change in the
+    parts, the arms taking turns per part in an order rotated each round (`round_order`): a change in the
     machine's load during the run then hits every arm alike. Part r is the same Poisson
     schedule (seed + 1000·r) for every arm; the routers (and their measurements) live on."""
     if args.round_seconds:  # rounds of about that many seconds of arrivals, as many as fit
@@ -237,7 +237,7 @@ async def run_rounds(address: str, items, arms: dict, qps: float, args, cpu: For
                 print(f"stopping after {r} rounds: another would pass --minutes {args.minutes}", flush=True)
                 break
             schedule = poisson_schedule(qps, args.seed + 1000 * r, len(items), num_requests=size)
-            for arm in arms:
+            for arm in round_order(list(arms), r):
                 start, window_start = time.perf_counter(), time.monotonic()
                 part = await _send(routers[arm], items, schedule)
                 windows[arm].append((window_start, time.monotonic()))
@@ -257,6 +257,15 @@ async def run_rounds(address: str, items, arms: dict, qps: float, args, cpu: For
                         "requests": requests, "summary": summarize(requests, durations[arm], Slo()),
                         "foreign_cpu": sorted(foreign)[len(foreign) // 2] if foreign else None}
     return results
+
+
+def round_order(arms: list[str], r: int) -> list[str]:
+    """The order the arms take their turns in round r: rotated by one each round, so no arm is
+    always first (after the calibration) or always last. In a fixed order, an A/A run at 85%
+    (off, adaptive, off_again per round) had off_again, always last, at 0.61-0.80x off's P99
+    TTFT in every bucket and 12% better mean TPOT, with identical settings."""
+    k = r % len(arms) if arms else 0
+    return arms[k:] + arms[:k]
 
 
 async def _start_router(address: str, plan: dict, args):

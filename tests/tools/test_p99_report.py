@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from benchmarks.p99_incident import ARMS, DEFAULT_ARMS, _args, calibration, step_cost
+from benchmarks.p99_incident import ARMS, DEFAULT_ARMS, _args, calibration, round_order, step_cost
 from tests.target.test_engine_serving import _engine
 
 
@@ -40,3 +40,10 @@ def test_a_second_off_arm_runs_only_when_asked(monkeypatch):
     monkeypatch.setattr(sys, "argv", ["p99_incident.py", "--arms", "of"])
     with pytest.raises(SystemExit):  # a misspelt arm is refused, not silently dropped
         _args()
+
+
+def test_the_arms_take_turns_in_a_rotating_order():
+    arms = ["off", "adaptive", "off_again"]
+    orders = [round_order(arms, r) for r in range(4)]
+    assert orders == [arms, ["adaptive", "off_again", "off"], ["off_again", "off", "adaptive"], arms]
+    assert {o[0] for o in orders[:3]} == set(arms)  # each arm goes first once every len(arms) rounds
