@@ -81,7 +81,7 @@ def test_a_step_that_requests_may_arrive_in_speculates_within_the_expected_ttft_
     # sequences at α = 0.8. The plain step takes 33.2 ms; 5% of it is 1.66 ms.
     chooser = _chooser(a=0.030, b=0.0002, draft_s=0.001)
     alphas, limits = [0.8] * 8, [8] * 8
-    assert chooser.choose(0, 0, alphas, limits) == [6] * 8  # nobody arriving: tokens per second decide
+    assert chooser.choose(0, 0, alphas, limits) == [6] * 8  # nobody arriving: the rows' time per token decides
     # 4 requests a second: 23 draft nodes (43.4 ms) are waited for by an arrival with chance
     # 1 - exp(-4 · 0.0434) = 0.16, an expected 0.16 · 10.2 = 1.62 ms; a 24th node 1.72 ms.
     assert chooser.choose(0, 0, alphas, limits, arrival_rate=4.0) == [3] * 7 + [2]
