@@ -173,8 +173,11 @@ class LoadAwareDepth:
     def choose(self, plain_tokens: int, plain_outputs: int, alphas: list[float],
                max_depths: list[int], prefill_tokens: int = 0, plain_logits: int | None = None,
                arrival_rate: float = 0.0, plain_trees: int = 0, waiting: int = 0,
-               full: bool = False) -> list[int]:
-        """Each candidate's depth (at most its own max depth; 0 = decode plainly)."""
+               full: bool = False, draft_calls: list[bool] | None = None) -> list[int]:
+        """Each candidate's depth (at most its own max depth; 0 = decode plainly).
+        `draft_calls[i]`: whether candidate i's draft costs a draft-service call (default all);
+        the step pays that call once if any such candidate drafts (a grammar's forced chain is
+        drafted by the target itself)."""
         n = len(alphas)
         if not n:
             return []
@@ -185,6 +188,7 @@ class LoadAwareDepth:
         plain_time = self.cost.predict(plain_tokens + n, rows, plain_trees)
         known = bool(prefill_tokens or waiting)  # a first token certainly waits for this step
         draft = self.draft_seconds or 0.0
+        calls = [True] * n if draft_calls is None else draft_calls
         # gain[i][k]: tokens per verify pass of candidate i at depth k (E[A](k); 1 = a plain decode)
         gain = [[expected_tokens(a, k) for k in range(m + 1)] if a >= self.min_alpha else [1.0]
                 for a, m in zip(alphas, max_depths)]
@@ -193,7 +197,8 @@ class LoadAwareDepth:
         best, best_per_token = [0] * n, plain_time * (plain_outputs + n)
         for depths in self._candidates(alphas, max_depths):
             nodes, trees = sum(depths), sum(1 for k in depths if k)
-            step_time = self.cost.predict(plain_tokens + n + nodes, rows + nodes, plain_trees + trees) + draft
+            step_time = self.cost.predict(plain_tokens + n + nodes, rows + nodes, plain_trees + trees) \
+                + (draft if any(k and c for k, c in zip(depths, calls)) else 0.0)
             pending = 1.0 if known else 1.0 - math.exp(-max(arrival_rate, 0.0) * step_time)
             if pending * (step_time - plain_time) > self.ttft_slack * plain_time:
                 continue  # a first token would wait too long for this step

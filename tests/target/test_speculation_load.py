@@ -4,6 +4,7 @@ it runs (TTFT); shared cost pieces live in services/common/speculation_cost.py."
 
 from __future__ import annotations
 
+import json
 import time
 
 import pytest
@@ -333,3 +334,37 @@ def test_verify_rows_never_slow_a_seated_plain_row_past_the_bound_when_seats_are
             assert 0 < depths["spec"] < 8 and spec <= 1.05 * plain  # the plain row pays at most 5%
         else:
             assert depths == {"spec": 8}
+
+
+def test_a_grammars_forced_chain_is_priced_apart_from_rejected_free_drafts(tiny_llama_dir):
+    """A constrained sequence whose prompt-lookup drafts were all rejected (its free text is
+    not in the prompt) still drafts what its grammar forces: those drafts have their own
+    acceptance (the constraint fixes the text, only its tokenisation can be refused), counted
+    apart, and cost no draft call. Mixed into one estimate, one rejected free draft stopped
+    every forced chain after it (the structured-outputs benchmark at T = 0.8: no verify pass)."""
+    import xgrammar as xgr
+
+    from services.target.structured.grammar_state import GrammarState
+    from tests.structured import ORDER_SCHEMA
+
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=len(tokenizer))
+    compiled = xgr.GrammarCompiler(info).compile_json_schema(json.dumps(ORDER_SCHEMA), any_whitespace=False)
+    speculator = Speculator(None, None, max_context=1024, metrics=None)
+    # 30 ms a step, 0.2 ms per token and logit row, a 1 ms draft call: a free draft at the
+    # router's α = 0.6 pays (depth 5), one that accepted 0 of 12 does not (α = 0.09).
+    speculator.load = _chooser(a=0.030, b=0.0002, draft_s=0.001)
+    free, constrained = _seq(tokenizer, "free", _aware(0.6)), _seq(tokenizer, "constrained", _aware(0.6))
+    constrained.grammar = GrammarState(compiled, len(tokenizer))
+    assert [d for _, d in speculator._depths([_decoding(free)])] == [5]
+    for seq in (free, constrained):
+        seq.spec.proposed, seq.spec.accepted = 12, 0  # every prompt-lookup draft rejected
+    assert speculator._depths([_decoding(free)]) == []
+    forced = constrained.grammar.forced_tokens(5)  # '{"' and the first key: fixed text
+    assert len(forced) == 5
+    trees = speculator.propose([_decoding(constrained)])  # no draft service is asked (client None)
+    assert list(trees["constrained"].token_ids) == forced
+    # Its forced drafts' own record decides: a tokenisation the model always refused stops them.
+    constrained.spec.forced_proposed, constrained.spec.forced_accepted = 40, 0
+    constrained.spec.proposed += 40
+    assert speculator.propose([_decoding(constrained)]) == {}

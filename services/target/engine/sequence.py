@@ -81,6 +81,11 @@ class SpeculationStats:
     proposed: int = 0  # draft tokens sent to verification
     accepted: int = 0  # draft tokens on accepted paths
     verify_passes: int = 0
+    # Of proposed / accepted: the grammar's forced drafts (the text the constraint allows is
+    # fixed; only its tokenisation can be refused), counted apart so the drafts of the free
+    # parts are judged by their own acceptance and forced chains by theirs.
+    forced_proposed: int = 0
+    forced_accepted: int = 0
     fallback_steps: int = 0  # steps that decoded normally because the draft failed
     # Per verify pass, for the request's trace (services/target/metrics.py), monotonic seconds:
     # [draft_start, draft_end, verify_start, verify_end, proposed, accepted].

@@ -27,7 +27,8 @@ from services.target.model.logprobs import token_logprobs
 from services.target.model.sampler import target_probs
 from services.target.engine.scheduler import ScheduledSeq, StepResult
 from services.target.engine.sequence import Sequence
-from services.target.structured.hooks import draft_service_method, grammar_drafts, masked_verify_rows
+from services.target.structured.hooks import (FORCED_PRIOR, draft_service_method, forced_chain, grammar_draft,
+                                              masked_verify_rows)
 
 log = logging.getLogger(__name__)
 
@@ -75,14 +76,20 @@ class Speculator:
         self.last_step: tuple[float, int, int] = (0.0, 0, 0)
         self.features = FeatureBuffer()  # EAGLE: features of committed positions not yet sent
         self._committed_rows: dict[str, list[int]] = {}  # this step's verified trees: rows committed
+        self._forced: set[str] = set()  # this step's sequences whose tree is their grammar's forced chain
 
     def propose(self, batch: list[ScheduledSeq]) -> dict[str, DraftTree]:
         """One batched draft call for every decoding sequence with a plan; {} on fallback."""
         seqs, requests = [], []
         self.last_step = (0.0, 0, 0)
         slots = {item.seq.seq_id: item.num_draft_slots for item in batch}  # budgeted by the scheduler
-        depths = self._depths(batch)
-        forced = grammar_drafts((seq, min(depth, slots[seq.seq_id])) for seq, depth in depths)
+        # What each constrained sequence's grammar forces next: drafted by the target itself.
+        chains = {item.seq.seq_id: chain for item in batch if self._may_draft(item)
+                  and (chain := forced_chain(item.seq, min(self._depth(item.seq), item.num_draft_slots)))}
+        depths = self._depths(batch, chains)
+        forced = {seq.seq_id: grammar_draft(seq, chains[seq.seq_id][:depth])
+                  for seq, depth in depths if seq.seq_id in chains}
+        self._forced = set(forced)
         for seq, depth in depths:
             if seq.seq_id in forced or not self.client.available:
                 continue  # the grammar forces the next tokens: no draft-service round trip
@@ -180,6 +187,9 @@ class Speculator:
         path = [x - 1 for x in walk[:a]]  # draft indices
         seq.spec.proposed += n
         seq.spec.accepted += a
+        if seq.seq_id in self._forced:
+            seq.spec.forced_proposed += n
+            seq.spec.forced_accepted += a
         seq.spec.verify_passes += 1
         if seq.spec.passes:  # noted by verify_span: [draft_start, draft_end, verify_start, verify_end, n, a]
             note = seq.spec.passes[-1]
@@ -248,22 +258,33 @@ class Speculator:
                 rows = rows[keep]  # [1 + accepted, hidden]: at positions context_len .. after compaction
             self.features.add(inp.seq_id, inp.context_len, rows)
 
-    def _depths(self, batch: list[ScheduledSeq]) -> list[tuple[Sequence, int]]:
+    @staticmethod
+    def _may_draft(item: ScheduledSeq) -> bool:
+        """A decode row with a plan: it may verify a draft this step."""
+        return item.seq.plan is not None and bool(item.samples) and item.num_tokens == 1
+
+    def _depths(self, batch: list[ScheduledSeq], chains: dict[str, list[int]] | None = None,
+                ) -> list[tuple[Sequence, int]]:
         """(sequence, depth >= 1) for the sequences that speculate this step. Load-aware plans
         take, each, the depth that with the others' least makes the step's rows wait per token
         (nodes ranked by their expected gain α^k), within the bounds: no seated row
         slower than plain while a request is queued for a seat, budget or blocks; the
         first-token delay of a request prefilled in the step or arriving while it runs (the
         scheduler's arrival rate) within the TTFT slack; once every seat is taken, no row's
-        time per token beyond the TPOT slack (services/common/speculation_cost.LoadAwareDepth)."""
+        time per token beyond the TPOT slack (services/common/speculation_cost.LoadAwareDepth).
+        `chains`: the grammar's forced tokens per constrained sequence; such a sequence drafts
+        at most its chain, priced at the acceptance of its own forced drafts, and calls no draft."""
+        chains = chains or {}
         fixed, aware = [], []
         plain_tokens = plain_outputs = plain_logits = prefill_tokens = 0
         for item in batch:
             seq = item.seq
             depth = min(self._depth(seq), item.num_draft_slots)
+            if seq.seq_id in chains:
+                depth = min(depth, len(chains[seq.seq_id]))
             if item.num_tokens != 1 or not item.samples or seq.num_output_tokens == 0:
                 prefill_tokens += item.num_tokens  # a prompt chunk: its request waits for its first token
-            if seq.plan is None or not item.samples or item.num_tokens != 1 or depth < 1:
+            if not self._may_draft(item) or depth < 1:
                 plain_tokens += item.num_tokens
                 plain_outputs += 1 if item.samples else 0
                 plain_logits += 1 if item.samples else 0
@@ -273,20 +294,27 @@ class Speculator:
                 fixed.append((seq, depth))
         if not aware:
             return fixed
-        alphas = [self.alpha(s) for s, _ in aware]
+        alphas = [self.alpha(s, s.seq_id in chains) for s, _ in aware]
         for seq, depth in fixed:  # fixed plans are part of the step's load as asked
             plain_tokens += 1 + depth
             plain_logits += 1 + depth
-            plain_outputs += expected_tokens(self.alpha(seq), depth)
+            plain_outputs += expected_tokens(self.alpha(seq, seq.seq_id in chains), depth)
         depths = self.load.choose(plain_tokens, int(plain_outputs), alphas, [d for _, d in aware],
                                   prefill_tokens, plain_logits, self.arrival_rate(), len(fixed),
-                                  waiting=self.queue_length(), full=self.seats_full())
+                                  waiting=self.queue_length(), full=self.seats_full(),
+                                  draft_calls=[s.seq_id not in chains for s, _ in aware])
         return fixed + [(seq, depth) for (seq, _), depth in zip(aware, depths) if depth]
 
     @staticmethod
-    def alpha(seq: Sequence) -> float:
-        """The sequence's acceptance estimate: its counts, from the router's predicted α."""
-        return sequence_alpha(seq.spec.proposed, seq.spec.accepted, seq.plan.acceptance)
+    def alpha(seq: Sequence, forced: bool = False) -> float:
+        """The sequence's acceptance estimate for its next draft: its grammar's forced chains
+        (`forced`) from their own counts and a high prior; the draft service's from the other
+        counts and the router's predicted α."""
+        spec = seq.spec
+        if forced:
+            return sequence_alpha(spec.forced_proposed, spec.forced_accepted, FORCED_PRIOR)
+        return sequence_alpha(spec.proposed - spec.forced_proposed, spec.accepted - spec.forced_accepted,
+                              seq.plan.acceptance)
 
     def max_draft_nodes(self, seq: Sequence) -> int:
         """The most draft nodes `seq` may propose next step (the scheduler reserves that many

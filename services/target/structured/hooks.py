@@ -3,7 +3,7 @@
 - `masked_sample_rows` (plain sampling, rows that sample a token), `masked_verify_rows` (speculator,
   verify rows of a draft tree) apply the sequence's mask; identity without a constraint.
 - `commit_token` (scheduler, per committed token) advances the grammar state.
-- `grammar_drafts` (speculator) proposes the forced continuations as draft chains.
+- `forced_chain` / `grammar_draft` (speculator) propose the forced continuations as draft chains.
 - `servable_plan` (engine.submit) keeps a speculation plan the target can serve.
 """
 
@@ -36,18 +36,22 @@ def commit_token(seq, token: int) -> None:
         seq.grammar.commit(token)
 
 
-def grammar_drafts(seqs_and_depths) -> dict[str, DraftTree]:
-    """{seq_id: chain of forced tokens} for the constrained sequences whose grammar forces
-    at least one token now (depth = the most it may propose)."""
-    out = {}
+# The prior acceptance of a forced draft token: the grammar allows only the forced text there,
+# so the model can refuse only its tokenisation (it seldom does: 0.9 is conservative).
+FORCED_PRIOR = 0.9
+
+
+def forced_chain(seq, limit: int) -> list[int]:
+    """Up to `limit` tokens the sequence's grammar forces next ([] without a constraint)."""
+    return [] if seq.grammar is None else seq.grammar.forced_tokens(limit)
+
+
+def grammar_draft(seq, chain: list[int]) -> DraftTree:
+    """The forced tokens as the sequence's draft chain (no draft call: its verify pass shows no
+    draft time)."""
     now = time.monotonic()
-    for seq, depth in seqs_and_depths:
-        if seq.grammar is not None:
-            forced = seq.grammar.forced_tokens(depth)
-            if forced:
-                out[seq.seq_id] = DraftTree.chain(seq.seq_id, forced)
-                seq.spec.draft_window = (now, now)  # no draft call: its verify pass shows no draft time
-    return out
+    seq.spec.draft_window = (now, now)
+    return DraftTree.chain(seq.seq_id, chain)
 
 
 def draft_service_method(plan) -> int:
