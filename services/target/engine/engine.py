@@ -277,7 +277,8 @@ class Engine:
                 # each sample's penalties count its own output
                 logits_processor=LogitsProcessor.for_request(sampling, self.spec.eos_token_ids,
                                                              len(prompt_ids)),
-                grammar=GrammarState(grammar, self.spec.vocab_size, self.grammars.utf8_guard)
+                grammar=GrammarState(grammar, self.spec.vocab_size, self.grammars.utf8_guard,
+                                     self.grammars.encode)
                 if grammar is not None else None)
         seq = new_sample(0)
         seq.followers = [new_sample(i) for i in range(1, n)]

@@ -53,6 +53,7 @@ class ConstraintCompiler:
         self.vocab_size = vocab_size
         self.utf8_guard = Utf8Guard(self.info.decoded_vocab, vocab_size)  # every grammar state's
         self.tokenizer_id = tokenizer_identity(tokenizer, vocab_size, stop_token_ids)
+        self.tokenizer = tokenizer
         self.timeout_s = timeout_s
         self.max_grammar_bytes = max_grammar_bytes
         self.cache_bytes = cache_bytes
@@ -66,6 +67,10 @@ class ConstraintCompiler:
         self._in_flight: dict[tuple, concurrent.futures.Future] = {}
         self._refused: dict[tuple, ConstraintError] = {}  # timed out or oversized: never again
         self.compiles = 0  # grammars compiled (not read from a cache), for tests and metrics
+
+    def encode(self, text: str) -> list[int]:
+        """The tokenizer's ids for `text` (no special tokens): how the model writes it."""
+        return self.tokenizer.encode(text, add_special_tokens=False)
 
     def key(self, spec: ConstraintSpec) -> tuple:
         return (self.tokenizer_id, spec.kind, spec.text)
