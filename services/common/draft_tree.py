@@ -72,6 +72,13 @@ class DraftTree:
         distributions = tuple(Distribution(tuple(d.token_ids), tuple(d.probs)) for d in message.distributions)
         return cls(message.sequence_id, tuple(message.token_ids), tuple(message.parents), distributions)
 
+    def keep(self, nodes: Sequence[int]) -> DraftTree:
+        """The tree of `nodes` only (ascending, each with its parent kept), renumbered in order."""
+        index = {old: new for new, old in enumerate(nodes)}
+        parents = tuple(ROOT if self.parents[i] == ROOT else index[self.parents[i]] for i in nodes)
+        distributions = tuple(self.distributions[i] for i in nodes) if self.distributions else ()
+        return DraftTree(self.sequence_id, tuple(self.token_ids[i] for i in nodes), parents, distributions)
+
     @property
     def num_nodes(self) -> int:
         return len(self.token_ids)

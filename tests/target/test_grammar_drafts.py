@@ -82,14 +82,25 @@ async def test_draft_trees_are_verified_under_the_grammar_along_each_path(
     draft = await start_draft(other_draft_dir)
     mesh = await start_mesh(tiny_llama_dir, draft_address=draft.address)
     verified = []  # (grammar matcher at the root, proposal, accepted path) of every verify pass
-    accept = mesh.engine.speculator.accept
+    drafted = []  # (grammar matcher at the root, the draft service's tree) before the grammar prunes it
+    speculator = mesh.engine.speculator
+    accept, propose = speculator.accept, speculator.client.propose
 
     def recording_accept(seq, rows, proposal):
         root = seq.grammar.matcher.fork() if seq.grammar is not None else None
         accepted = accept(seq, rows, proposal)  # (path, bonus, log-probabilities)
         verified.append((root, proposal, accepted[0]))
         return accepted
-    mesh.engine.speculator.accept = recording_accept
+
+    def recording_propose(requests):
+        result = propose(requests)
+        seqs = {s.seq_id: s for s in mesh.engine.scheduler.running}
+        for seq_id, tree in (result or {}).items():
+            seq = seqs.get(seq_id)
+            if tree is not None and seq is not None and seq.grammar is not None:
+                drafted.append((seq.grammar.matcher.fork(), tree))
+        return result
+    speculator.accept, speculator.client.propose = recording_accept, recording_propose
     off = common_pb2.SpeculationPlan(method=common_pb2.SPECULATION_METHOD_OFF)
     plan = common_pb2.SpeculationPlan(method=method, max_depth=depth, max_nodes=nodes)
     try:
@@ -104,15 +115,18 @@ async def test_draft_trees_are_verified_under_the_grammar_along_each_path(
         await mesh.stop()
         await draft.stop(grace=0.5)
     forbidden_proposed = accepted = 0
+    for root, proposal in drafted:
+        forbidden_proposed += len(proposal.token_ids) - len(_allowed_nodes(root, proposal))
+    assert forbidden_proposed > 0, "the draft model never proposed a forbidden token: nothing tested"
     for root, proposal, path in verified:
         if root is None:
             continue
         allowed = _allowed_nodes(root, proposal)
-        forbidden_proposed += len(proposal.token_ids) - len(allowed)
         accepted += len(path)
         assert set(path) <= allowed, "a draft token the grammar forbids was accepted"
+        if not proposal.distributions:  # deterministic drafts: forbidden nodes never reach the forward
+            assert len(allowed) == len(proposal.token_ids), "a forbidden node was verified"
     assert accepted > 0
-    assert forbidden_proposed > 0, "the draft model never proposed a forbidden token: nothing tested"
 
 
 def _allowed_nodes(root: xgr.GrammarMatcher, proposal) -> set[int]:

@@ -93,6 +93,38 @@ def test_tree_rows_are_masked_along_each_nodes_own_path(compiler, schema):
         assert _allowed(state.matcher) == _replay(compiled, prefix, [])
 
 
+@pytest.mark.parametrize("schema", [PERSON_SCHEMA, ORDER_SCHEMA])
+def test_reachable_nodes_are_those_whose_whole_path_the_grammar_accepts(compiler, schema):
+    """What the speculator keeps of a deterministic draft before the forward: the nodes
+    the grammar allows on their whole path (a forbidden node's subtree goes with it), renumbered
+    with their parents by DraftTree.keep."""
+    from services.common.draft_tree import DraftTree
+
+    tok, xgr_compiler = compiler
+    compiled = xgr_compiler.compile_json_schema(json.dumps(schema), any_whitespace=False)
+    rng = random.Random(1)
+    pruned = 0
+    for trial in range(20):
+        state = GrammarState(compiled, VOCAB)
+        tokens, parents = _random_tree(rng, compiled, [], rng.randrange(1, 14))
+        kept = state.reachable(tokens, parents)
+        for i in range(len(tokens)):
+            path, node = [], i
+            while node != -1:
+                path.append(tokens[node])
+                node = parents[node]
+            matcher = xgr.GrammarMatcher(compiled)
+            ok = all(not matcher.is_terminated() and matcher.accept_token(t) for t in reversed(path))
+            assert (i in kept) == ok, (trial, i)
+        pruned += len(tokens) - len(kept)
+        assert state.num_committed == 0 and _allowed(state.matcher) == _replay(compiled, [], [])
+        tree = DraftTree.from_nodes("s", tokens, parents).keep(kept)
+        assert list(tree.token_ids) == [tokens[i] for i in kept]
+        for new, old in enumerate(kept):  # each kept node's parent is its old parent, renumbered
+            assert tree.parents[new] == (-1 if parents[old] == -1 else kept.index(parents[old]))
+    assert pruned > 0, "no forbidden node drawn: nothing tested"
+
+
 def test_forced_tokens_are_the_grammars_and_reading_them_changes_nothing(compiler):
     tok, xgr_compiler = compiler
     compiled = xgr_compiler.compile_json_schema(json.dumps(ORDER_SCHEMA), any_whitespace=False)

@@ -28,7 +28,7 @@ from services.target.model.sampler import target_probs
 from services.target.engine.scheduler import ScheduledSeq, StepResult
 from services.target.engine.sequence import Sequence
 from services.target.structured.hooks import (FORCED_PRIOR, draft_service_method, forced_chain, grammar_draft,
-                                              masked_verify_rows)
+                                              grammar_pruned, masked_verify_rows)
 
 log = logging.getLogger(__name__)
 
@@ -109,6 +109,11 @@ class Speculator:
         if not fallback:
             self.load.observe_draft(window[1] - window[0])
         proposals = {} if fallback else {k: v for k, v in result.items() if v is not None and v.token_ids}
+        for seq in seqs:  # a constrained sequence verifies only the nodes its grammar allows
+            if seq.seq_id in proposals:
+                proposals[seq.seq_id] = grammar_pruned(seq, proposals[seq.seq_id])
+                if not proposals[seq.seq_id].token_ids:
+                    del proposals[seq.seq_id]
         for seq in seqs:
             seq.spec.draft_window = window
             if fallback or result.get(seq.seq_id) is None:

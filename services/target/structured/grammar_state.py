@@ -167,6 +167,29 @@ class GrammarState:
         self._step = (key, masks)
         return masks
 
+    def reachable(self, tokens: list[int], parents: list[int]) -> list[int]:
+        """The draft nodes (ascending) whose whole path from the committed output the grammar
+        accepts; every other node can never be accepted. The state is left as it was."""
+        children: list[list[int]] = [[] for _ in range(len(tokens) + 1)]  # by row: 0 = root
+        for i, parent in enumerate(parents):
+            children[int(parent) + 1].append(i + 1)
+        kept: list[int] = []
+        stack: list[tuple[int, int]] = [(0, 0)]  # (row, next child index): depth-first walk
+        while stack:
+            row, k = stack[-1]
+            if k == len(children[row]):
+                stack.pop()
+                if stack:
+                    self.matcher.rollback(1)
+                continue
+            stack[-1] = (row, k + 1)
+            child = children[row][k]
+            if self.matcher.is_terminated() or not self.matcher.accept_token(int(tokens[child - 1])):
+                continue
+            kept.append(child - 1)
+            stack.append((child, 0))
+        return sorted(kept)
+
     def forced_tokens(self, limit: int) -> list[int]:
         """Up to `limit` tokens the grammar forces next: the forced text as the model's tokenizer
         writes it, where the grammar accepts that tokenisation, else xgrammar's. The model may

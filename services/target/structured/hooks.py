@@ -4,6 +4,7 @@
   verify rows of a draft tree) apply the sequence's mask; identity without a constraint.
 - `commit_token` (scheduler, per committed token) advances the grammar state.
 - `forced_chain` / `grammar_draft` (speculator) propose the forced continuations as draft chains.
+- `grammar_pruned` (speculator) drops the draft service's nodes the grammar forbids before the forward.
 - `servable_plan` (engine.submit) keeps a speculation plan the target can serve.
 """
 
@@ -52,6 +53,18 @@ def grammar_draft(seq, chain: list[int]) -> DraftTree:
     now = time.monotonic()
     seq.spec.draft_window = (now, now)
     return DraftTree.chain(seq.seq_id, chain)
+
+
+def grammar_pruned(seq, tree: DraftTree) -> DraftTree:
+    """The draft service's tree without the nodes the grammar forbids (and their subtrees), so
+    no row is computed for a token that can never be accepted. Only for deterministic drafts
+    (no distributions: q one-hot): there a forbidden token is rejected with certainty and leaves
+    the target's distribution as it was, so dropping it changes nothing; a sampled draft's
+    rejection leaves the residual max(p - q, 0) instead, which pruning would change."""
+    if seq.grammar is None or tree.distributions or not tree.token_ids:
+        return tree
+    kept = seq.grammar.reachable(list(tree.token_ids), list(tree.parents))
+    return tree if len(kept) == len(tree.token_ids) else tree.keep(kept)
 
 
 def draft_service_method(plan) -> int:
