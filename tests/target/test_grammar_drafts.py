@@ -86,9 +86,9 @@ async def test_draft_trees_are_verified_under_the_grammar_along_each_path(
     speculator = mesh.engine.speculator
     accept, propose = speculator.accept, speculator.client.propose
 
-    def recording_accept(seq, rows, proposal):
+    def recording_accept(seq, rows, proposal, deferred=None):
         root = seq.grammar.matcher.fork() if seq.grammar is not None else None
-        accepted = accept(seq, rows, proposal)  # (path, bonus, log-probabilities)
+        accepted = accept(seq, rows, proposal, deferred)  # (path, bonus, log-probabilities)
         verified.append((root, proposal, accepted[0]))
         return accepted
 

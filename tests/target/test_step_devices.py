@@ -103,6 +103,7 @@ class _Seq:
 
     def __init__(self, sampling: SamplingConfig, device) -> None:
         from services.target.engine.sequence import SpeculationStats
+        self.seq_id = "s"
         self.token_ids = [1, 5, 6]
         self.sampling = sampling
         self.generator = make_generator(sampling.seed, device)

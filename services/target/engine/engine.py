@@ -545,7 +545,8 @@ class Engine:
             else:
                 logits, features = self.runner.forward(inputs, **extra), {}  # [num_rows, vocab]
         rows = split_logits(logits, inputs)  # per batch item: [num_logits, vocab]
-        verified, failed = self.speculator.verify(batch, rows, trees) if trees else ({}, {})
+        deferred = {r for r, ids in subsets.items() if ids is None} if subsets else set()  # leaf rows left out
+        verified, failed = self.speculator.verify(batch, rows, trees, deferred) if trees else ({}, {})
         if features:
             self.speculator.keep_features(inputs, features, trees)
         sampled, sampling_failed = sample_plain(batch, rows, trees)

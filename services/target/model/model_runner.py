@@ -144,6 +144,12 @@ class ModelRunner:
                               tree_mask(plan.q_lens, plan.parents, self.device))
         return self._forward(plan.token_ids, plan.positions, plan.logit_rows, meta, feature_rows, vocab_subsets)
 
+    @torch.inference_mode()
+    def deferred_logits(self, row: int) -> torch.Tensor:
+        """The logits [vocab] float32 of logit row `row` of the last forward, which its
+        vocab_subsets deferred ({row: None}: output_layer.py)."""
+        return self.lean_forward.output.deferred_logits(row).float()
+
     @property
     def takes_vocab_subsets(self) -> bool:
         """Whether a step's forward computes grammar-restricted rows over their allowed ids only."""

@@ -8,6 +8,11 @@ the allowed tokens are gathered and multiplied alone (`vocab_subsets`, computed 
 forward from the grammar's masks: services/target/structured/vocab_subsets.py), and the other
 entries are set to -inf, as the mask would set them.
 
+A row given as {row: None} is deferred: its hidden row is kept and its logits are left as zeros
+(a placeholder) until `deferred_logits` is asked for them after the verify walk, which asks only
+when the walk reaches that row (a draft leaf behind grammar-restricted rows: structured/
+vocab_subsets.py). A leaf the walk does not reach then costs no pass over the whole vocabulary.
+
 A subset row's logits are the same dot products, summed in float32 in another order than the
 packed kernel's, then rounded to the layer's dtype: they can differ from the full row's in the
 last bit. Whether a row is a subset row depends only on the grammar state at its position, so
@@ -30,15 +35,23 @@ class OutputLayer:
         self.subset_rows = 0  # rows computed over a subset since load (the engine's stats report it)
         self.subset_ids = 0  # the tokens those rows covered
         self._dtype: torch.dtype | None = None  # the logits' dtype (_logits_dtype)
+        self._deferred: dict[int, torch.Tensor] = {}  # this step's deferred rows: row -> normed hidden [hidden]
+        self.deferred_rows = 0  # rows deferred since load, and of those, computed after all
+        self.deferred_computed = 0
 
     @property
     def takes_subsets(self) -> bool:
         return self.weight_rows is not None
 
-    def __call__(self, h: torch.Tensor, vocab_subsets: dict[int, torch.Tensor] | None = None) -> torch.Tensor:
-        """h: [R, hidden] normed rows; vocab_subsets: {row: allowed ids [k]} -> logits [R, vocab]."""
+    def __call__(self, h: torch.Tensor, vocab_subsets: dict[int, torch.Tensor | None] | None = None,
+                 ) -> torch.Tensor:
+        """h: [R, hidden] normed rows; vocab_subsets: {row: allowed ids [k], or None: deferred}
+        -> logits [R, vocab]."""
+        self._deferred = {}
         if not vocab_subsets or self.weight_rows is None:
             return self._cap(self.lm_head(h))
+        self._deferred = {row: h[row].clone() for row, ids in vocab_subsets.items() if ids is None}
+        self.deferred_rows += len(self._deferred)
         full = [r for r in range(h.shape[0]) if r not in vocab_subsets]
         whole = None
         if full:
@@ -50,13 +63,23 @@ class OutputLayer:
         out = torch.full((h.shape[0], self.vocab_size), float("-inf"), dtype=dtype, device=h.device)
         if whole is not None:
             out[index] = whole
-        self.subset_rows += len(vocab_subsets)
+        self.subset_rows += len(vocab_subsets) - len(self._deferred)
+        for row in self._deferred:
+            out[row] = 0.0  # a placeholder until deferred_logits (finite: a uniform row if read)
         for row, ids in vocab_subsets.items():
+            if ids is None:
+                continue
             self.subset_ids += ids.numel()
             ids = ids.to(h.device)
             w = self.weight_rows(ids)  # [k, hidden]
             out[row, ids] = self._cap(torch.mv(w.float(), h[row].float()).to(dtype))  # [k]
         return out
+
+    def deferred_logits(self, row: int) -> torch.Tensor:
+        """The logits [vocab] of a row the last call deferred, through the whole layer as a full
+        row would be (the packed kernel's rows do not depend on the other rows of a call)."""
+        self.deferred_computed += 1
+        return self._cap(self.lm_head(self._deferred[row].unsqueeze(0)))[0]
 
     def _logits_dtype(self, h: torch.Tensor) -> torch.dtype:
         """The dtype the whole layer returns for rows like `h`, learnt once from one row."""

@@ -25,6 +25,7 @@ from specmesh.proto.v1 import common_pb2
 from services.target.model.logits_processors import tree_paths
 from services.target.model.logprobs import token_logprobs
 from services.target.model.sampler import target_probs
+from services.target.kernels.tree_accept import sample_inverse_cdf
 from services.target.engine.scheduler import ScheduledSeq, StepResult
 from services.target.engine.sequence import Sequence
 from services.target.structured.hooks import (FORCED_PRIOR, draft_service_method, forced_chain, grammar_draft,
@@ -122,6 +123,7 @@ class Speculator:
         return {**proposals, **forced}
 
     def verify(self, batch: list[ScheduledSeq], rows: list[torch.Tensor], trees: dict[str, DraftTree],
+               deferred: set[int] | frozenset[int] = frozenset(),
                ) -> tuple[dict[str, StepResult], dict[str, Exception]]:
         """rows[i]: [num_logits, vocab] target logits of batch[i] (root + draft nodes where it
         checked a tree). For each sequence with a tree: the accepted path and bonus token
@@ -129,13 +131,16 @@ class Speculator:
         Returns (StepResult per verified sequence, error per sequence whose verify failed: that
         request fails alone)."""
         results, failed = {}, {}
+        offset = 0  # the step's logit row of item_rows[0]
         for item, item_rows in zip(batch, rows):
             seq = item.seq
             tree = trees.get(seq.seq_id)
+            start, offset = offset, offset + item_rows.shape[0]
             if tree is None:
                 continue
             try:
-                path, bonus, logprobs = self.accept(seq, item_rows, tree)
+                mine = {r - start: r for r in deferred if start <= r < offset}  # local row -> step row
+                path, bonus, logprobs = self.accept(seq, item_rows, tree, mine)
                 if self.wants_features(seq):
                     self._committed_rows[seq.seq_id] = [0, *(node + 1 for node in path)]
                 if seq.confidence is not None:
@@ -159,22 +164,24 @@ class Speculator:
         return StepResult([proposal.token_ids[node] for node in path] + [bonus],
                           num_computed=context_len + 1 + len(path))  # root + accepted nodes have KV
 
-    def accept(self, seq: Sequence, rows: torch.Tensor,
-               proposal: DraftTree) -> tuple[list[int], int, list | None]:
+    def accept(self, seq: Sequence, rows: torch.Tensor, proposal: DraftTree,
+               deferred: dict[int, int] | None = None) -> tuple[list[int], int, list | None]:
         """rows: [1 + num_nodes, vocab] target logits for root + draft nodes.
 
         Returns (accepted draft node indices along the path, bonus token, the committed tokens'
         TokenLogprobs from the target's rows or None when not asked for). Penalties, bias and
         min_tokens apply to every row along its own root path (logits_processors.tree_paths).
+        `deferred` {row: logit row of the step}: leaf rows the forward left out (placeholders:
+        structured/vocab_subsets.py); the one the walk ends at is computed (into `rows`, which
+        the caller's confidence reads) and the bonus drawn from it, as the walk would have.
         """
         n = len(proposal.token_ids)
-        rows = masked_verify_rows(seq, rows, proposal)  # each row masked along its node's path
+        raw = rows
+        rows, processed = self._target_rows(seq, raw, proposal)  # masked along each node's path; processed
         dev = rows.device  # the accept kernels check that every tensor is on the logits' device
         draft_tokens = torch.tensor([[seq.token_ids[-1], *proposal.token_ids]], dtype=torch.int64, device=dev)
         parents = torch.tensor([[-1, *(p + 1 for p in proposal.parents)]], dtype=torch.int64, device=dev)
         num_nodes = torch.tensor([n + 1], dtype=torch.int64, device=dev)
-        processed = rows if seq.logits_processor is None else seq.logits_processor.apply(
-            rows, seq.token_ids, tree_paths(proposal.token_ids, proposal.parents))  # [n + 1, vocab]
         probs = None
         if seq.sampling.greedy:
             argmax = processed.argmax(dim=-1).unsqueeze(0)  # [1, n + 1]
@@ -190,6 +197,17 @@ class Speculator:
                 draft_tokens, parents, num_nodes, probs, draft_probs, uniforms)
         a, bonus_token, *walk = torch.cat([num_accepted, bonus, nodes[0, 1:]]).tolist()  # one copy to the host
         path = [x - 1 for x in walk[:a]]  # draft indices
+        end = path[-1] + 1 if path else 0  # the row the bonus comes from
+        if deferred and end in deferred:  # a leaf: the bonus is a plain draw from its row
+            with torch.inference_mode():  # the step's logits are inference tensors
+                raw[end] = self.runner.deferred_logits(deferred[end]).to(raw.dtype)
+            rows, processed = self._target_rows(seq, raw, proposal)
+            if seq.sampling.greedy:
+                bonus_token = int(processed[end].argmax())
+            else:
+                probs[0, end] = target_probs(processed[end:end + 1], seq.sampling)[0]
+                draw = torch.rand(1, generator=seq.generator, device=dev)
+                bonus_token = sample_inverse_cdf(probs[0, end], float(draw) * float(probs[0, end].sum()))
         seq.spec.proposed += n
         seq.spec.accepted += a
         if seq.seq_id in self._forced:
@@ -207,6 +225,15 @@ class Speculator:
                                       [*(proposal.token_ids[node] for node in path), bonus_token],
                                       seq.sampling, None if probs is None else probs[0, chooser])
         return path, bonus_token, logprobs
+
+    @staticmethod
+    def _target_rows(seq: Sequence, raw: torch.Tensor, proposal: DraftTree) -> tuple[torch.Tensor, torch.Tensor]:
+        """raw: [1 + num_nodes, vocab] -> (rows masked by the grammar along each node's path,
+        the same with the request's logits processors applied along each path)."""
+        rows = masked_verify_rows(seq, raw, proposal)
+        processed = rows if seq.logits_processor is None else seq.logits_processor.apply(
+            rows, seq.token_ids, tree_paths(proposal.token_ids, proposal.parents))  # [n + 1, vocab]
+        return rows, processed
 
     @staticmethod
     def _draft_probs(seq: Sequence, proposal: DraftTree, probs: torch.Tensor) -> tuple[torch.Tensor, bool]:

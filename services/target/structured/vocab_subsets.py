@@ -6,6 +6,15 @@ whose mask allows at most `limit` tokens is given to the forward as {row: allowe
 output layer multiplies only those tokens' weight rows (services/target/model/output_layer.py).
 At a forced position (one allowed token) that is one dot product instead of the whole
 vocabulary's; a free position (a string's content) allows most of the vocabulary and stays whole.
+
+Deferred leaves: a grammar-forced draft chain ends where the text is free again (after `"key": "`),
+so its last row is whole, and it is needed only if every forced token before it is accepted (it
+gives the bonus token then); otherwise the bonus comes from the restricted row where the walk
+stopped. Where that leaf row is the step's only whole row (single-stream constrained decoding), it
+is given as {row: None}: the forward leaves it out and the speculator computes it only when its
+walk ends there (Speculator.accept) — a rejected chain then costs no pass over the vocabulary.
+With other whole rows in the step the leaf is computed with them (the packed kernel's cost hardly
+grows from one row to three), and several deferred leaves would each cost a pass of their own.
 """
 
 from __future__ import annotations
@@ -19,11 +28,12 @@ import torch
 SUBSET_SHARE = 1 / 64
 
 
-def step_vocab_subsets(batch, inputs, trees: dict, vocab_size: int) -> dict[int, torch.Tensor]:
+def step_vocab_subsets(batch, inputs, trees: dict, vocab_size: int) -> dict[int, torch.Tensor | None]:
     """batch: the step's ScheduledSeqs, inputs: their StepInputs (same order), trees: the draft
-    trees that are verified. Returns {global logit row: allowed ids [k] int64}."""
+    trees that are verified. Returns {global logit row: allowed ids [k] int64, or None: deferred}."""
     limit = max(1, int(vocab_size * SUBSET_SHARE))
-    out: dict[int, torch.Tensor] = {}
+    out: dict[int, torch.Tensor | None] = {}
+    leaves: list[int] = []  # rows that could be deferred (global)
     row = 0
     for item, inp in zip(batch, inputs):
         grammar = item.seq.grammar
@@ -38,5 +48,28 @@ def step_vocab_subsets(batch, inputs, trees: dict, vocab_size: int) -> dict[int,
                 if ids is not None:
                     out[first + r] = ids
                     masks.restricted.add(r)
+            if proposal is not None:
+                leaves += [first + r for r in _leaves_behind_restricted(proposal.parents, masks)]
         row += inp.num_logits
+    if len(leaves) == 1 and row - len(out) == 1:  # the leaf is the step's one whole row
+        out[leaves[0]] = None
     return out
+
+
+def _leaves_behind_restricted(parents, masks) -> list[int]:
+    """The rows (local: 1 + node) of leaf nodes that are masked and whole, whose ancestors' rows
+    (the root's included) are all restricted: the walk reaches them only through cheap rows."""
+    has_child = set(int(p) for p in parents)
+    out = []
+    for node, _ in enumerate(parents):
+        r = node + 1
+        if node in has_child or r not in masks.masked or r in masks.restricted:
+            continue
+        ancestor, ok = int(parents[node]), 0 in masks.restricted
+        while ok and ancestor != -1:
+            ok = ancestor + 1 in masks.restricted
+            ancestor = int(parents[ancestor])
+        if ok:
+            out.append(r)
+    return out
+
