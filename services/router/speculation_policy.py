@@ -147,6 +147,12 @@ class SpeculationPolicy:
             depth, alpha = self._depth(self._state(pool, bucket, method), bucket, method, temperature)
             if choice == "explore":
                 depth = max(depth, 1)  # measured even where the prediction says off
+            if method == "grammar":
+                # The bucket's acceptance mixes the grammar's forced drafts (nearly always
+                # accepted) with the free parts' prompt-lookup drafts; the target prices each
+                # kind by its own per step, so the plan's depth only caps the forced chains:
+                # the configured depth, never what the mix predicts (at T = 0.8 that was 2).
+                depth = max(depth, self.default_depth)
             return MethodPlan(method if depth else "off", depth, alpha, choice)
 
     def _method(self, pool: str, bucket: str, candidates: tuple[str, ...],
