@@ -90,23 +90,38 @@ def accept_tree_sampling_reference(
     for s in range(S):
         cur, depth = 0, 0
         while True:
-            r = target_probs[s, cur].double()  # [vocab] unnormalized residual
-            mass = r.sum()
+            # The residual r [vocab] f64 (unnormalized) is copied out of target_probs only once a
+            # child is rejected: a node accepted at once reads one entry and the row's sum.
+            base = target_probs[s, cur]  # [vocab] f32
+            r, mass = None, base.sum(dtype=torch.float64)
             nxt = -1
             for c in range(cur + 1, n_nodes[s]):
                 if par[s][c] != cur:
                     continue
                 x = tok[s][c]
+                rx = float(base[x]) if r is None else float(r[x])
+                if float(draft_probs[s, cur, x]) <= 0:  # deterministic proposal: q = one-hot(x)
+                    if u[s, c] * mass < rx:
+                        nxt = c
+                        break
+                    if r is None:
+                        r = base.double()
+                    r[x] = max(rx - float(mass), 0.0)  # max(p - q, 0) touches x alone
+                    new_mass = r.sum()
+                    if new_mass > 0:
+                        mass = new_mass
+                    else:  # no mass would remain: p unchanged
+                        r[x] = rx
+                    continue
                 q = draft_probs[s, cur].double()  # [vocab]
-                if q[x] <= 0:  # deterministic proposal
-                    q = torch.zeros_like(q)
-                    q[x] = 1.0
+                if r is None:
+                    r = base.double()
                 if u[s, c] * q[x] * mass < r[x]:
                     nxt = c
                     break
                 r, mass = _residual_after_rejection(r, mass, q)
             if nxt < 0:
-                bonus[s] = sample_inverse_cdf(r, u[s, max_nodes] * mass)
+                bonus[s] = sample_inverse_cdf(base.double() if r is None else r, u[s, max_nodes] * mass)
                 break
             cur, depth = nxt, depth + 1
             acc[s, depth] = cur
