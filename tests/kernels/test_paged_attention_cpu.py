@@ -222,3 +222,29 @@ def test_auto_kv_dtype_is_bf16_for_bf16_models_where_the_cpu_multiplies_bf16(tmp
     assert EngineConfig(model_dir=tmp_path, dtype="float16").torch_kv_dtype == torch.float32
     assert EngineConfig(model_dir=tmp_path, dtype="float32").torch_kv_dtype == torch.float32
     assert EngineConfig(model_dir=tmp_path, dtype="bfloat16", kv_dtype="float32").torch_kv_dtype == torch.float32
+
+
+def test_bf16_matmuls_go_through_float32_where_the_cpu_only_emulates_bf16(monkeypatch):
+    """On an x86 CPU without AVX512-BF16 or AMX torch's bf16 matmuls are emulated (3x slower than
+    float32 for a prefill chunk's attention): the torch path multiplies float32 copies of the bf16
+    operands (the same exact products, float32 sums, one rounding to bf16), where bf16 is native
+    it keeps bf16. Both routes give the bf16 attention within one rounding of each other."""
+    from services.target.kernels import cpu_kernels, paged_attention_cpu as module
+
+    for flags, emulated in ((frozenset({"avx2", "fma", "f16c", "avx512f"}), True),
+                            (frozenset({"avx2", "fma", "f16c", "avx512f", "avx512_bf16"}), False),
+                            (frozenset({"avx2", "fma", "f16c", "amx_bf16"}), False)):
+        module.emulated_bf16_matmul.cache_clear()
+        monkeypatch.setattr(cpu_kernels, "cpu_flags", lambda flags=flags: flags)
+        monkeypatch.setattr(cpu_kernels.platform, "machine", lambda: "x86_64")
+        assert module.emulated_bf16_matmul() is emulated
+    module.emulated_bf16_matmul.cache_clear()
+    monkeypatch.undo()
+    g = torch.Generator().manual_seed(7)
+    batch = make_batch([SeqSpec(64, 48), SeqSpec(30, 1), SeqSpec(9, 9)], 4, 2, 16, 8, torch.bfloat16, g)
+    outs = []
+    for emulated in (True, False):
+        monkeypatch.setattr(module, "emulated_bf16_matmul", lambda emulated=emulated: emulated)
+        outs.append(paged_attention_cpu(**batch.args(0.25, None)))
+    assert outs[0].dtype == outs[1].dtype == torch.bfloat16
+    assert_close(outs[0], outs[1], torch.bfloat16, "float32 route against bf16 matmuls")
