@@ -242,9 +242,17 @@ def test_bf16_matmuls_go_through_float32_where_the_cpu_only_emulates_bf16(monkey
     monkeypatch.undo()
     g = torch.Generator().manual_seed(7)
     batch = make_batch([SeqSpec(64, 48), SeqSpec(30, 1), SeqSpec(9, 9)], 4, 2, 16, 8, torch.bfloat16, g)
-    outs = []
+    outs, routed = [], []
+    bmm = torch.bmm
+
+    def counting_bmm(a, b, **kw):
+        routed.append(a.dtype == torch.float32 and a.shape[1] >= module.FLOAT32_ROUTE_ROWS)
+        return bmm(a, b, **kw)
+    monkeypatch.setattr(module.torch, "bmm", counting_bmm)
     for emulated in (True, False):
         monkeypatch.setattr(module, "emulated_bf16_matmul", lambda emulated=emulated: emulated)
+        routed.clear()
         outs.append(paged_attention_cpu(**batch.args(0.25, None)))
+        assert any(routed) is emulated  # the 48-row chunk's scores went through float32 only then
     assert outs[0].dtype == outs[1].dtype == torch.bfloat16
     assert_close(outs[0], outs[1], torch.bfloat16, "float32 route against bf16 matmuls")
