@@ -22,7 +22,7 @@ REGEX = common_pb2.Constraint(regex="#=#=[a-z]")
 SAMPLES = 300
 
 
-async def _letters(model_dir, grammar: bool, temperature: float = 0.15, samples: int = SAMPLES):
+async def _letters(model_dir, grammar: bool, temperature: float = 0.15, samples: int = SAMPLES, **sampling):
     speculation = {"speculation_method": "grammar", "speculation_depth": 8} if grammar else None
     mesh = await start_mesh(model_dir, speculation=speculation)
     try:
@@ -30,7 +30,7 @@ async def _letters(model_dir, grammar: bool, temperature: float = 0.15, samples:
         for seed in range(samples):  # one at a time: the leaf is the step's only whole row
             ids, text, last = await collect(mesh.router_stub, request(
                 "Name a letter: a b c", 48, temperature=temperature, seed=seed, has_seed=True,
-                constraint=REGEX))
+                constraint=REGEX, **sampling))
             assert text.startswith("#=#=") and last.finish_reason == common_pb2.FINISH_REASON_STOP
             out[text[-1]] += 1
         return out, mesh.engine.runner.lean_forward.output
@@ -67,3 +67,14 @@ async def test_deferred_leaves_keep_greedy_output(tiny_llama_dir):
     plain, _ = await _letters(tiny_llama_dir, grammar=False, temperature=0.0, samples=1)
     spec, output = await _letters(tiny_llama_dir, grammar=True, temperature=0.0, samples=1)
     assert spec == plain and output.deferred_rows == output.deferred_computed == 1
+
+
+async def test_a_computed_leaf_row_gets_the_requests_logits_processors(tiny_llama_dir):
+    """The leaf row computed after the walk is processed as every verify row is (here a logit
+    bias that makes 'q' the greedy letter): drawn from the bare row, the bonus would be the
+    model's own favourite ('x')."""
+    from services.common.models.tiny import build_tiny_tokenizer
+    q = build_tiny_tokenizer().convert_tokens_to_ids("q")
+    plain, _ = await _letters(tiny_llama_dir, grammar=False, temperature=0.0, samples=1, logit_bias={q: 20.0})
+    spec, output = await _letters(tiny_llama_dir, grammar=True, temperature=0.0, samples=1, logit_bias={q: 20.0})
+    assert plain == spec == {"q": 1} and output.deferred_computed == 1

@@ -9,7 +9,7 @@ forward from the grammar's masks: services/target/structured/vocab_subsets.py), 
 entries are set to -inf, as the mask would set them.
 
 A row given as {row: None} is deferred: its hidden row is kept and its logits are left as zeros
-(a placeholder) until `deferred_logits` is asked for them after the verify walk, which asks only
+(a finite stand-in) until `deferred_logits` is asked for them after the verify walk, which asks only
 when the walk reaches that row (a draft leaf behind grammar-restricted rows: structured/
 vocab_subsets.py). A leaf the walk does not reach then costs no pass over the whole vocabulary.
 
@@ -65,7 +65,7 @@ class OutputLayer:
             out[index] = whole
         self.subset_rows += len(vocab_subsets) - len(self._deferred)
         for row in self._deferred:
-            out[row] = 0.0  # a placeholder until deferred_logits (finite: a uniform row if read)
+            out[row] = 0.0  # zeros until deferred_logits computes the row (finite: uniform if read)
         for row, ids in vocab_subsets.items():
             if ids is None:
                 continue

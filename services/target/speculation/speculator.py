@@ -29,7 +29,7 @@ from services.target.kernels.tree_accept import sample_inverse_cdf
 from services.target.engine.scheduler import ScheduledSeq, StepResult
 from services.target.engine.sequence import Sequence
 from services.target.structured.hooks import (FORCED_PRIOR, draft_service_method, forced_chain, grammar_draft,
-                                              grammar_pruned, masked_verify_rows)
+                                              grammar_pruned, masked_verify_row, masked_verify_rows)
 
 log = logging.getLogger(__name__)
 
@@ -171,9 +171,9 @@ class Speculator:
         Returns (accepted draft node indices along the path, bonus token, the committed tokens'
         TokenLogprobs from the target's rows or None when not asked for). Penalties, bias and
         min_tokens apply to every row along its own root path (logits_processors.tree_paths).
-        `deferred` {row: logit row of the step}: leaf rows the forward left out (placeholders:
-        structured/vocab_subsets.py); the one the walk ends at is computed (into `rows`, which
-        the caller's confidence reads) and the bonus drawn from it, as the walk would have.
+        `deferred` {row: logit row of the step}: leaf rows the forward left out (zeros until
+        computed: structured/vocab_subsets.py); the one the walk ends at is computed (into `rows`,
+        which the caller's confidence reads) and the bonus drawn from it, as the walk would have.
         """
         n = len(proposal.token_ids)
         raw = rows
@@ -201,7 +201,11 @@ class Speculator:
         if deferred and end in deferred:  # a leaf: the bonus is a plain draw from its row
             with torch.inference_mode():  # the step's logits are inference tensors
                 raw[end] = self.runner.deferred_logits(deferred[end]).to(raw.dtype)
-            rows, processed = self._target_rows(seq, raw, proposal)
+                row = masked_verify_row(seq, raw[end:end + 1], proposal, end)  # [1, vocab]
+                rows[end] = row[0]
+                if processed is not rows:
+                    paths = tree_paths(proposal.token_ids, proposal.parents)
+                    processed[end] = seq.logits_processor.apply(row, seq.token_ids, [paths[end]])[0]
             if seq.sampling.greedy:
                 bonus_token = int(processed[end].argmax())
             else:

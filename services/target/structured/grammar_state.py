@@ -117,6 +117,16 @@ class GrammarState:
         self.apply(out, self.step_masks(tokens, parents))
         return out
 
+    def mask_row(self, row: torch.Tensor, tokens: list[int], parents: list[int], r: int) -> None:
+        """row: [1, vocab] float32 logits of verify row `r` of the draft tree (tokens, parents),
+        masked in place as `mask_tree` masks that row (the step's masks, cached)."""
+        masks = self.step_masks(tokens, parents)
+        if r not in masks.masked:
+            return
+        xgr.apply_token_bitmask_inplace(row, masks.bitmask[r:r + 1])
+        if self.utf8_guard is not None:
+            self.utf8_guard.mask_(row[0], masks.prev_tokens[r])
+
     def apply(self, rows: torch.Tensor, masks: RowMasks) -> None:
         """rows: [len(masks.bitmask), vocab] float32 logits, masked in place."""
         if not masks.masked:
@@ -200,16 +210,15 @@ class GrammarState:
         structured-outputs benchmark: 49% of forced drafts accepted, greedy)."""
         if limit <= 0 or self.matcher.is_terminated():
             return []
-        tokens = self.matcher.find_jump_forward_tokens()
-        if self.encode is not None and tokens:
+        if self.encode is not None:
             try:
                 text = self.matcher.find_jump_forward_string()
-            except UnicodeDecodeError:  # the forced bytes end inside a character: keep xgrammar's
-                return tokens[:limit]
-            native = self.encode(text)[:limit]
-            if native and native != tokens[:limit] and self._accepts(native):
+            except UnicodeDecodeError:  # the forced bytes end inside a character: xgrammar's tokens
+                text = ""
+            native = self.encode(text)[:limit] if text else []
+            if native and self._accepts(native):
                 return native
-        return tokens[:limit]
+        return self.matcher.find_jump_forward_tokens()[:limit]
 
     def _accepts(self, tokens: list[int]) -> bool:
         """Whether the grammar accepts `tokens` after the committed output (state left as it was)."""

@@ -1,7 +1,8 @@
 """Where the engine meets the grammar: the few calls its step makes, one line each there.
 
 - `masked_sample_rows` (plain sampling, rows that sample a token), `masked_verify_rows` (speculator,
-  verify rows of a draft tree) apply the sequence's mask; identity without a constraint.
+  verify rows of a draft tree; `masked_verify_row` one of them) apply the sequence's mask;
+  identity without a constraint.
 - `commit_token` (scheduler, per committed token) advances the grammar state.
 - `forced_chain` / `grammar_draft` (speculator) propose the forced continuations as draft chains.
 - `grammar_pruned` (speculator) drops the draft service's nodes the grammar forbids before the forward.
@@ -30,6 +31,15 @@ def masked_verify_rows(seq, rows: torch.Tensor, proposal: DraftTree) -> torch.Te
     if seq.grammar is None:
         return rows
     return seq.grammar.mask_tree(rows, list(proposal.token_ids), list(proposal.parents))
+
+
+def masked_verify_row(seq, row: torch.Tensor, proposal: DraftTree, r: int) -> torch.Tensor:
+    """row: [1, vocab] logits of verify row r -> float32, masked along its node's path as
+    `masked_verify_rows` masks it."""
+    row = row.float().clone()
+    if seq.grammar is not None:
+        seq.grammar.mask_row(row, list(proposal.token_ids), list(proposal.parents), r)
+    return row
 
 
 def commit_token(seq, token: int) -> None:
