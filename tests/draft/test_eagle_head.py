@@ -34,7 +34,10 @@ def test_training_loss_falls_and_the_saved_head_loads(trained):
     metadata = read_metadata(result.path)
     assert metadata["target_identity"] == target_identity(model_dir)
     head = load_head(result.path, target_identity(model_dir))
-    assert head.config == HeadConfig.for_target(TargetParts.load(model_dir).text_config)
+    parts = TargetParts.load(model_dir)
+    assert head.config == HeadConfig.for_target(parts.text_config, len(head.draft_vocab))
+    vocab = head.draft_vocab  # the draft vocabulary: labelled tokens only, ascending, saved as int64
+    assert 0 < len(vocab) < parts.vocab_size and bool((vocab[1:] > vocab[:-1]).all())
     assert result.path.stat().st_size < 200_000  # the head's own weights only (bf16), not the target's
 
 

@@ -24,7 +24,8 @@ def save_head(path: Path, head: FeatureHead, target_identity: str, extra: dict |
     """Writes the head's weights (in `dtype`) and metadata atomically; returns `path`."""
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)
-    tensors = {name: p.detach().to(dtype).contiguous().cpu() for name, p in head.state_dict().items()}
+    tensors = {name: (p.detach().to(dtype) if p.is_floating_point() else p.detach()).contiguous().cpu()
+               for name, p in head.state_dict().items()}  # the draft vocabulary stays int64
     metadata = {"format": FORMAT, "target_identity": target_identity,
                 "head_config": json.dumps(head.config.to_dict()), "extra": json.dumps(extra or {})}
     tmp = path.with_name(path.name + ".tmp")

@@ -23,6 +23,7 @@ from dataclasses import dataclass
 import torch
 
 from services.common.draft_tree import ROOT, Distribution, DraftTree
+from services.draft.eagle.draft_vocab import DraftOutput
 from services.draft.eagle.head import FeatureHead
 from services.draft.eagle.target_parts import TargetParts
 from services.draft.proposers.base import DraftSampling
@@ -53,6 +54,7 @@ class HeadDrafter:
         self.parts = parts
         self.dtype = next(head.parameters()).dtype
         self.device = next(head.parameters()).device
+        self.output = DraftOutput(parts, head.draft_vocab, self.dtype, fast=True)  # [.., hidden] -> [.., V']
 
     def feed(self, ctx: HeadContext, next_tokens: Sequence[int], features: torch.Tensor) -> None:
         """Feeds head positions ctx.end .. ctx.end + m - 1: features [m, hidden] (f_j) with
@@ -122,7 +124,7 @@ class HeadDrafter:
         tokens: list[list[int]] = [[] for _ in ctxs]
         distributions: list[list[Distribution]] = [[] for _ in ctxs]
         for step in range(depth):
-            logits = self.parts.features_to_logits(feature)  # [b, vocab]
+            logits = self.output(feature)  # [b, V']
             for i in range(b):
                 if step < num_tokens[i]:
                     self._pick(logits[i], samplings[i], generators[i], max_top_k, tokens[i], distributions[i])
@@ -135,14 +137,14 @@ class HeadDrafter:
                 feature = self.parts.final_norm(out[:, 0])
         return [DraftTree.chain(sid, t, d) for sid, t, d in zip(sequence_ids, tokens, distributions)]
 
-    @staticmethod
-    def _pick(logits: torch.Tensor, sampling: DraftSampling, generator: torch.Generator | None, max_top_k: int,
+    def _pick(self, logits: torch.Tensor, sampling: DraftSampling, generator: torch.Generator | None, max_top_k: int,
               tokens: list[int], distributions: list[Distribution]) -> None:
-        """Appends the next draft token of logits [vocab]: argmax, or drawn from the sparse q sent with it."""
+        """Appends the next draft token of logits [V']: argmax, or drawn from the sparse q sent with it."""
         if sampling.greedy:
-            tokens.append(int(torch.argmax(logits)))  # first maximum: ties go to the lowest id
+            tokens.append(int(self.output.token_ids(torch.argmax(logits))))  # first maximum: ties go to the lowest id
             return
-        ids, probs = sparse_distribution(logits, sampling, max_top_k)  # [k], [k]
+        ids, probs = sparse_distribution(logits, sampling, max_top_k)  # [k] draft-vocabulary indices, [k]
+        ids = self.output.token_ids(ids)  # [k] token ids
         tokens.append(int(ids[int(torch.multinomial(probs, 1, generator=generator))]))
         distributions.append(Distribution(tuple(ids.tolist()), tuple(probs.tolist())))
 
@@ -161,9 +163,9 @@ class HeadDrafter:
         width, context = k.shape[2], context.cpu()
         widths = [1 if nodes <= depth else top_k for depth, nodes in zip(max_depths, max_nodes)]
         cands = [_Candidates() for _ in ctxs]
-        root = torch.softmax(self.parts.features_to_logits(torch.stack([c.last for c in ctxs])), -1)  # [b, vocab]
+        root = torch.softmax(self.output(torch.stack([c.last for c in ctxs])), -1)  # [b, V']
         for c, probs, w in zip(cands, root, widths):
-            c.add_children(ROOT, 0, 1.0, probs, w)
+            c.add_children(ROOT, 0, 1.0, probs, w, self.output.vocab)
         sources = [[ctx.last] * len(c.tokens) for ctx, c in zip(ctxs, cands)]  # per candidate: its predicted feature
         greedy = [[0] for _ in ctxs]
         levels = [list(range(len(c.tokens))) for c in cands]
@@ -192,7 +194,7 @@ class HeadDrafter:
                                     mask[:, None].to(self.device))  # out [b, f, hidden]
             k, v = torch.cat([k, nk], dim=-2), torch.cat([v, nv], dim=-2)
             predicted = self.parts.final_norm(out)  # [b, f, hidden]
-            probs = torch.softmax(self.parts.features_to_logits(predicted), -1)  # [b, f, vocab]
+            probs = torch.softmax(self.output(predicted), -1)  # [b, f, V']
             for i, frontier in enumerate(frontiers):
                 c = cands[i]
                 fed[i] += frontier
@@ -203,7 +205,7 @@ class HeadDrafter:
                 for row, node in enumerate(frontier):
                     c.expanded[node] = True
                     first = len(c.tokens)
-                    c.add_children(node, depth, c.cum[node], probs[i, row], widths[i])
+                    c.add_children(node, depth, c.cum[node], probs[i, row], widths[i], self.output.vocab)
                     sources[i] += [predicted[i, row]] * (len(c.tokens) - first)
                     if node == greedy[i][-1]:
                         greedy[i].append(first)

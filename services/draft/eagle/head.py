@@ -38,21 +38,24 @@ class HeadConfig:
     intermediate_size: int
     rms_norm_eps: float = 1e-6
     rope_theta: float = 10_000.0
+    draft_vocab_size: int = 0  # tokens the head scores (services/draft/eagle/draft_vocab.py); 0 = all
 
     def __post_init__(self) -> None:
         for name in ("hidden_size", "num_heads", "head_dim", "intermediate_size"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.draft_vocab_size < 0:
+            raise ValueError(f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}")
         if self.head_dim % 2:
             raise ValueError(f"head_dim must be even (RoPE), got {self.head_dim}")
 
     @classmethod
-    def for_target(cls, config) -> HeadConfig:
+    def for_target(cls, config, draft_vocab_size: int = 0) -> HeadConfig:
         """The head of a target with this (text) config: its hidden size, heads and MLP width."""
         heads = config.num_attention_heads
         head_dim = getattr(config, "head_dim", None) or config.hidden_size // heads
         return cls(config.hidden_size, heads, head_dim, config.intermediate_size,
-                   float(getattr(config, "rms_norm_eps", 1e-6)))
+                   float(getattr(config, "rms_norm_eps", 1e-6)), draft_vocab_size=draft_vocab_size)
 
     def to_dict(self) -> dict:
         return asdict(self)
@@ -85,6 +88,9 @@ class FeatureHead(nn.Module):
         self.mlp_norm = RMSNorm(c.hidden_size, c.rms_norm_eps)
         self.gate_up = nn.Linear(c.hidden_size, 2 * c.intermediate_size, bias=False)
         self.down = nn.Linear(c.intermediate_size, c.hidden_size, bias=False)
+        # the token ids the head scores, ascending (saved with the head; None: the whole vocabulary)
+        self.register_buffer("draft_vocab", torch.zeros(c.draft_vocab_size, dtype=torch.long)
+                             if c.draft_vocab_size else None)
 
     def forward(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
                 past_k: torch.Tensor | None = None, past_v: torch.Tensor | None = None,

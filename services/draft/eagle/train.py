@@ -26,7 +26,8 @@ from torch.nn import functional as F
 from torch.utils.checkpoint import checkpoint
 
 from services.draft.eagle.checkpoint import save_head
-from services.draft.eagle.data import Rollout, build_prompts, record_rollouts
+from services.draft.eagle.data import Rollout, build_prompts, generate_continuations, record_rollouts
+from services.draft.eagle.draft_vocab import DraftOutput, choose_draft_vocab
 from services.draft.eagle.head import FeatureHead, HeadConfig
 from services.draft.eagle.target_parts import TargetParts
 
@@ -53,6 +54,8 @@ class TrainConfig:
     checkpoint_every: int = 20  # optimizer steps
     resume: bool = True
     loss_chunk_rows: int = 256  # rows whose full-vocabulary logits live at once
+    rollout_dtype: str = "bfloat16"  # the engine's dtype for the continuations (as the target serves)
+    draft_vocab_size: int = 16384  # tokens the head scores (draft_vocab.py); 0 = the whole vocabulary
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "model_dir", Path(self.model_dir).expanduser())
@@ -61,6 +64,10 @@ class TrainConfig:
                      "max_length", "checkpoint_every", "loss_chunk_rows"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0, got {getattr(self, name)}")
+        if self.rollout_dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"rollout_dtype must be bfloat16, float16 or float32, got {self.rollout_dtype!r}")
+        if self.draft_vocab_size < 0:
+            raise ValueError(f"draft_vocab_size must be >= 0, got {self.draft_vocab_size}")
         if not (0.0 <= self.sampled_share <= 1.0 and self.temperature > 0 and self.lr > 0
                 and self.feature_weight >= 0):
             raise ValueError("need 0 <= sampled_share <= 1, temperature > 0, lr > 0, feature_weight >= 0")
@@ -74,7 +81,8 @@ class TrainConfig:
         return self.out.with_name(self.out.name + ".data")
 
     def data_key(self) -> dict:
-        keys = ("prompts_file", "num_prompts", "max_new_tokens", "sampled_share", "temperature", "label_top_k", "seed")
+        keys = ("prompts_file", "num_prompts", "max_new_tokens", "sampled_share", "temperature", "label_top_k", "seed",
+                "rollout_dtype")
         return {k: str(getattr(self, k)) for k in keys}
 
 
@@ -96,7 +104,13 @@ def train_head(config: TrainConfig, progress: bool = True) -> TrainResult:
     model.eval()
     parts = TargetParts.from_model(model, config.model_dir)
     rollouts = _data(config, model, tokenizer, parts, progress)
-    head = FeatureHead(HeadConfig.for_target(parts.text_config))
+    vocab = (choose_draft_vocab([r.label_ids for r in rollouts], [r.label_probs for r in rollouts],
+                                config.draft_vocab_size, parts.vocab_size) if config.draft_vocab_size else None)
+    head = FeatureHead(HeadConfig.for_target(parts.text_config, 0 if vocab is None else len(vocab)))
+    if vocab is not None:
+        head.draft_vocab.copy_(vocab)
+    output = DraftOutput(parts, vocab)
+    label_index = output.index_of(parts.vocab_size)  # [vocab]: label id -> draft-vocabulary index or -1
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
     result = TrainResult(config.out, num_tokens=sum(len(r.token_ids) for r in rollouts))
     batches_per_epoch = math.ceil(len(rollouts) / config.batch_size)
@@ -108,7 +122,7 @@ def train_head(config: TrainConfig, progress: bool = True) -> TrainResult:
         order = list(range(len(rollouts)))
         random.Random(config.seed * 7919 + epoch).shuffle(order)
         batch = [rollouts[i] for i in order[index * config.batch_size:(index + 1) * config.batch_size]]
-        loss = _loss(head, parts, batch, config)
+        loss = _loss(head, parts, output, label_index, batch, config)
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(head.parameters(), 1.0)
@@ -128,7 +142,8 @@ def train_head(config: TrainConfig, progress: bool = True) -> TrainResult:
 
 def batch_loss(head: FeatureHead, parts: TargetParts, batch: list[Rollout], config: TrainConfig) -> torch.Tensor:
     """The training loss of one batch (public for tests): mean over steps and valid rows."""
-    return _loss(head, parts, batch, config)
+    output = DraftOutput(parts, head.draft_vocab)
+    return _loss(head, parts, output, output.index_of(parts.vocab_size), batch, config)
 
 
 # ---- helpers ------------------------------------------------------------------------------
@@ -144,8 +159,10 @@ def _data(config: TrainConfig, model, tokenizer, parts: TargetParts, progress: b
             return saved["rollouts"]
     prompts = build_prompts(tokenizer, config.num_prompts, config.seed, config.prompts_file)
     with tqdm(total=len(prompts), desc="target rollouts", unit="prompt", disable=not progress) as bar:
-        rollouts = record_rollouts(model, parts, prompts, config.max_new_tokens, config.seed,
-                                   config.sampled_share, config.temperature, config.label_top_k, bar)
+        continuations = generate_continuations(config.model_dir, prompts, config.max_new_tokens, config.seed,
+                                               config.sampled_share, config.temperature, config.rollout_dtype, bar)
+    with tqdm(total=len(prompts), desc="target features", unit="rollout", disable=not progress) as bar:
+        rollouts = record_rollouts(model, parts, prompts, continuations, config.label_top_k, bar)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save({"key": key, "rollouts": rollouts}, path)
     return rollouts
@@ -167,7 +184,9 @@ def _pad(batch: list[Rollout], max_length: int) -> tuple[torch.Tensor, ...]:
     return tokens, features, label_ids, label_probs, torch.tensor(lengths)
 
 
-def _loss(head: FeatureHead, parts: TargetParts, batch: list[Rollout], config: TrainConfig) -> torch.Tensor:
+def _loss(head: FeatureHead, parts: TargetParts, output: DraftOutput, index: torch.Tensor, batch: list[Rollout],
+          config: TrainConfig) -> torch.Tensor:
+    """`index`: [vocab] each token id's draft-vocabulary index (-1 outside: that label's mass is dropped)."""
     tokens, features, label_ids, label_probs, lengths = _pad(batch, config.max_length)
     b, t = tokens.shape
     rows = torch.arange(t - 1)  # row j of every step; step s predicts position j + s
@@ -182,8 +201,8 @@ def _loss(head: FeatureHead, parts: TargetParts, batch: list[Rollout], config: T
         positions = (rows + s - 1)[None].expand(b, -1)  # [b, t - 1]
         out, k, v = head.forward_ttt(embeds_of(target_pos), inputs, positions, context, diagonal)
         predicted = parts.final_norm(out)  # [b, t - 1, hidden]
-        ce = _soft_ce(parts, predicted[valid], label_ids[:, target_pos][valid], label_probs[:, target_pos][valid],
-                      config.loss_chunk_rows)
+        ce = _soft_ce(output, predicted[valid], index[label_ids[:, target_pos][valid]],
+                      label_probs[:, target_pos][valid], config.loss_chunk_rows)
         reg = F.smooth_l1_loss(predicted[valid], features[:, target_pos][valid], reduction="sum")
         total = total + ce + config.feature_weight * reg / predicted.shape[-1]
         count += int(valid.sum())
@@ -195,16 +214,17 @@ def _loss(head: FeatureHead, parts: TargetParts, batch: list[Rollout], config: T
     return total / max(count, 1)
 
 
-def _soft_ce(parts: TargetParts, predicted: torch.Tensor, label_ids: torch.Tensor, label_probs: torch.Tensor,
+def _soft_ce(output: DraftOutput, predicted: torch.Tensor, label_index: torch.Tensor, label_probs: torch.Tensor,
              chunk: int) -> torch.Tensor:
-    """Sum over rows of -sum_k p_k log q(id_k): predicted [n, hidden], labels [n, k]. Full-vocabulary
-    logits are recomputed in the backward pass, `chunk` rows at a time (memory stays bounded)."""
-    def rows_loss(h, ids, probs):
-        logp = torch.log_softmax(parts.features_to_logits(h), dim=-1)  # [c, vocab]
-        return -(probs * logp.gather(1, ids)).sum()
+    """Sum over rows of -sum_k p_k log q(id_k): predicted [n, hidden], labels [n, k] (draft-vocabulary
+    indices, -1 for a token outside it: dropped). The logits are recomputed in the backward pass,
+    `chunk` rows at a time (memory stays bounded)."""
+    def rows_loss(h, index, probs):
+        logp = torch.log_softmax(output(h), dim=-1)  # [c, V']
+        return -(probs * (index >= 0) * logp.gather(1, index.clamp(min=0))).sum()
     total = predicted.new_zeros(())
     for i in range(0, len(predicted), chunk):
-        total = total + checkpoint(rows_loss, predicted[i:i + chunk], label_ids[i:i + chunk],
+        total = total + checkpoint(rows_loss, predicted[i:i + chunk], label_index[i:i + chunk],
                                    label_probs[i:i + chunk], use_reentrant=False)
     return total
 

@@ -12,5 +12,7 @@ DEFAULTS: dict[str, tuple[type, str]] = {
     "epochs": (int, "passes over the recorded data (default 2)"),
     "batch_size": (int, "rollouts per optimizer step (default 4)"),
     "lr": (float, "AdamW learning rate (default 1e-3)"),
+    "rollout_dtype": (str, "dtype of the engine that writes the continuations, as the target serves (default bfloat16)"),
+    "draft_vocab_size": (int, "tokens the head scores, the most likely in the rollouts (default 16384; 0 = all)"),
     "ttt_steps": (int, "recursion steps trained on the head's own predictions, EAGLE-3 style (default 3)"),
 }

@@ -149,10 +149,12 @@ class _Candidates:
         self.expanded: list[bool] = []
 
     def add_children(self, parent: int, parent_depth: int, parent_cum: float, probs: torch.Tensor,
-                     width: int) -> None:
-        """The `width` most likely tokens of `probs` ([vocab]); ties go to the lower id."""
+                     width: int, vocab: torch.Tensor | None = None) -> None:
+        """The `width` most likely tokens of `probs` ([vocab], or [V'] over the token ids `vocab`,
+        ascending); ties go to the lower id."""
         values, ids = torch.sort(probs.double(), descending=True, stable=True)
-        for p, token in zip(values[:width].tolist(), ids[:width].tolist()):
+        ids = ids[:width] if vocab is None else vocab[ids[:width].to(vocab.device)]
+        for p, token in zip(values[:width].tolist(), ids.tolist()):
             self.tokens.append(token)
             self.parents.append(parent)
             self.depths.append(parent_depth + 1)

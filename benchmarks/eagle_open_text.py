@@ -1,0 +1,208 @@
+"""The feature head (EAGLE) on open text, through the whole mesh, side by side in one run.
+
+    python benchmarks/eagle_open_text.py --head services/draft/eagle/heads/gemma-3-270m.eagle.safetensors
+
+Starts draft (with the head) + target + router gRPC servers on loopback (default model, bf16)
+and sends open-text chat requests (questions, stories, explanations, advice: none copies its
+prompt; none is in the head's training prompts) one at a time with speculation off, prompt
+lookup and the head, greedy and at T=0.8; then 16 at once with speculation off and the head
+under the adaptive policy. Reports tokens/s, τ (accepted + bonus tokens per verify pass) and
+accepted tokens per pass; the head's cost per draft token against a target decode step; and the
+CPU other processes used meanwhile (ratios from a loaded machine mean little).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from tqdm import tqdm
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.mesh helpers
+
+from services.bench.foreign_cpu import ForeignCpu  # noqa: E402
+from services.common.models.loading import resolve_model_dir  # noqa: E402
+from services.common.server import ServerConfig  # noqa: E402
+from services.router.app import build_router_server  # noqa: E402
+from services.router.config import RouterConfig  # noqa: E402
+from services.settings import read_settings  # noqa: E402
+from services.target.config import EngineConfig  # noqa: E402
+from services.target.engine.engine import Engine  # noqa: E402
+from services.target.server.app import build_target_server  # noqa: E402
+from specmesh.client import NO_RETRIES, AsyncClient  # noqa: E402
+from specmesh.proto.v1 import common_pb2, router_service_pb2  # noqa: E402
+from tests.mesh import AUTH_A, TOKEN_A, collect, start_draft  # noqa: E402
+
+# Open text, not in services/draft/eagle/data.py's training prompts (other subjects and forms).
+PROMPTS = (
+    "What are some good ways to spend a rainy weekend at home?",
+    "Can you explain how vaccines train the immune system?",
+    "Write a short story about a clockmaker who builds a clock that runs backwards.",
+    "I have a job interview tomorrow. How should I prepare?",
+    "Why is the sky blue during the day and red at sunset?",
+    "Tell me about the history of the printing press.",
+    "What should I think about before adopting a dog?",
+    "Describe a perfect morning in a mountain village.",
+    "How do solar panels turn sunlight into electricity?",
+    "Write a bedtime story about a turtle who wants to fly.",
+    "What are the main differences between a violin and a cello?",
+    "Give me tips for learning a new language as an adult.",
+)
+PLANS = {  # label -> (method, depth, nodes)
+    "off": ("off", 1, 0),
+    "prompt lookup d4": ("prompt_lookup", 4, 0),
+    "eagle d4": ("eagle", 4, 0),
+    "eagle d4 tree 12": ("eagle", 4, 12),
+}
+
+
+@dataclass
+class Row:
+    plan: str
+    temperature: float
+    tokens: int
+    seconds: float
+    passes: int = 0
+    accepted: int = 0
+
+
+def chat(prompt: str, max_tokens: int, temperature: float, seed: int) -> router_service_pb2.GenerateRequest:
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens)  # equal lengths
+    if temperature:
+        sampling.temperature, sampling.seed, sampling.has_seed = temperature, seed, True
+    return router_service_pb2.GenerateRequest(messages=[common_pb2.ChatMessage(role="user", content=prompt)],
+                                              sampling=sampling)
+
+
+def _row(plan: str, temperature: float, ids: list[int], seconds: float, last) -> Row:
+    u = last.usage
+    passes = round(u.accepted_tokens / max(u.acceptance_length - 1, 1e-9)) if u.acceptance_length > 1 else 0
+    return Row(plan, temperature, len(ids), seconds, passes, u.accepted_tokens)
+
+
+async def run(model_dir: Path, head: Path, tokens: int, temperatures: list[float], concurrency: int,
+              plans: list[str]) -> tuple[list[Row], list[Row]]:
+    draft = await start_draft(None, eagle_head_path=head, eagle_target_dir=model_dir, draft_model_dtype="bfloat16")
+    engine = Engine.load(EngineConfig(model_dir=model_dir, dtype="bfloat16", num_blocks=2048,
+                                      draft_address=draft.address))
+    target = build_target_server(ServerConfig(port=0), engine, "default")
+    await target.start()
+    single, batch = [], []
+
+    async def router_for(method: str, depth: int, nodes: int, policy: str = "fixed"):
+        router = build_router_server(ServerConfig(port=0), RouterConfig(
+            target_address=target.address, tokens={TOKEN_A: "bench"}, speculation_method=method,
+            speculation_depth=depth, speculation_nodes=nodes, speculation_policy=policy))
+        await router.start()
+        return router
+
+    for label in tqdm(plans, desc="single stream"):
+        method, depth, nodes = PLANS[label]
+        router = await router_for(method, depth, nodes)
+        async with AsyncClient(router.address, retry=NO_RETRIES) as client:
+            await collect(client, chat("Hello!", 4, 0.0, 0), AUTH_A)  # connects the draft stream
+            await asyncio.sleep(0.3)
+            for temperature in temperatures:
+                for i, prompt in enumerate(PROMPTS):
+                    start = time.perf_counter()
+                    ids, _, last = await collect(client, chat(prompt, tokens, temperature, i), AUTH_A)
+                    single.append(_row(label, temperature, ids, time.perf_counter() - start, last))
+        await router.stop(grace=1)
+    for label, (method, policy) in tqdm({"off": ("off", "fixed"), "eagle adaptive": ("eagle", "adaptive")}.items(),
+                                        desc=f"{concurrency} concurrent"):
+        router = await router_for(method, 4, 0, policy)
+        async with AsyncClient(router.address, retry=NO_RETRIES) as client:
+            await collect(client, chat("Hello!", 4, 0.0, 0), AUTH_A)
+            for temperature in temperatures:
+                reqs = [chat(PROMPTS[i % len(PROMPTS)], tokens, temperature, i) for i in range(concurrency)]
+                start = time.perf_counter()
+                results = await asyncio.gather(*(collect(client, r, AUTH_A) for r in reqs))
+                seconds = time.perf_counter() - start
+                batch.append(Row(label, temperature, sum(len(ids) for ids, _, _ in results), seconds))
+        await router.stop(grace=1)
+    await target.stop(grace=1)
+    await draft.stop(grace=1)
+    return single, batch
+
+
+def head_cost(model_dir: Path, head: Path, depth: int = 4, context: int = 128, repeats: int = 20) -> float:
+    """Seconds per draft token of the head (bf16, one sequence, a chain of `depth` after
+    `context` fed positions), as the draft service runs it."""
+    from services.draft.eagle.drafter import HeadContext
+    from services.draft.eagle.proposer import EagleProposer
+    from services.draft.proposers.base import DraftSampling
+    proposer = EagleProposer.load(head, model_dir, torch.bfloat16)
+    drafter = proposer.drafter
+    ctx = HeadContext()
+    hidden = drafter.head.config.hidden_size
+    feats = drafter.parts.final_norm(torch.randn(context, hidden, generator=torch.Generator().manual_seed(0)))
+    drafter.feed(ctx, list(range(100, 100 + context)), feats.to(torch.bfloat16))
+    drafter.chain(ctx, "s", depth, DraftSampling(), None, 16)  # warm
+    start = time.perf_counter()
+    for _ in range(repeats):
+        drafter.feed(ctx, [7], feats[:1].to(torch.bfloat16))  # one new committed token per step
+        drafter.chain(ctx, "s", depth, DraftSampling(), None, 16)
+    return (time.perf_counter() - start) / (repeats * depth)
+
+
+def report(single: list[Row], batch: list[Row], foreign: dict, per_draft_token: float, tokens: int) -> None:
+    print(f"foreign CPU (other processes) during the run: {foreign}")
+    for temperature in sorted({r.temperature for r in single}):
+        rows = [r for r in single if r.temperature == temperature]
+        off = _rate([r for r in rows if r.plan == "off"])
+        lookup = [r for r in rows if r.plan == "prompt lookup d4"]
+        print(f"\nsingle stream, {'greedy' if temperature == 0 else f'T={temperature}'}, "
+              f"{len(PROMPTS)} prompts x {tokens} tokens")
+        print(f"{'plan':<20} {'tok/s':>7} {'vs off':>7} {'vs lookup':>9} {'tau':>5} {'acc/pass':>8}")
+        for plan in dict.fromkeys(r.plan for r in rows):
+            mine = [r for r in rows if r.plan == plan]
+            rate = _rate(mine)
+            passes = sum(r.passes for r in mine)
+            accepted = sum(r.accepted for r in mine)
+            tau = f"{1 + accepted / passes:.2f}" if passes else "-"
+            per = f"{accepted / passes:.2f}" if passes else "-"
+            vs_lookup = f"{rate / _rate(lookup):.2f}x" if lookup else "-"
+            print(f"{plan:<20} {rate:>7.1f} {rate / off:>6.2f}x {vs_lookup:>9} {tau:>5} {per:>8}")
+    for temperature in sorted({r.temperature for r in batch}):
+        rows = {r.plan: r for r in batch if r.temperature == temperature}
+        off = rows["off"].tokens / rows["off"].seconds
+        print(f"\nconcurrent requests, {'greedy' if temperature == 0 else f'T={temperature}'}:")
+        for plan, r in rows.items():
+            rate = r.tokens / r.seconds
+            print(f"  {plan:<18} {rate:>7.1f} tok/s  {rate / off:.2f}x off")
+    off_single = _rate([r for r in single if r.plan == "off" and r.temperature == 0])
+    print(f"\nhead cost per draft token: {1000 * per_draft_token:.2f} ms = "
+          f"{per_draft_token * off_single:.2f} target decode steps (greedy single-stream off: "
+          f"{1000 / off_single:.1f} ms per token)")
+
+
+def _rate(rows: list[Row]) -> float:
+    return sum(r.tokens for r in rows) / max(sum(r.seconds for r in rows), 1e-9)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="default")
+    parser.add_argument("--head", type=Path, required=True)
+    parser.add_argument("--tokens", type=int, default=64)
+    parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
+    parser.add_argument("--concurrency", type=int, default=16)
+    parser.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS))
+    args = parser.parse_args()
+    model_dir = resolve_model_dir(args.model, Path(read_settings().model_cache).expanduser())
+    with ForeignCpu(lambda: [os.getpid()]) as cpu:
+        single, batch = asyncio.run(run(model_dir, args.head, args.tokens, args.temperatures,
+                                        args.concurrency, args.plans))
+        cost = head_cost(model_dir, args.head)
+    print(f"model={args.model} bf16, threads={torch.get_num_threads()}, concurrency={args.concurrency}")
+    report(single, batch, cpu.share(), cost, args.tokens)
+
+
+if __name__ == "__main__":
+    main()
