@@ -37,7 +37,7 @@ from services.target.engine.engine import Engine  # noqa: E402
 from services.target.server.app import build_target_server  # noqa: E402
 from specmesh.client import NO_RETRIES, AsyncClient  # noqa: E402
 from specmesh.proto.v1 import common_pb2, router_service_pb2  # noqa: E402
-from tests.mesh import AUTH_A, TOKEN_A, collect, start_draft  # noqa: E402
+from tests.mesh import AUTH_A, TOKEN_A, collect  # noqa: E402
 
 # Open text, not in services/draft/eagle/data.py's training prompts (other subjects and forms).
 PROMPTS = (
@@ -82,13 +82,16 @@ def chat(prompt: str, max_tokens: int, temperature: float, seed: int) -> router_
 
 def _row(plan: str, temperature: float, ids: list[int], seconds: float, last) -> Row:
     u = last.usage
-    passes = round(u.accepted_tokens / max(u.acceptance_length - 1, 1e-9)) if u.acceptance_length > 1 else 0
-    return Row(plan, temperature, len(ids), seconds, passes, u.accepted_tokens)
+    return Row(plan, temperature, len(ids), seconds, u.verify_passes, u.accepted_tokens)
 
 
 async def run(model_dir: Path, head: Path, tokens: int, temperatures: list[float], concurrency: int,
               plans: list[str]) -> tuple[list[Row], list[Row]]:
-    draft = await start_draft(None, eagle_head_path=head, eagle_target_dir=model_dir, draft_model_dtype="bfloat16")
+    from services.draft.app import build_draft_server
+    from services.draft.config import DraftConfig
+    draft = build_draft_server(DraftConfig(server=ServerConfig(port=0), draft_model_dtype="bfloat16",
+                                           eagle_head_path=head, eagle_target_dir=model_dir))
+    await draft.start()
     engine = Engine.load(EngineConfig(model_dir=model_dir, dtype="bfloat16", num_blocks=2048,
                                       draft_address=draft.address))
     target = build_target_server(ServerConfig(port=0), engine, "default")

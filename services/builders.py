@@ -83,9 +83,15 @@ def eagle_pools(settings: Settings, pools) -> tuple[str, ...]:
     """The pools whose open text may run the feature head by default: those of the target
     `model` when the mesh's draft service has a head for it (`eagle_head`, refused there for
     any other model)."""
-    if not settings.draft.eagle_head:
+    if eagle_head(settings) is None:
         return ()
     return tuple(pool.name for pool in pools.pools if pool.model == settings.model)
+
+
+def eagle_head(settings: Settings) -> Path | None:
+    """The feature head file of the mesh (`draft.eagle_head`: 'auto' = the one shipped for `model`)."""
+    from services.draft.eagle.shipped import resolve_eagle_head
+    return resolve_eagle_head(settings.draft.eagle_head, settings.model)
 
 
 def cache_config(settings: Settings, server: ServerConfig | None = None, mesh: MeshTls | None = None):
@@ -117,11 +123,11 @@ def build_server(service: str, settings: Settings, config: ServerConfig | None =
         from services.draft.config import DraftConfig
         draft_model = settings.draft.draft_model
         draft_dir = resolve_model(settings, draft_model) if draft_model else None
-        head = settings.draft.eagle_head
+        head = eagle_head(settings)
         return build_draft_server(DraftConfig(server=config, draft_model_dir=draft_dir,
-                                              draft_model_dtype=settings.dtype,
-                                              eagle_head_path=Path(head) if head else None,
-                                              eagle_target_dir=resolve_model(settings) if head else None))
+                                              draft_model_dtype=settings.dtype, eagle_head_path=head,
+                                              eagle_target_dir=resolve_model(settings) if head else None,
+                                              eagle_optional=settings.draft.eagle_head.strip().lower() == "auto"))
     if service == "cache":
         from services.cache.app import build_cache_server
         return build_cache_server(cache_config(settings, config, mesh))

@@ -220,11 +220,13 @@ def _cmd_draft_train(args, settings: Settings) -> int:
                                            / f"{model_dir.name}.eagle.safetensors")
     given = {name: getattr(args, name) for name in DEFAULTS if getattr(args, name) is not None}
     config = TrainConfig(model_dir=model_dir, out=out, resume=args.resume,
+                         chat_template=settings.target.chat_template,  # prompts rendered as the target serves chat
                          prompts_file=Path(args.prompts_file) if args.prompts_file else None, **given)
-    result = train_head(config)
+    result = train_head(config, command=" ".join(["specmesh", *sys.argv[1:]]))
     first, last = result.losses[:1], result.losses[-1:]
     print(f"feature head for {model_dir} saved to {result.path} ({result.path.stat().st_size / 2**20:.1f} MiB; "
-          f"{result.steps} steps on {result.num_tokens} tokens; loss {first and first[0]:.3f} -> {last and last[0]:.3f})")
+          f"{result.steps} steps on {result.num_tokens} tokens; loss {first and first[0]:.3f} -> {last and last[0]:.3f}; "
+          f"data {result.data_seconds / 60:.1f} min, training {result.train_seconds / 60:.1f} min)")
     print(f"serve it with: specmesh up --speculation eagle --eagle-head {result.path}")
     return 0
 

@@ -47,6 +47,9 @@ class DraftConfig:
     # a head for another model is refused). None = EAGLE answers FAILED_PRECONDITION.
     eagle_head_path: Path | None = None
     eagle_target_dir: Path | None = None
+    # True for a head the mesh picked by itself (`eagle_head` auto): one that does not fit the
+    # target is skipped with a warning instead of refusing to start.
+    eagle_optional: bool = False
 
     def __post_init__(self) -> None:
         if self.draft_model_dir is not None:

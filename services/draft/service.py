@@ -130,11 +130,7 @@ class DraftService(draft_service_pb2_grpc.DraftServiceServicer):
             self.proposers[common_pb2.SPECULATION_METHOD_DYNAMIC_TREE] = DynamicTreeProposer(
                 draft_model, config.dynamic_tree_top_k)
         if eagle is None and config.eagle_head_path is not None:
-            from services.draft.eagle.proposer import EagleProposer
-            from services.draft.proposers.draft_model import DTYPES
-            eagle = EagleProposer.load(config.eagle_head_path, config.eagle_target_dir,
-                                       DTYPES[config.draft_model_dtype], config.draft_model_device,
-                                       config.dynamic_tree_top_k)
+            eagle = _load_eagle(config)
         if eagle is not None:
             self.proposers[_EAGLE] = eagle
         self._draining = False
@@ -391,3 +387,19 @@ def _summary(problems: list[str]) -> str:
 
 def add_to_server(server: grpc.aio.Server, service: DraftService) -> None:
     draft_service_pb2_grpc.add_DraftServiceServicer_to_server(service, guard_malformed(server))
+
+
+def _load_eagle(config: DraftConfig):
+    """The feature head of `config`; None (with a warning) for a head the mesh chose by itself
+    (`eagle_optional`) that was trained for another model."""
+    from services.draft.eagle.checkpoint import HeadMismatch
+    from services.draft.eagle.proposer import EagleProposer
+    from services.draft.proposers.draft_model import DTYPES
+    try:
+        return EagleProposer.load(config.eagle_head_path, config.eagle_target_dir, DTYPES[config.draft_model_dtype],
+                                  config.draft_model_device, config.dynamic_tree_top_k)
+    except HeadMismatch as e:
+        if not config.eagle_optional:
+            raise
+        log.warning("eagle off: the shipped feature head does not fit this target (%s)", e)
+        return None

@@ -15,5 +15,7 @@ from services.common.settings_group import SettingsGroup
 class DraftSettings(SettingsGroup):
     draft_model: str = Field("", description="draft LM for draft_model / dynamic_tree: 'default' "
                              "or a local Hugging Face directory")
-    eagle_head: str = Field("", description="feature head file for eagle (from `specmesh draft train`, "
-                            "trained for the target `model`); empty = eagle unavailable")
+    eagle_head: str = Field("auto", description="feature head file for eagle (from `specmesh draft train`, "
+                            "trained for the target `model`); 'auto' = the head shipped for the default "
+                            "model when `model` is 'default' (services/draft/eagle/heads/), else none; "
+                            "'none' = eagle unavailable")

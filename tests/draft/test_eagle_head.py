@@ -67,6 +67,10 @@ def test_specmesh_draft_train_writes_a_head(tiny_llama_dir, tmp_path, capsys):
                  "--max-new-tokens", "8", "--epochs", "1"]) == 0
     assert "saved to" in capsys.readouterr().out
     load_head(out, target_identity(tiny_llama_dir))
+    import json
+    record = json.loads(out.with_name(out.name + ".json").read_text())  # how the head was made, beside it
+    assert "draft train" in record["command"] and record["seed"] == 0 and record["steps"] == 1
+    assert record["target_identity"] == target_identity(tiny_llama_dir) and record["train_seconds"] >= 0
 
 
 def test_training_attention_step_one_equals_serving_attention():
@@ -108,8 +112,9 @@ def test_greedy_chain_follows_the_head_step_by_step(drafter):
     chain = drafter.chain(ctx, "s", 4, DraftSampling(), None, 16)
     feature, k, v = ctx.last, ctx.k, ctx.v
     expected = []
+    vocab = drafter.head.draft_vocab  # the head scores only its draft vocabulary
     for i in range(4):  # one row at a time, the context never changed
-        expected.append(int(drafter.parts.features_to_logits(feature).argmax()))
+        expected.append(int(vocab[drafter.parts.features_to_logits(feature)[vocab].argmax()]))
         out, nk, nv = drafter.head(drafter.parts.embed(torch.tensor(expected[-1:])), feature[None],
                                    torch.tensor([ctx.end + i]), k, v)
         k, v, feature = torch.cat([k, nk], 1), torch.cat([v, nv], 1), drafter.parts.final_norm(out[0])
@@ -126,6 +131,7 @@ def test_tree_holds_the_greedy_chain_within_the_budget(drafter, depth, nodes):
     assert tree.num_nodes == nodes and max(tree.depths) <= depth
     assert tree.token_ids[:depth] == chain.token_ids and tree.parents[:depth] == tuple(range(-1, depth - 1))
     assert ctx.k.shape[1] == len(tokens) - 1
+    assert set(tree.token_ids) <= set(drafter.head.draft_vocab.tolist())  # ids, not draft-vocabulary indices
 
 
 def test_sampled_chain_sends_the_distribution_each_token_came_from(drafter):
@@ -133,6 +139,9 @@ def test_sampled_chain_sends_the_distribution_each_token_came_from(drafter):
     chain = drafter.chain(ctx, "s", 3, DraftSampling(0.8, 4, 0.0, 7), torch.Generator().manual_seed(7), 16)
     assert len(chain.distributions) == 3 and chain.distribution_problem(drafter.parts.vocab_size) is None
     assert all(len(d.token_ids) == 4 for d in chain.distributions)
+    vocab = set(drafter.head.draft_vocab.tolist())
+    for token, d in zip(chain.token_ids, chain.distributions):  # q over token ids of the draft vocabulary
+        assert token in d.token_ids and set(d.token_ids) <= vocab
 
 
 def test_proposer_drafts_only_with_the_newest_feature_and_restarts_after_a_gap(drafter):
@@ -170,6 +179,23 @@ async def test_the_draft_server_built_from_settings_serves_eagle_and_refuses_a_f
     other = build_tiny_model(tmp_path / "other", "llama", seed=2)
     with pytest.raises(HeadMismatch):
         build_server("draft", read_settings({}, dev=True, port=0, model=str(other), eagle_head=str(result.path)))
+    # The mesh's own choice (`eagle_head` auto) is never a reason to refuse to start: none ships for
+    # this model, so eagle is off; and a chosen head that does not fit is skipped with a warning.
+    auto = build_server("draft", read_settings({}, dev=True, port=0, model=str(other)))
+    assert common_pb2.SPECULATION_METHOD_EAGLE not in auto._on_drain.__self__.proposers
+    await auto.stop(0)
+    from services.draft.config import DraftConfig
+    from services.draft.service import DraftService
+    skipped = DraftService(DraftConfig(eagle_head_path=result.path, eagle_target_dir=other, eagle_optional=True))
+    assert common_pb2.SPECULATION_METHOD_EAGLE not in skipped.proposers
+
+
+def test_eagle_head_setting_resolves_the_shipped_head(tmp_path):
+    from services.draft.eagle.shipped import HEADS_DIR, SHIPPED, resolve_eagle_head
+    assert resolve_eagle_head("auto", "default") == HEADS_DIR / SHIPPED["default"]
+    assert resolve_eagle_head("auto", str(tmp_path)) is None  # no head ships for another model
+    assert resolve_eagle_head("none", "default") is None and resolve_eagle_head("", "default") is None
+    assert resolve_eagle_head(str(tmp_path / "h.safetensors"), "default") == tmp_path / "h.safetensors"
 
 
 def test_a_batch_of_sequences_gets_the_chains_and_trees_of_single_calls(drafter):

@@ -88,8 +88,12 @@ def test_router_config_refuses_an_entry_or_head_for_an_unknown_pool():
 
 def test_builders_offer_the_head_to_the_target_models_pools_only_when_a_head_is_set():
     from services.builders import router_config
-    plain = router_config(read_settings({"SPECMESH_DEV": "true"}))
+    plain = router_config(read_settings({"SPECMESH_DEV": "true", "SPECMESH_EAGLE_HEAD": "none"}))
     assert plain.eagle_pools == () and plain.method_map.candidates("default", CHAT) == ("prompt_lookup",)
+    shipped = router_config(read_settings({"SPECMESH_DEV": "true"}))  # auto: the head shipped for the default model
+    assert shipped.eagle_pools == ("default",)
+    other = router_config(read_settings({"SPECMESH_DEV": "true", "SPECMESH_MODEL": "/models/other"}))
+    assert other.eagle_pools == ()  # auto: no head ships for another model
     headed = router_config(read_settings({"SPECMESH_DEV": "true", "SPECMESH_EAGLE_HEAD": "/heads/h.safetensors"}))
     assert headed.eagle_pools == ("default",)
     assert headed.method_map.candidates("default", CHAT) == ("eagle", "prompt_lookup")

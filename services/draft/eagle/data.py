@@ -46,10 +46,16 @@ class Rollout:
     num_prompt_tokens: int
 
 
-def build_prompts(tokenizer, num_prompts: int, seed: int, prompts_file: Path | None = None) -> list[list[int]]:
+def build_prompts(tokenizer, num_prompts: int, seed: int, prompts_file: Path | None = None,
+                  chat_template: str = "") -> list[list[int]]:
     """Token ids of `num_prompts` prompts: from `prompts_file` (one per line, or JSON lines with
-    "prompt"), else the built-in open-text set, in a seeded order; chat-templated where the
-    tokenizer has a template."""
+    "prompt"), else the built-in open-text set, in a seeded order; rendered as a user turn with
+    the chat template the target serves chat with (`chat_template`: the target's setting of that
+    name, services/common/models/chat_templates.py; the default model has none of its own and
+    gets Gemma 3's), plain where there is none. Open text reaches the target as chat: a head
+    trained on plain continuations drafts chat answers poorly."""
+    from services.common.models.chat_templates import apply_chat_template_setting
+    apply_chat_template_setting(tokenizer, chat_template)
     if prompts_file is not None:
         texts = []
         for line in Path(prompts_file).read_text().splitlines():

@@ -17,7 +17,9 @@ from __future__ import annotations
 import json
 import logging
 import math
+import platform
 import random
+import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
@@ -54,6 +56,7 @@ class TrainConfig:
     checkpoint_every: int = 20  # optimizer steps
     resume: bool = True
     loss_chunk_rows: int = 256  # rows whose full-vocabulary logits live at once
+    chat_template: str = ""  # as the target's setting: "" = the model's own (Gemma 3's for the default model)
     rollout_dtype: str = "bfloat16"  # the engine's dtype for the continuations (as the target serves)
     draft_vocab_size: int = 16384  # tokens the head scores (draft_vocab.py); 0 = the whole vocabulary
 
@@ -82,7 +85,7 @@ class TrainConfig:
 
     def data_key(self) -> dict:
         keys = ("prompts_file", "num_prompts", "max_new_tokens", "sampled_share", "temperature", "label_top_k", "seed",
-                "rollout_dtype")
+                "rollout_dtype", "chat_template")
         return {k: str(getattr(self, k)) for k in keys}
 
 
@@ -93,9 +96,13 @@ class TrainResult:
     steps: int = 0
     resumed_from: int = 0
     num_tokens: int = 0
+    data_seconds: float = 0.0  # rollouts and features (0 when reused from `<out>.data`)
+    train_seconds: float = 0.0  # this run's optimizer steps (not those of a run it resumed)
 
 
-def train_head(config: TrainConfig, progress: bool = True) -> TrainResult:
+def train_head(config: TrainConfig, progress: bool = True, command: str = "") -> TrainResult:
+    """Trains (or resumes) the head of `config`; writes the head and `<out>.json`, the record of
+    how it was made (`command`, the configuration, the seed, the cost on this machine)."""
     from tqdm import tqdm
     from services.common.models.loading import load_causal_lm
 
@@ -103,7 +110,9 @@ def train_head(config: TrainConfig, progress: bool = True) -> TrainResult:
     model, tokenizer = load_causal_lm(config.model_dir, torch.float32, "cpu")
     model.eval()
     parts = TargetParts.from_model(model, config.model_dir)
+    started = time.perf_counter()
     rollouts = _data(config, model, tokenizer, parts, progress)
+    data_seconds = time.perf_counter() - started
     vocab = (choose_draft_vocab([r.label_ids for r in rollouts], [r.label_probs for r in rollouts],
                                 config.draft_vocab_size, parts.vocab_size) if config.draft_vocab_size else None)
     head = FeatureHead(HeadConfig.for_target(parts.text_config, 0 if vocab is None else len(vocab)))
@@ -112,11 +121,12 @@ def train_head(config: TrainConfig, progress: bool = True) -> TrainResult:
     output = DraftOutput(parts, vocab)
     label_index = output.index_of(parts.vocab_size)  # [vocab]: label id -> draft-vocabulary index or -1
     optimizer = torch.optim.AdamW(head.parameters(), lr=config.lr, weight_decay=0.0)
-    result = TrainResult(config.out, num_tokens=sum(len(r.token_ids) for r in rollouts))
+    result = TrainResult(config.out, num_tokens=sum(len(r.token_ids) for r in rollouts), data_seconds=data_seconds)
     batches_per_epoch = math.ceil(len(rollouts) / config.batch_size)
     total = config.epochs * batches_per_epoch
     step = _resume(config, parts.identity, head, optimizer, result)
     bar = tqdm(total=total, initial=step, desc="training head", unit="step", disable=not progress)
+    started = time.perf_counter()
     while step < total:
         epoch, index = divmod(step, batches_per_epoch)
         order = list(range(len(rollouts)))
@@ -135,9 +145,46 @@ def train_head(config: TrainConfig, progress: bool = True) -> TrainResult:
             _save_checkpoint(config, parts.identity, head, optimizer, step, result.losses)
     bar.close()
     result.steps = step
+    result.train_seconds = time.perf_counter() - started
     save_head(config.out, head, parts.identity,
               {"target_dir": str(config.model_dir), "train": {k: str(v) for k, v in asdict(config).items()}})
+    write_record(config, result, parts.identity, command)
     return result
+
+
+def write_record(config: TrainConfig, result: TrainResult, identity: str, command: str) -> Path:
+    """`<out>.json` beside the head: what produced it and what that cost here."""
+    path = config.out.with_name(config.out.name + ".json")
+    record = {
+        "command": command, "seed": config.seed, "target_identity": identity,
+        "config": {k: str(v) for k, v in asdict(config).items() if k not in ("model_dir", "out")},
+        "head_bytes": config.out.stat().st_size, "draft_vocab_size": _vocab_size(config.out),
+        "tokens": result.num_tokens, "steps": result.steps, "resumed_from": result.resumed_from,
+        "loss_first": result.losses[0] if result.losses else None,
+        "loss_last_20_mean": sum(result.losses[-20:]) / max(len(result.losses[-20:]), 1),
+        "data_seconds": round(result.data_seconds, 1), "train_seconds": round(result.train_seconds, 1),
+        "machine": {"cpu": _cpu_model(), "threads": torch.get_num_threads(), "torch": torch.__version__,
+                    "python": platform.python_version()},
+        "date": time.strftime("%Y-%m-%d", time.gmtime()),
+    }
+    path.write_text(json.dumps(record, indent=2) + "\n")
+    return path
+
+
+def _vocab_size(head_path: Path) -> int:
+    from safetensors import safe_open
+    with safe_open(str(head_path), framework="pt") as f:
+        return int(f.get_slice("draft_vocab").get_shape()[0]) if "draft_vocab" in f.keys() else 0
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
 
 
 def batch_loss(head: FeatureHead, parts: TargetParts, batch: list[Rollout], config: TrainConfig) -> torch.Tensor:
@@ -157,7 +204,7 @@ def _data(config: TrainConfig, model, tokenizer, parts: TargetParts, progress: b
         if saved.get("key") == key:
             log.info("training data: reusing %s (%d rollouts)", path, len(saved["rollouts"]))
             return saved["rollouts"]
-    prompts = build_prompts(tokenizer, config.num_prompts, config.seed, config.prompts_file)
+    prompts = build_prompts(tokenizer, config.num_prompts, config.seed, config.prompts_file, config.chat_template)
     with tqdm(total=len(prompts), desc="target rollouts", unit="prompt", disable=not progress) as bar:
         continuations = generate_continuations(config.model_dir, prompts, config.max_new_tokens, config.seed,
                                                config.sampled_share, config.temperature, config.rollout_dtype, bar)
