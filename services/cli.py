@@ -222,7 +222,9 @@ def _cmd_draft_train(args, settings: Settings) -> int:
     config = TrainConfig(model_dir=model_dir, out=out, resume=args.resume,
                          chat_template=settings.target.chat_template,  # prompts rendered as the target serves chat
                          prompts_file=Path(args.prompts_file) if args.prompts_file else None, **given)
-    result = train_head(config, command=" ".join(["specmesh", *sys.argv[1:]]))
+    flags = [f"--{name.replace('_', '-')} {value}" for name, value in given.items()]
+    command = " ".join(["specmesh draft train --model", settings.model, "--out", str(out), *flags])
+    result = train_head(config, command=command)
     first, last = result.losses[:1], result.losses[-1:]
     print(f"feature head for {model_dir} saved to {result.path} ({result.path.stat().st_size / 2**20:.1f} MiB; "
           f"{result.steps} steps on {result.num_tokens} tokens; loss {first and first[0]:.3f} -> {last and last[0]:.3f}; "

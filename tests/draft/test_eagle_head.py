@@ -181,7 +181,8 @@ async def test_the_draft_server_built_from_settings_serves_eagle_and_refuses_a_f
         build_server("draft", read_settings({}, dev=True, port=0, model=str(other), eagle_head=str(result.path)))
     # The mesh's own choice (`eagle_head` auto) is never a reason to refuse to start: none ships for
     # this model, so eagle is off; and a chosen head that does not fit is skipped with a warning.
-    auto = build_server("draft", read_settings({}, dev=True, port=0, model=str(other)))
+    from services.common.server import ServerConfig
+    auto = build_server("draft", read_settings({}, dev=True, model=str(other)), ServerConfig(port=0))
     assert common_pb2.SPECULATION_METHOD_EAGLE not in auto._on_drain.__self__.proposers
     await auto.stop(0)
     from services.draft.config import DraftConfig
