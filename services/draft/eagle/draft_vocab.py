@@ -42,7 +42,6 @@ class DraftOutput(nn.Module):
         few, and torch's own bf16 linear takes a slow path without native bf16); training and
         the float32 exactness tests keep torch's linear."""
         super().__init__()
-        self.parts = parts
         self.softcap = parts.softcap
         full = parts.lm_head.weight.detach()  # [vocab, hidden]
         self.register_buffer("vocab", None if vocab is None else vocab.to(full.device, torch.long))
@@ -65,9 +64,9 @@ class DraftOutput(nn.Module):
 
     def index_of(self, vocab_size: int) -> torch.Tensor:
         """[vocab_size] int64: each token id's draft-vocabulary index, -1 outside it (training labels)."""
-        out = torch.full((vocab_size,), -1, dtype=torch.long)
         if self.vocab is None:
             return torch.arange(vocab_size)
+        out = torch.full((vocab_size,), -1, dtype=torch.long)
         out[self.vocab.cpu()] = torch.arange(self.size)
         return out
 

@@ -148,17 +148,18 @@ def train_head(config: TrainConfig, progress: bool = True, command: str = "") ->
     result.train_seconds = time.perf_counter() - started
     save_head(config.out, head, parts.identity,
               {"target_dir": str(config.model_dir), "train": {k: str(v) for k, v in asdict(config).items()}})
-    write_record(config, result, parts.identity, command)
+    write_record(config, result, parts.identity, command, 0 if vocab is None else len(vocab))
     return result
 
 
-def write_record(config: TrainConfig, result: TrainResult, identity: str, command: str) -> Path:
+def write_record(config: TrainConfig, result: TrainResult, identity: str, command: str,
+                 draft_vocab_size: int) -> Path:
     """`<out>.json` beside the head: what produced it and what that cost here."""
     path = config.out.with_name(config.out.name + ".json")
     record = {
         "command": command, "seed": config.seed, "target_identity": identity,
         "config": {k: str(v) for k, v in asdict(config).items() if k not in ("model_dir", "out")},
-        "head_bytes": config.out.stat().st_size, "draft_vocab_size": _vocab_size(config.out),
+        "head_bytes": config.out.stat().st_size, "draft_vocab_size": draft_vocab_size,
         "tokens": result.num_tokens, "steps": result.steps, "resumed_from": result.resumed_from,
         "loss_first": result.losses[0] if result.losses else None,
         "loss_last_20_mean": sum(result.losses[-20:]) / max(len(result.losses[-20:]), 1),
@@ -169,12 +170,6 @@ def write_record(config: TrainConfig, result: TrainResult, identity: str, comman
     }
     path.write_text(json.dumps(record, indent=2) + "\n")
     return path
-
-
-def _vocab_size(head_path: Path) -> int:
-    from safetensors import safe_open
-    with safe_open(str(head_path), framework="pt") as f:
-        return int(f.get_slice("draft_vocab").get_shape()[0]) if "draft_vocab" in f.keys() else 0
 
 
 def _cpu_model() -> str:
