@@ -6,7 +6,8 @@ Starts draft (with the head) + target + router gRPC servers on loopback (default
 and sends open-text chat requests (questions, stories, explanations, advice: none copies its
 prompt; none is in the head's training prompts) one at a time with speculation off, prompt
 lookup and the head, greedy and at T=0.8; then 16 at once with speculation off and the head
-under the adaptive policy. Reports tokens/s, τ (accepted + bonus tokens per verify pass) and
+under the adaptive policy, in rounds where the two take turns (the spread across rounds is the
+noise floor). Reports tokens/s, τ (accepted + bonus tokens per verify pass) and
 accepted tokens per pass; the head's cost per draft token against a target decode step; and the
 CPU other processes used meanwhile (ratios from a loaded machine mean little).
 """
@@ -16,6 +17,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import os
+import statistics
 import sys
 import time
 from dataclasses import dataclass
@@ -70,6 +72,7 @@ class Row:
     seconds: float
     passes: int = 0
     accepted: int = 0
+    round: int = 0  # the concurrent part's round
 
 
 def chat(prompt: str, max_tokens: int, temperature: float, seed: int) -> router_service_pb2.GenerateRequest:
@@ -86,7 +89,7 @@ def _row(plan: str, temperature: float, ids: list[int], seconds: float, last) ->
 
 
 async def run(model_dir: Path, head: Path, tokens: int, temperatures: list[float], concurrency: int,
-              plans: list[str]) -> tuple[list[Row], list[Row]]:
+              plans: list[str], rounds: int) -> tuple[list[Row], list[Row]]:
     from services.draft.app import build_draft_server
     from services.draft.config import DraftConfig
     draft = build_draft_server(DraftConfig(server=ServerConfig(port=0), draft_model_dtype="bfloat16",
@@ -117,18 +120,27 @@ async def run(model_dir: Path, head: Path, tokens: int, temperatures: list[float
                     ids, _, last = await collect(client, chat(prompt, tokens, temperature, i), AUTH_A)
                     single.append(_row(label, temperature, ids, time.perf_counter() - start, last))
         await router.stop(grace=1)
-    for label, (method, policy) in tqdm({"off": ("off", "fixed"), "eagle adaptive": ("eagle", "adaptive")}.items(),
-                                        desc=f"{concurrency} concurrent"):
-        router = await router_for(method, 4, 0, policy)
-        async with AsyncClient(router.address, retry=NO_RETRIES) as client:
-            await collect(client, chat("Hello!", 4, 0.0, 0), AUTH_A)
+    arms = {"off": ("off", "fixed"), "eagle adaptive": ("eagle", "adaptive")}
+    routers = {label: await router_for(method, 4, 0, policy) for label, (method, policy) in arms.items()}
+    clients = {label: AsyncClient(router.address, retry=NO_RETRIES) for label, router in routers.items()}
+    for label, client in clients.items():
+        await client.__aenter__()
+        await collect(client, chat("Hello!", 4, 0.0, 0), AUTH_A)  # connects the draft stream
+    for round_index in tqdm(range(rounds), desc=f"{concurrency} concurrent"):
+        # The arms take turns, in an order rotated each round, so neither always runs on a
+        # warmer (or more disturbed) machine; the rounds' spread is the noise floor.
+        order = list(arms)[round_index % len(arms):] + list(arms)[:round_index % len(arms)]
+        for label in order:
             for temperature in temperatures:
                 reqs = [chat(PROMPTS[i % len(PROMPTS)], tokens, temperature, i) for i in range(concurrency)]
                 start = time.perf_counter()
-                results = await asyncio.gather(*(collect(client, r, AUTH_A) for r in reqs))
+                results = await asyncio.gather(*(collect(clients[label], r, AUTH_A) for r in reqs))
                 seconds = time.perf_counter() - start
-                batch.append(Row(label, temperature, sum(len(ids) for ids, _, _ in results), seconds))
-        await router.stop(grace=1)
+                batch.append(Row(label, temperature, sum(len(ids) for ids, _, _ in results), seconds,
+                                 round=round_index))
+    for label in arms:
+        await clients[label].__aexit__(None, None, None)
+        await routers[label].stop(grace=1)
     await target.stop(grace=1)
     await draft.stop(grace=1)
     return single, batch
@@ -173,13 +185,18 @@ def report(single: list[Row], batch: list[Row], foreign: dict, per_draft_token: 
             vs_lookup = f"{rate / _rate(lookup):.2f}x" if lookup else "-"
             print(f"{plan:<20} {rate:>7.1f} {rate / off:>6.2f}x {vs_lookup:>9} {tau:>5} {per:>8}")
     for temperature in sorted({r.temperature for r in batch}):
-        rows = {r.plan: r for r in batch if r.temperature == temperature}
-        off = rows["off"].tokens / rows["off"].seconds
-        print(f"\nconcurrent requests, {'greedy' if temperature == 0 else f'T={temperature}'}:")
-        for plan, r in rows.items():
-            rate = r.tokens / r.seconds
-            print(f"  {plan:<18} {rate:>7.1f} tok/s  {rate / off:.2f}x off")
+        rows = [r for r in batch if r.temperature == temperature]
+        rounds = sorted({r.round for r in rows})
+        rates = {plan: [r.tokens / r.seconds for r in rows if r.plan == plan] for plan in dict.fromkeys(r.plan for r in rows)}
+        print(f"\nconcurrent requests, {'greedy' if temperature == 0 else f'T={temperature}'}, {len(rounds)} rounds "
+              f"(median tok/s; per round, the arm against off in the same round):")
+        for plan, mine in rates.items():
+            ratios = [a / o for a, o in zip(mine, rates["off"])]
+            print(f"  {plan:<18} {statistics.median(mine):>7.1f} tok/s  {statistics.median(mine) / statistics.median(rates['off']):.2f}x off"
+                  f"   per round: {' '.join(f'{x:.2f}x' for x in ratios)}")
     off_single = _rate([r for r in single if r.plan == "off" and r.temperature == 0])
+    if not off_single:
+        return
     print(f"\nhead cost per draft token: {1000 * per_draft_token:.2f} ms = "
           f"{per_draft_token * off_single:.2f} target decode steps (greedy single-stream off: "
           f"{1000 / off_single:.1f} ms per token)")
@@ -196,12 +213,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--plans", nargs="+", default=list(PLANS), choices=list(PLANS))
+    parser.add_argument("--plans", nargs="*", default=list(PLANS), choices=list(PLANS),
+                        help="single-stream plans (none: only the concurrent part)")
+    parser.add_argument("--rounds", type=int, default=3, help="rounds of the concurrent part (arms take turns)")
     args = parser.parse_args()
     model_dir = resolve_model_dir(args.model, Path(read_settings().model_cache).expanduser())
     with ForeignCpu(lambda: [os.getpid()]) as cpu:
         single, batch = asyncio.run(run(model_dir, args.head, args.tokens, args.temperatures,
-                                        args.concurrency, args.plans))
+                                        args.concurrency, args.plans, args.rounds))
         cost = head_cost(model_dir, args.head)
     print(f"model={args.model} bf16, threads={torch.get_num_threads()}, concurrency={args.concurrency}")
     report(single, batch, cpu.share(), cost, args.tokens)

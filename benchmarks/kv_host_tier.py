@@ -145,26 +145,54 @@ def conversation_prompts(tok, conversations: int, turns: int) -> list[list[list[
     return out
 
 
-def multi_turn(engine: Engine, convs, max_tokens: int, rate: float, seed: int = 1):
-    """Runs every conversation (turns in order, each on its whole history) with Poisson arrivals;
-    returns (TTFTs, outputs per conversation and turn, cached tokens, host-tier tokens)."""
+def arrival_schedule(turns: list[int], rate: float, think: float, seed: int = 1,
+                     ) -> tuple[list[float], list[list[float]]]:
+    """Per conversation (of `turns[c]` turns): its start (Poisson arrivals at `rate` per second) and
+    the pause before each turn (0 before the first; exponential of mean `think` seconds, 0 when
+    `think` is 0); seeded, so both sides of the comparison replay the same schedule."""
     rng = random.Random(seed)
     starts, t = [], 0.0
-    for _ in convs:
+    for _ in turns:
         t += rng.expovariate(rate)
         starts.append(t)
-    ttfts, outputs, totals, lock = [], {}, [0, 0], threading.Lock()
+    pauses = [[rng.expovariate(1.0 / think) if think > 0 else 0.0 for _ in range(n)] for n in turns]
+    for conv in pauses:
+        conv[0] = 0.0  # a first turn comes at the conversation's start
+    return starts, pauses
+
+
+def calibrated_rate(engine: Engine, convs, share: float = 0.5) -> float:
+    """Conversations per second whose first turns alone (a first turn has no history for any tier
+    to hold) keep `share` of this machine busy: `share` over the median time of three first
+    turns' prefill, each alone on `engine`. Fixed rates tuned on one machine overload a slower
+    one with first turns, whose queue then sets both sides' tails."""
+    warm_up(engine)
+    seconds = [run(engine, conv[0] + conv[1], 1)[0] for conv in convs[:3]]
+    rate = share / statistics.median(seconds)
+    print(f"   calibrated rate: first turn alone {statistics.median(seconds) * 1000:.0f} ms (median of 3) -> "
+          f"{rate:.3f} conversations/s")
+    return rate
+
+
+def multi_turn(engine: Engine, convs, max_tokens: int, rate: float, think: float = 0.0, seed: int = 1):
+    """Runs every conversation (turns in order, each on its whole history) with Poisson arrivals
+    and, between an answer and the next user turn, an exponential think time of mean `think`
+    seconds (the same draws on both sides); returns (TTFTs per (conversation, turn), outputs per
+    conversation and turn, cached tokens, host-tier tokens)."""
+    starts, pauses = arrival_schedule([len(conv) - 1 for conv in convs], rate, think, seed)
+    ttfts, outputs, totals, lock = {}, {}, [0, 0], threading.Lock()
     origin = time.perf_counter()
 
     def converse(c: int) -> None:
         time.sleep(max(0.0, starts[c] - (time.perf_counter() - origin)))
         history = list(convs[c][0])
         for turn, user in enumerate(convs[c][1:]):
+            time.sleep(pauses[c][turn])
             history += user
             first, answer, cached, host, _ = run(engine, history, max_tokens)
             history += answer
             with lock:
-                ttfts.append(first)
+                ttfts[c, turn] = first
                 outputs[c, turn] = answer
                 totals[0] += cached
                 totals[1] += host
@@ -181,6 +209,11 @@ def percentile(values: list[float], q: float) -> float:
     return ordered[min(len(ordered) - 1, int(q * len(ordered)))]
 
 
+def ttft_summary(values: list[float]) -> str:
+    return (f"P50 {statistics.median(values) * 1000:8.1f} ms  P99 {percentile(values, 0.99) * 1000:8.1f} ms"
+            if values else "none")
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
@@ -189,7 +222,12 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=40)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=24)
-    parser.add_argument("--rate", type=float, default=2.0, help="conversations arriving per second")
+    parser.add_argument("--rate", default="2.0", help="conversations arriving per second, or 'auto': as many "
+                        "as keep half of this machine busy with first turns alone (calibrated_rate)")
+    parser.add_argument("--think", type=float, default=0.0, help="mean seconds between an answer and the "
+                        "conversation's next turn (exponential; 0: the next turn at once, as an agent loop)")
+    parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
+                        help="the engines' dtype in the multi-turn part (float32: outputs comparable token for token)")
     parser.add_argument("--skip-costs", action="store_true")
     parser.add_argument("--skip-multi-turn", action="store_true")
     parser.add_argument("--shared-url", default="", help="Redis URL: also measure the cross-replica "
@@ -224,8 +262,12 @@ def measure(args, cpu: ForeignCpu) -> None:
         print(f"   {foreign_since(cpu, start)}")
     if args.skip_multi_turn:
         return
-    probe = Engine.load(EngineConfig(model_dir=model_dir, dtype="bfloat16", num_blocks=64))
+    probe = Engine.load(EngineConfig(model_dir=model_dir, dtype=args.dtype, num_blocks=256))
     convs = conversation_prompts(probe.tokenizer, args.conversations, args.turns)
+    if args.rate == "auto":
+        args.rate = calibrated_rate(probe, convs)
+    else:
+        args.rate = float(args.rate)
     probe.shutdown()
     # Working set: every conversation's final history (system, user turns, answers at most max_tokens).
     working = sum(sum(len(p) for p in conv) + args.turns * args.max_tokens for conv in convs)
@@ -233,24 +275,28 @@ def measure(args, cpu: ForeignCpu) -> None:
     num_blocks = max(working // args.block_size // 4, 2 * longest // args.block_size + 8)
     print(f"\n2. multi-turn: {args.conversations} conversations x {args.turns} turns, working set {working} "
           f"tokens, device pool {num_blocks} blocks of {args.block_size} "
-          f"({num_blocks * args.block_size / working:.0%} of it), {args.rate}/s Poisson arrivals")
-    results = {}
+          f"({num_blocks * args.block_size / working:.0%} of it), {args.rate:.3g}/s Poisson arrivals, think time "
+          f"{args.think:g} s mean, {args.dtype}")
+    results, queues = {}, {}
     sides = [("host tier", 1 << 30), ("no host tier", 0)]
     for label, host_bytes in (sides[::-1] if args.without_first else sides):
-        engine = Engine.load(EngineConfig(model_dir=model_dir, dtype="bfloat16", block_size=args.block_size,
+        engine = Engine.load(EngineConfig(model_dir=model_dir, dtype=args.dtype, block_size=args.block_size,
                                           num_blocks=num_blocks, max_batched_tokens=512, max_num_seqs=16,
                                           kv_host_bytes=host_bytes))
         engine.start()
         try:
             warm_up(engine)
             before, start = engine.stats(), time.monotonic()
-            results[label] = multi_turn(engine, convs, args.max_tokens, args.rate)
+            results[label] = multi_turn(engine, convs, args.max_tokens, args.rate, args.think)
             s = engine.stats()
+            queues[label] = [f.admitted - f.arrival for f in engine.step_log.snapshot()[1] if f.arrival >= start]
         finally:
             engine.shutdown()
         ttfts, _, (cached, host) = results[label]
-        print(f"   {label:13s} TTFT P50 {statistics.median(ttfts) * 1000:8.1f} ms  P99 "
-              f"{percentile(ttfts, 0.99) * 1000:8.1f} ms   cached prompt tokens {cached} ({host} from the host tier)")
+        print(f"   {label:13s} TTFT {ttft_summary(list(ttfts.values()))}   cached prompt tokens {cached} "
+              f"({host} from the host tier)")
+        print(f"   {'':13s} first turns {ttft_summary([v for (_, t), v in ttfts.items() if t == 0])}; later turns "
+              f"{ttft_summary([v for (_, t), v in ttfts.items() if t > 0])}; of TTFT, queue wait {ttft_summary(queues[label])}")
         print(f"   {'':13s} prompt tokens computed {s.prompt_tokens_computed - before.prompt_tokens_computed}, "
               f"preemptions {s.num_preemptions - before.num_preemptions} ({s.swap_preemptions} swapped), "
               f"evictions {s.evictions - before.evictions}, host tier: {s.host_tier_stored_blocks} stored "
@@ -259,8 +305,9 @@ def measure(args, cpu: ForeignCpu) -> None:
               f"{time.monotonic() - start:.0f} s, {foreign_since(cpu, start)}")
     a, b = results["host tier"][1], results["no host tier"][1]
     same = sum(a[k] == b[k] for k in a)
-    p50 = statistics.median(results["no host tier"][0]) / statistics.median(results["host tier"][0])
-    p99 = percentile(results["no host tier"][0], 0.99) / percentile(results["host tier"][0], 0.99)
+    with_tier, without = list(results["host tier"][0].values()), list(results["no host tier"][0].values())
+    p50 = statistics.median(without) / statistics.median(with_tier)
+    p99 = percentile(without, 0.99) / percentile(with_tier, 0.99)
     print(f"   TTFT without / with the host tier: P50 {p50:.2f}x  P99 {p99:.2f}x;  "
           f"same outputs in {same} of {len(a)} turns")
     # A conversation whose answers part at some turn had the same history on both sides up to

@@ -85,3 +85,12 @@ async def test_bench_against_a_tiny_mesh_reports_every_request(tiny_llama_dir, t
     assert "| summarize |" in (tmp_path / "a" / "report.md").read_text()
     text = compare(tmp_path / "a", tmp_path / "b" / "report.json", tmp_path / "cmp")
     assert "| summarize | ttft |" in text and (tmp_path / "cmp" / "compare.png").stat().st_size > 0
+
+
+def test_the_multi_turn_schedule_is_seeded_and_thinks_only_between_turns():
+    from benchmarks.kv_host_tier import arrival_schedule
+    starts, pauses = arrival_schedule([3, 2], rate=2.0, think=10.0, seed=1)
+    assert (starts, pauses) == arrival_schedule([3, 2], rate=2.0, think=10.0, seed=1)  # both sides replay it
+    assert starts[0] < starts[1] and [len(p) for p in pauses] == [3, 2]
+    assert all(conv[0] == 0.0 for conv in pauses) and all(p > 0 for conv in pauses for p in conv[1:])
+    assert arrival_schedule([3, 2], rate=2.0, think=0.0, seed=1) == (starts, [[0.0] * 3, [0.0] * 2])
