@@ -265,6 +265,7 @@ def measure(args, cpu: ForeignCpu) -> None:
     probe = Engine.load(EngineConfig(model_dir=model_dir, dtype=args.dtype, num_blocks=256))
     convs = conversation_prompts(probe.tokenizer, args.conversations, args.turns)
     if args.rate == "auto":
+        probe.start()
         args.rate = calibrated_rate(probe, convs)
     else:
         args.rate = float(args.rate)
