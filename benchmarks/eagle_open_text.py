@@ -137,7 +137,8 @@ async def run(model_dir: Path, head: Path, tokens: int, temperatures: list[float
                 results = await asyncio.gather(*(collect(clients[label], r, AUTH_A) for r in reqs))
                 seconds = time.perf_counter() - start
                 batch.append(Row(label, temperature, sum(len(ids) for ids, _, _ in results), seconds,
-                                 round=round_index))
+                                 sum(last.usage.verify_passes for _, _, last in results),
+                                 sum(last.usage.accepted_tokens for _, _, last in results), round=round_index))
     for label in arms:
         await clients[label].__aexit__(None, None, None)
         await routers[label].stop(grace=1)
@@ -192,8 +193,12 @@ def report(single: list[Row], batch: list[Row], foreign: dict, per_draft_token: 
               f"(median tok/s; per round, the arm against off in the same round):")
         for plan, mine in rates.items():
             ratios = [a / o for a, o in zip(mine, rates["off"])]
+            mine_rows = [r for r in rows if r.plan == plan]
+            passes, accepted, tokens = (sum(getattr(r, f) for r in mine_rows) for f in ("passes", "accepted", "tokens"))
+            drafted = (f"   verify passes: {passes} for {tokens} tokens, {accepted / passes:.2f} accepted per pass"
+                      if passes else "")  # how much the adaptive policy let the head draft
             print(f"  {plan:<18} {statistics.median(mine):>7.1f} tok/s  {statistics.median(mine) / statistics.median(rates['off']):.2f}x off"
-                  f"   per round: {' '.join(f'{x:.2f}x' for x in ratios)}")
+                  f"   per round: {' '.join(f'{x:.2f}x' for x in ratios)}{drafted}")
     off_single = _rate([r for r in single if r.plan == "off" and r.temperature == 0])
     if not off_single:
         return

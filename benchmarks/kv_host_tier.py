@@ -130,14 +130,16 @@ def cross_replica(model_dir: Path, prefix_tokens: int, block_size: int, url: str
           f"(fetch + check)   restore {s.host_tier_restore_seconds / max(s.shared_tier_restored_blocks, 1) * 1000:7.3f} ms")
 
 
-def conversation_prompts(tok, conversations: int, turns: int) -> list[list[list[int]]]:
-    """Per conversation, per turn: the user message's tokens (the history is built as answers come)."""
+def conversation_prompts(tok, conversations: int, turns: int, facts: int = 40) -> list[list[list[int]]]:
+    """Per conversation: its system message (with `facts` background facts: ~450 tokens at 40 with
+    Gemma 3's tokenizer), then per turn the user message's tokens (the history is built as
+    answers come)."""
     rng = random.Random(0)
     topics = ["the harbour", "a recipe", "old maps", "train timetables", "a garden", "the weather"]
     out = []
     for c in range(conversations):
         system = tok(f"Conversation {c}. You are a helpful assistant who answers in two sentences. "
-                     f"Background: {' '.join(f'fact {c}-{i} about {rng.choice(topics)}.' for i in range(40))}"
+                     f"Background: {' '.join(f'fact {c}-{i} about {rng.choice(topics)}.' for i in range(facts))}"
                      ).input_ids
         turns_ids = [tok(f" User: question {t} about {rng.choice(topics)}, please explain. Assistant:",
                          add_special_tokens=False).input_ids for t in range(turns)]
@@ -222,6 +224,8 @@ def main() -> None:
     parser.add_argument("--conversations", type=int, default=40)
     parser.add_argument("--turns", type=int, default=6)
     parser.add_argument("--max-tokens", type=int, default=24)
+    parser.add_argument("--system-facts", type=int, default=40, help="background facts in each conversation's "
+                        "system message (40: ~450 tokens, 70% of a 6-turn conversation's final history)")
     parser.add_argument("--rate", default="2.0", help="conversations arriving per second, or 'auto': as many "
                         "as keep half of this machine busy with first turns alone (calibrated_rate)")
     parser.add_argument("--think", type=float, default=0.0, help="mean seconds between an answer and the "
@@ -263,7 +267,7 @@ def measure(args, cpu: ForeignCpu) -> None:
     if args.skip_multi_turn:
         return
     probe = Engine.load(EngineConfig(model_dir=model_dir, dtype=args.dtype, num_blocks=256))
-    convs = conversation_prompts(probe.tokenizer, args.conversations, args.turns)
+    convs = conversation_prompts(probe.tokenizer, args.conversations, args.turns, args.system_facts)
     if args.rate == "auto":
         probe.start()
         args.rate = calibrated_rate(probe, convs)

@@ -94,3 +94,32 @@ def test_the_multi_turn_schedule_is_seeded_and_thinks_only_between_turns():
     assert starts[0] < starts[1] and [len(p) for p in pauses] == [3, 2]
     assert all(conv[0] == 0.0 for conv in pauses) and all(p > 0 for conv in pauses for p in conv[1:])
     assert arrival_schedule([3, 2], rate=2.0, think=0.0, seed=1) == (starts, [[0.0] * 3, [0.0] * 2])
+
+
+def test_the_multi_turn_benchmark_runs_both_sides_at_a_calibrated_rate(tiny_gemma_dir, capsys):
+    """`kv_host_tier --rate auto` on a tiny model: the calibration measures first turns on a
+    started engine (it once waited forever on one never started), then both sides run."""
+    import argparse
+    import threading
+
+    from benchmarks.kv_host_tier import measure
+    from services.bench.foreign_cpu import ForeignCpu
+    args = argparse.Namespace(model=str(tiny_gemma_dir), prefix_tokens=64, block_size=16, conversations=3, turns=2,
+                              max_tokens=3, system_facts=3, rate="auto", think=0.0, dtype="float32", skip_costs=True,
+                              skip_multi_turn=False, shared_url="", without_first=False)
+    errors = []
+
+    def benchmark(cpu):
+        try:
+            measure(args, cpu)
+        except Exception as e:  # noqa: BLE001  (reported by the assertion below)
+            errors.append(e)
+    with ForeignCpu() as cpu:
+        worker = threading.Thread(target=benchmark, args=(cpu,), daemon=True)
+        worker.start()
+        worker.join(timeout=300)
+    assert not worker.is_alive(), "the multi-turn benchmark did not finish"
+    assert not errors, errors
+    out = capsys.readouterr().out
+    assert "calibrated rate" in out and isinstance(args.rate, float) and args.rate > 0
+    assert "TTFT without / with the host tier" in out and "of 6 turns" in out
