@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import contextlib
 import os
 import statistics
 import sys
@@ -122,14 +123,26 @@ async def run(model_dir: Path, head: Path, tokens: int, temperatures: list[float
         await router.stop(grace=1)
     arms = {"off": ("off", "fixed"), "eagle adaptive": ("eagle", "adaptive")}
     routers = {label: await router_for(method, 4, 0, policy) for label, (method, policy) in arms.items()}
-    clients = {label: AsyncClient(router.address, retry=NO_RETRIES) for label, router in routers.items()}
-    for label, client in clients.items():
-        await client.__aenter__()
-        await collect(client, chat("Hello!", 4, 0.0, 0), AUTH_A)  # connects the draft stream
+    async with contextlib.AsyncExitStack() as stack:
+        clients = {label: await stack.enter_async_context(AsyncClient(router.address, retry=NO_RETRIES))
+                   for label, router in routers.items()}
+        for client in clients.values():
+            await collect(client, chat("Hello!", 4, 0.0, 0), AUTH_A)  # connects the draft stream
+        await _concurrent_rounds(clients, list(arms), batch, tokens, temperatures, concurrency, rounds)
+    for router in routers.values():
+        await router.stop(grace=1)
+    await target.stop(grace=1)
+    await draft.stop(grace=1)
+    return single, batch
+
+
+async def _concurrent_rounds(clients: dict, arms: list[str], batch: list[Row], tokens: int,
+                             temperatures: list[float], concurrency: int, rounds: int) -> None:
+    """`concurrency` requests at once per arm and temperature, `rounds` times (rows into `batch`)."""
     for round_index in tqdm(range(rounds), desc=f"{concurrency} concurrent"):
         # The arms take turns, in an order rotated each round, so neither always runs on a
         # warmer (or more disturbed) machine; the rounds' spread is the noise floor.
-        order = list(arms)[round_index % len(arms):] + list(arms)[:round_index % len(arms)]
+        order = arms[round_index % len(arms):] + arms[:round_index % len(arms)]
         for label in order:
             for temperature in temperatures:
                 reqs = [chat(PROMPTS[i % len(PROMPTS)], tokens, temperature, i) for i in range(concurrency)]
@@ -139,12 +152,6 @@ async def run(model_dir: Path, head: Path, tokens: int, temperatures: list[float
                 batch.append(Row(label, temperature, sum(len(ids) for ids, _, _ in results), seconds,
                                  sum(last.usage.verify_passes for _, _, last in results),
                                  sum(last.usage.accepted_tokens for _, _, last in results), round=round_index))
-    for label in arms:
-        await clients[label].__aexit__(None, None, None)
-        await routers[label].stop(grace=1)
-    await target.stop(grace=1)
-    await draft.stop(grace=1)
-    return single, batch
 
 
 def head_cost(model_dir: Path, head: Path, depth: int = 4, context: int = 128, repeats: int = 20) -> float:
@@ -186,15 +193,14 @@ def report(single: list[Row], batch: list[Row], foreign: dict, per_draft_token: 
             vs_lookup = f"{rate / _rate(lookup):.2f}x" if lookup else "-"
             print(f"{plan:<20} {rate:>7.1f} {rate / off:>6.2f}x {vs_lookup:>9} {tau:>5} {per:>8}")
     for temperature in sorted({r.temperature for r in batch}):
-        rows = [r for r in batch if r.temperature == temperature]
-        rounds = sorted({r.round for r in rows})
-        rates = {plan: [r.tokens / r.seconds for r in rows if r.plan == plan] for plan in dict.fromkeys(r.plan for r in rows)}
-        print(f"\nconcurrent requests, {'greedy' if temperature == 0 else f'T={temperature}'}, {len(rounds)} rounds "
+        rows = [r for r in batch if r.temperature == temperature]  # in round order
+        by_plan = {plan: [r for r in rows if r.plan == plan] for plan in dict.fromkeys(r.plan for r in rows)}
+        rates = {plan: [r.tokens / r.seconds for r in mine] for plan, mine in by_plan.items()}
+        print(f"\nconcurrent requests, {'greedy' if temperature == 0 else f'T={temperature}'}, {len(rates['off'])} rounds "
               f"(median tok/s; per round, the arm against off in the same round):")
         for plan, mine in rates.items():
             ratios = [a / o for a, o in zip(mine, rates["off"])]
-            mine_rows = [r for r in rows if r.plan == plan]
-            passes, accepted, tokens = (sum(getattr(r, f) for r in mine_rows) for f in ("passes", "accepted", "tokens"))
+            passes, accepted, tokens = (sum(getattr(r, f) for r in by_plan[plan]) for f in ("passes", "accepted", "tokens"))
             drafted = (f"   verify passes: {passes} for {tokens} tokens, {accepted / passes:.2f} accepted per pass"
                       if passes else "")  # how much the adaptive policy let the head draft
             print(f"  {plan:<18} {statistics.median(mine):>7.1f} tok/s  {statistics.median(mine) / statistics.median(rates['off']):.2f}x off"
