@@ -35,6 +35,16 @@ using namespace specmesh_simd;
 
 inline __m512 widen(const uint16_t* p) { return load_bf16(p, 0xFFFF); }  // 16 bf16 -> float32
 
+// Key and value rows sit in blocks wherever the pool put them, so the hardware prefetcher, which
+// follows one stream, loses the thread at every block boundary: the row kPrefetchRows on (its
+// values [d, d + n)) is asked for ahead; a row past the range, or one not seen, is skipped.
+constexpr int64_t kPrefetchRows = 8;
+inline void prefetch_row(const uint16_t* const* rows, int64_t j, int64_t len, int64_t d, int64_t n) {
+  if (j >= len || rows[j] == nullptr) return;
+  const char* p = reinterpret_cast<const char*>(rows[j] + d);
+  for (int64_t b = 0; b < n * 2; b += 64) _mm_prefetch(p + b, _MM_HINT_T0);
+}
+
 // n bf16 values (n a multiple of 16) -> float32 (exact).
 inline void widen_row(const uint16_t* src, int64_t n, float* dst) {
   for (int64_t d = 0; d < n; d += 16) _mm512_storeu_ps(dst + d, widen(src + d));
@@ -66,6 +76,7 @@ inline void weighted_values(const float* probs, int64_t len, const uint16_t* con
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) acc[g][c] = _mm512_setzero_ps();
   for (int64_t j = 0; j < len; ++j) {
+    prefetch_row(vrows, j + kPrefetchRows, len, d, 16 * C);
     if (vrows[j] == nullptr) continue;
     __m512 v[C];
     for (int c = 0; c < C; ++c) v[c] = widen(vrows[j] + d + 16 * c);
@@ -82,8 +93,10 @@ inline void weighted_values(const float* probs, int64_t len, const uint16_t* con
 template <int G>
 void head_block_scores(const float* qf, const uint16_t* const* krows, int64_t len, int64_t D, float scale,
                        float* probs) {
-  for (int64_t j = 0; j < len; ++j)
+  for (int64_t j = 0; j < len; ++j) {
+    prefetch_row(krows, j + kPrefetchRows, len, 0, D);
     if (krows[j] != nullptr) head_scores<G>(qf, krows[j], D, scale, probs + j, len);
+  }
 }
 
 template <int G>

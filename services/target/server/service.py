@@ -30,6 +30,7 @@ from services.common.request_checks import (BucketLabels, CheckedRequest, check_
 from services.common.telemetry import record_error
 from services.target.server.chat import ChatTemplateError, chat_prompt_ids
 from services.target.server.logprob_chunks import TokenTexts, logprobs_proto
+from services.target.server.loop_mailbox import mailbox_for
 from services.target.structured.request import compile_constraint
 from services.target.engine.engine import Engine, InvalidRequest, Overloaded
 from services.target.engine.engine_types import DuplicateRequest, EngineFailed, RankLost
@@ -79,12 +80,12 @@ class Outputs:
     """One request's engine outputs, handed from the engine's thread to the call's event loop."""
 
     def __init__(self) -> None:
-        self._loop = asyncio.get_running_loop()
+        self._mailbox = mailbox_for(asyncio.get_running_loop())  # a step's outputs wake the loop once
         self._queue: asyncio.Queue[StepOutput] = asyncio.Queue()
         self.finished = False  # the final output went out: nothing left to abort
 
     def emit(self, out: StepOutput) -> None:  # on the engine's thread
-        self._loop.call_soon_threadsafe(self._queue.put_nowait, out)
+        self._mailbox.post(self._queue, out)
 
     async def next(self) -> StepOutput:
         return await self._queue.get()
