@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 
-from services.target.server.loop_mailbox import LoopMailbox, mailbox_for
+from services.target.engine.loop_mailbox import LoopMailbox, held, mailbox_for
 
 
 def test_a_burst_posted_while_the_loop_is_busy_wakes_it_once_and_keeps_each_queues_order():
@@ -48,3 +49,25 @@ def test_each_loop_has_one_mailbox():
         return mailbox_for(loop) is mailbox_for(loop)
 
     assert asyncio.run(main())
+
+
+def test_posts_inside_held_wait_for_its_end_and_then_wake_each_loop_once():
+    async def main():
+        box = LoopMailbox(asyncio.get_running_loop())
+        q = asyncio.Queue()
+        seen_inside = []
+
+        def engine_step():
+            with held():
+                for i in range(18):
+                    box.post(q, i)
+                    if i == 0:
+                        time.sleep(0.05)  # the loop is free meanwhile: nothing may be delivered yet
+                        seen_inside.append(q.qsize())
+
+        await asyncio.to_thread(engine_step)
+        got = [await asyncio.wait_for(q.get(), 5) for _ in range(18)]
+        return box.wakeups, got, seen_inside
+
+    wakeups, got, seen_inside = asyncio.run(main())
+    assert (wakeups, got, seen_inside) == (1, list(range(18)), [0])

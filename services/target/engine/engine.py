@@ -26,6 +26,7 @@ from services.target.speculation.draft_client import DraftClient
 from services.target.engine.engine_types import (DuplicateRequest, EngineFailed, EngineStats, InvalidRequest,
                                                  Overloaded, RankLost)
 from services.target.engine.fault_point import FaultPoint
+from services.target.engine.loop_mailbox import held
 from services.target.speculation.no_draft_service import NoDraftService
 from services.target.structured.compiler import ConstraintCompiler
 from services.target.structured.grammar_state import GrammarState
@@ -517,7 +518,7 @@ class Engine:
         """Run the scheduled batch, then let the scheduler do the bookkeeping; emit what committed."""
         results, failed = self._execute(batch)
         now = time.monotonic()
-        with self._lock:
+        with self._lock, held():  # the step's outputs reach the server's loop with one wake-up
             for seq_id, exc in failed.items():  # batch items, and followers sampled with them
                 if seq_id in self._live:
                     self._finish(self._live[seq_id], error=exc)

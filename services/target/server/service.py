@@ -30,9 +30,9 @@ from services.common.request_checks import (BucketLabels, CheckedRequest, check_
 from services.common.telemetry import record_error
 from services.target.server.chat import ChatTemplateError, chat_prompt_ids
 from services.target.server.logprob_chunks import TokenTexts, logprobs_proto
-from services.target.server.loop_mailbox import mailbox_for
 from services.target.structured.request import compile_constraint
 from services.target.engine.engine import Engine, InvalidRequest, Overloaded
+from services.target.engine.loop_mailbox import mailbox_for
 from services.target.engine.engine_types import DuplicateRequest, EngineFailed, RankLost
 from services.target.engine.sequence import FinishReason, SpeculationPlan, StepOutput
 
