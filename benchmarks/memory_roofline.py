@@ -24,7 +24,10 @@ from pathlib import Path
 import torch
 
 # Bytes a decode token reads (weights only; the KV cache of a short context is small beside them).
-SPECMESH_BYTES = {"auto": 536e6, "bf16-avx512": 536e6, "bf16": 536e6, "gguf": 306e6}  # docs/kernels.md
+# specmesh's: the packed linear weights of the default model as benchmarks/cpu_kernels_decode.py's
+# linear_weight_bytes counts them (it prints them per format; loading the model here for two numbers
+# would cost more than the read it is compared with).
+SPECMESH_BYTES = {"auto": 536e6, "bf16-avx512": 536e6, "bf16": 536e6, "gguf": 306e6}
 VLLM_BYTES = 536e6  # the default model in bf16, its tied embedding read as the output layer
 LLAMACPP_FILES = {"llama.cpp BF16": "gemma-3-270m-bf16.gguf", "llama.cpp Q4_K_M": "gemma-3-270m-q4_k_m.gguf"}
 

@@ -85,8 +85,11 @@ def start_mesh(model: str, weights: str, log_dir: Path) -> dict[str, subprocess.
     return {"target": target, "router": router}
 
 
-def tree_seconds(pid: int) -> float:
-    return sum(process_seconds(p) for p in process_tree([pid]))
+def cpu_seconds(pids: dict[str, int]) -> dict[str, float]:
+    """CPU seconds so far per process: a service with its children; the client (this process) alone,
+    its py-spy children not counted."""
+    return {name: process_seconds(pid) if name == "client" else sum(process_seconds(p) for p in process_tree([pid]))
+            for name, pid in pids.items()}
 
 
 async def run(args) -> None:
@@ -115,7 +118,7 @@ async def run(args) -> None:
                    "--nonblocking"]
             spies[name] = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=open(out_dir / f"{name}.spy.log", "w"))
         time.sleep(2)  # py-spy attached
-        cpu0 = {name: tree_seconds(pid) if name != "client" else process_seconds(pid) for name, pid in pids.items()}
+        cpu0 = cpu_seconds(pids)
         limits = [args.tokens * (1 + i % 4) // 4 for i in range(18)]  # batch18's requests, without its pause
         reqs = [prompts[i % len(prompts)] for i in range(18)]
         tokens, batches, start = 0, 0, time.perf_counter()
@@ -125,7 +128,7 @@ async def run(args) -> None:
                 tokens += sum(r[0] for r in results)
                 batches += 1
             wall = time.perf_counter() - start
-        cpu1 = {name: tree_seconds(pid) if name != "client" else process_seconds(pid) for name, pid in pids.items()}
+        cpu1 = cpu_seconds(pids)
         for s in spies.values():
             s.send_signal(2)  # SIGINT: py-spy writes what it has
         for s in spies.values():
