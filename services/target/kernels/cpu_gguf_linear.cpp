@@ -18,13 +18,17 @@
 //   scales [G, K / SB, 16] float32, and offsets (same shape, or empty): S and D per column and
 //     sub-block of SB k.
 // Decode rows (M <= 3) expand each group's weights in registers for every row at once; more rows
-// expand a 32-column panel to bf16 in a small buffer first and run the row tiles over it.
+// expand a 32-column panel to bf16 in a small buffer first and run the row tiles over it. Where the
+// caller asks for AMX (bf16_linear would take its AMX tiles for these rows: cpu_linear.py), the
+// expanded panel goes to the same AMX loop (cpu_amx.h), so outputs stay equal to bf16_linear's.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "cpu_amx.h"
 #include "cpu_kernels.h"
+#include "cpu_panels.h"
 #include "cpu_simd.h"
 
 #include <algorithm>
@@ -158,6 +162,30 @@ inline void write_group(const float* buf, int64_t rows, int64_t g, int64_t N, ui
     specmesh_simd::store_bf16(y + m * ldy + g * kGroup, specmesh_simd::round_bf16(_mm512_loadu_ps(buf + m * kGroup)), mask);
 }
 
+// AMX: x [M_pad, 2*K2] (rows padded to whole tiles); each pair of groups expanded to a bf16 panel,
+// then the AMX loop over it, as bf16_linear's AMX path over the packed panel.
+template <bool OFFSETS>
+void run_amx(const uint16_t* x, int64_t M_pad, int64_t M, const Weights& w, int64_t G, int64_t N, uint16_t* y) {
+  const int64_t m_chunk = 256;  // rows per pass over a panel (their x stays in L2)
+  at::parallel_for(0, (G + 1) / 2, 2, [&](int64_t begin, int64_t end) {
+    std::vector<__m512bh> panel(w.K2 * 2);  // [K2, 64] bf16: bf16_linear's panel of these 32 columns
+    std::vector<float> block(std::min(m_chunk, M_pad) * 2 * kGroup);
+    specmesh_amx::begin();
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t g0 = u * 2, groups = std::min<int64_t>(2, G - g0);
+      if (groups == 1) std::fill(panel.begin(), panel.end(), (__m512bh)_mm512_setzero_si512());
+      expand_panel<OFFSETS>(w, g0, groups, panel.data());
+      for (int64_t m0 = 0; m0 < M_pad; m0 += m_chunk) {
+        const int64_t rows_pad = std::min(m_chunk, M_pad - m0), rows = std::min(rows_pad, M - m0);
+        specmesh_amx::panel_rows(x + m0 * 2 * w.K2, 2 * w.K2, rows_pad, reinterpret_cast<const uint16_t*>(panel.data()),
+                                 w.K2, block.data());
+        specmesh_panels::write_panel(block.data(), rows, u, N, y + m0 * N);
+      }
+    }
+    specmesh_amx::end();
+  });
+}
+
 template <bool OFFSETS>
 void run(const uint16_t* x, int64_t M, const Weights& w, int64_t G, int64_t N, uint16_t* y) {
   const int64_t ldx = 2 * w.K2;
@@ -210,9 +238,10 @@ void run(const uint16_t* x, int64_t M, const Weights& w, int64_t G, int64_t N, u
 #endif  // SPECMESH_ISA_AVX512
 
 // x: [M, K] bf16; quants [ceil(N/16), K/2, 32] int8; scales [ceil(N/16), K/SB, 16] f32; offsets the
-// same or empty -> [M, N] bf16, equal to bf16_linear(x, pack(round_bf16(S * q - D)), N, dot=True).
+// same or empty -> [M, N] bf16, equal to bf16_linear(x, pack(round_bf16(S * q - D)), N, dot=True), or with
+// amx (the caller checks amx_ready() and K % 32 == 0) to bf16_linear_amx of the same.
 at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& quants, const at::Tensor& scales,
-                       const at::Tensor& offsets, int64_t N) {
+                       const at::Tensor& offsets, int64_t N, bool amx) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "gguf_linear: x must be bf16 [M, K]");
   const int64_t M = x_in.size(0), K = x_in.size(1), G = (N + 15) / 16;
   TORCH_CHECK(quants.dim() == 3 && quants.scalar_type() == at::kChar && quants.size(0) == G
@@ -231,14 +260,24 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& quants, const a
   TORCH_CHECK(false, "gguf_linear needs AVX512-BF16; this is the AVX2 build of the module");
 #else
   if (M == 0 || N == 0) return out;
-  const at::Tensor x = x_in.contiguous();
+  at::Tensor x = x_in.contiguous();
   const int64_t subs = scales.size(1);
   const Weights w{quants.data_ptr<int8_t>(), scales.data_ptr<float>(),
                   has_offsets ? offsets.data_ptr<float>() : nullptr, K / 2, K / subs / 2, subs};
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   uint16_t* yp = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
-  if (has_offsets) run<true>(xp, M, w, G, N, yp);
-  else run<false>(xp, M, w, G, N, yp);
+  if (amx) {
+    TORCH_CHECK(K % specmesh_amx::kTileK == 0 && amx_ready(), "gguf_linear: amx needs K % 32 == 0 and the AMX tiles");
+    const int64_t M_pad = (M + specmesh_amx::kTileRows - 1) / specmesh_amx::kTileRows * specmesh_amx::kTileRows;
+    if (M_pad != M) x = at::constant_pad_nd(x, {0, 0, 0, M_pad - M});
+    const uint16_t* xpad = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
+    if (has_offsets) run_amx<true>(xpad, M_pad, M, w, G, N, yp);
+    else run_amx<false>(xpad, M_pad, M, w, G, N, yp);
+  } else if (has_offsets) {
+    run<true>(xp, M, w, G, N, yp);
+  } else {
+    run<false>(xp, M, w, G, N, yp);
+  }
 #endif
   return out;
 }

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
+from . import cpu_linear
 from .cpu_kernels import available as _module_available
 from .cpu_kernels import bf16_dot_instruction, module, unavailable_reason as _module_unavailable_reason
 
@@ -158,8 +159,12 @@ def pack(parts: Decoded) -> Packed:
 
 
 def gguf_linear(x: torch.Tensor, w: Packed) -> torch.Tensor:
-    """x [M, K] bf16 times the weight [N, K] -> [M, N] bf16 (float32 sums over k pairs in order, one rounding)."""
-    return module().gguf_linear(x, w.quants, w.scales, w.offsets, w.out_features)
+    """x [M, K] bf16 times the weight [N, K] -> [M, N] bf16 (float32 sums over k pairs in order, one rounding).
+
+    Rows that `cpu_linear.bf16_linear` would multiply with AMX tiles go through the same tiles (over each
+    panel expanded to bf16), so the outputs stay equal to bf16_linear's over the dequantized weight."""
+    amx = cpu_linear.takes_amx(x.shape[0], w.in_features)
+    return module().gguf_linear(x, w.quants, w.scales, w.offsets, w.out_features, amx)
 
 
 def rows(w: Packed, ids: torch.Tensor) -> torch.Tensor:

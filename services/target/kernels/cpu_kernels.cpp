@@ -11,6 +11,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16 [N, K] -> [ceil(N/32), ceil(K/2), 64] panels for bf16_linear");
   m.def("bf16_linear", &bf16_linear,
         "y = x w^T for bf16 x [M, K] and packed w (float32 sums, bf16 out); dot: VDPBF16PS, else widen + FMA");
+  m.def("bf16_linear_amx", &bf16_linear_amx,
+        "y = x w^T over the same panels with AMX tiles (K a multiple of 32; float32 sums, bf16 out)");
+  m.def("amx_ready", &amx_ready, "whether the OS granted this process the AMX tile registers (asked once)");
   m.def("gguf_linear", &gguf_linear,
         "y = x w^T for bf16 x [M, K] and GGUF block weights repacked as int8 quants, scales and offsets "
         "(VDPBF16PS; equal to bf16_linear over the weights dequantized to bf16)");

@@ -13,10 +13,14 @@
 at::Tensor pack_bf16_weight(const at::Tensor& w);  // [N, K] bf16 -> [ceil(N/32), ceil(K/2), 64] panels
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, bool dot);  // [M, K] -> [M, N]
 
+// cpu_amx_linear.cpp: the same product over the same panels with AMX tiles (calls of many rows).
+bool amx_ready();  // asks the OS for the tile registers once; whether it granted them
+at::Tensor bf16_linear_amx(const at::Tensor& x, const at::Tensor& packed, int64_t N);  // [M, K], K % 32 == 0
+
 // cpu_gguf_linear.cpp: linear layers over GGUF block-quantized weights (AVX512-BF16), repacked
 // by cpu_gguf_linear.py; bit-identical to bf16_linear over the weights dequantized to bf16.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& quants, const at::Tensor& scales,
-                       const at::Tensor& offsets, int64_t N);  // [M, K] -> [M, N]
+                       const at::Tensor& offsets, int64_t N, bool amx);  // [M, K] -> [M, N]
 
 // cpu_rowops.cpp: the lean forwards' per-row ops between the matmuls (Gemma 3's and the Llama
 // family's: weight_after picks the norm's rounding), bf16 activations.

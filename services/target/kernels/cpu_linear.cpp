@@ -15,10 +15,9 @@
 // AVX512-BF16 its one-row (decode) path streams the weights slower than this kernel
 // (benchmarks/linear_formats.py; numbers: docs/kernels.md).
 //
-// Layout: weights packed once into panels of 32 output columns and pairs of k,
-// [P = ceil(N/32), K2 = ceil(K/2), 64] bf16 (K padded with a zero to even). Within [p, kk]:
-// slots 0-31 hold columns 0-15 as (k=2kk, k=2kk+1) pairs, slots 32-63 columns 16-31 likewise.
-// One 64-byte load is then 16 columns' pairs: the operand VDPBF16PS takes, and for widen + FMA
+// Layout: weights packed once into panels of 32 output columns and pairs of k (cpu_panels.h;
+// K padded with a zero to even). Where the CPU has AMX, calls of many rows go to cpu_amx_linear.cpp,
+// which reads the same panels. One 64-byte load is then 16 columns' pairs: the operand VDPBF16PS takes, and for widen + FMA
 // a 16-bit shift gives the even k's as float32 and masking the low halves the odd k's.
 
 #include <torch/extension.h>
@@ -26,6 +25,7 @@
 #include <immintrin.h>
 
 #include "cpu_kernels.h"
+#include "cpu_panels.h"
 #include "cpu_simd.h"
 
 #include <algorithm>
@@ -36,8 +36,8 @@
 
 namespace {
 
-constexpr int64_t kPanel = 32;           // output columns per panel: two 16-lane float32 vectors (four 8-lane)
-constexpr int64_t kPairSlots = 2 * kPanel;  // bf16 values per [panel, k pair]
+using specmesh_panels::kPairSlots;
+using specmesh_panels::kPanel;
 
 }  // namespace
 
@@ -55,16 +55,6 @@ inline void store(__m512 (&acc)[NP][MB][2], float* buf, int64_t lpanel) {
       _mm512_storeu_ps(buf + p * lpanel + m * kPanel, acc[p][m][0]);
       _mm512_storeu_ps(buf + p * lpanel + m * kPanel + 16, acc[p][m][1]);
     }
-}
-
-// buf's rows [0, rows) of panel p (32 float32 each) -> y[m, p * 32 ...] bf16 (row stride N), up to N.
-inline void write_panel(const float* buf, int64_t rows, int64_t p, int64_t N, uint16_t* y) {
-  const int64_t n0 = p * kPanel, valid = std::min<int64_t>(kPanel, N - n0);
-  const __mmask16 m0 = specmesh_simd::lanes(valid), m1 = specmesh_simd::lanes(std::max<int64_t>(valid - 16, 0));
-  for (int64_t m = 0; m < rows; ++m) {
-    specmesh_simd::store_bf16(y + m * N + n0, specmesh_simd::round_bf16(_mm512_loadu_ps(buf + m * kPanel)), m0);
-    specmesh_simd::store_bf16(y + m * N + n0 + 16, specmesh_simd::round_bf16(_mm512_loadu_ps(buf + m * kPanel + 16)), m1);
-  }
 }
 
 // Widen + FMA: rows of x ([MB, 2*K2] float32, row stride ldx) against panels p0 .. p0 + NP.
@@ -191,7 +181,7 @@ void run(const char* x, int64_t esize, int64_t M, int64_t K2, const uint16_t* wp
         else
           for (int64_t p = 0; p < panels; ++p)
             rows<1, 12, DOT>(xm, esize, ldx, rows_here, K2, wp, p0 + p, block.data() + p * lpanel, lpanel, prefetch);
-        for (int64_t p = 0; p < panels; ++p) write_panel(block.data() + p * lpanel, rows_here, p0 + p, N, y + m0 * N);
+        for (int64_t p = 0; p < panels; ++p) specmesh_panels::write_panel(block.data() + p * lpanel, rows_here, p0 + p, N, y + m0 * N);
       }
     }
   });
