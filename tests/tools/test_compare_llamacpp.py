@@ -145,3 +145,36 @@ def test_the_http_clients_keep_all_18_batch_requests_in_flight():
     body = _Completions.bodies[0]
     assert body["cache_prompt"] is True and body["temperature"] == 0 and body["stream"] is True
     assert sorted(b["max_tokens"] for b in _Completions.bodies) == sorted(64 * (1 + i % 4) // 4 for i in range(18))
+
+
+FAKE_SERVER = '''#!{python}
+import os, signal, sys
+from http.server import BaseHTTPRequestHandler, HTTPServer
+if "-nr" not in sys.argv:  # as llama.cpp's weight repacking did on a Xeon with AMX
+    os.kill(os.getpid(), signal.SIGSEGV)
+class Health(BaseHTTPRequestHandler):
+    def do_GET(self):
+        self.send_response(200)
+        self.end_headers()
+HTTPServer(("127.0.0.1", int(sys.argv[sys.argv.index("--port") + 1])), Health).serve_forever()
+'''
+
+
+def test_a_llamacpp_server_that_crashes_while_repacking_runs_again_without_it_and_the_report_says_so(
+        tmp_path, monkeypatch):
+    import socket
+    import sys
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        monkeypatch.setattr(compare, "LLAMACPP_PORT", s.getsockname()[1])
+    monkeypatch.setattr(compare, "LLAMACPP_NOTES", [])
+    server = tmp_path / "llama-server"
+    server.write_text(FAKE_SERVER.format(python=sys.executable))
+    server.chmod(0o755)
+    proc = compare.start_llamacpp_ready(Q4, server, tmp_path / "m.gguf", 4096, tmp_path / "log")
+    try:
+        assert proc.poll() is None and "-nr" in proc.args
+        assert compare.LLAMACPP_NOTES == [f"{Q4} crashed while starting with weight repacking and ran with --no-repack"]
+    finally:
+        compare.stop([proc])

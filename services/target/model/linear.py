@@ -107,7 +107,8 @@ class AVX512LinearBF16(nn.Module):
 
     A bias (Qwen2's q/k/v) rides in the product as one more input column: W' = [W | b] and
     x' = [x | 1], so it is summed in float32 with the products before the one rounding, as
-    torch adds it (a bf16 bias times 1 is exact), at the cost of copying the rows once.
+    torch adds it (a bf16 bias times 1 is exact), at the cost of copying the rows once. Zero
+    columns after it keep K a multiple of 32, which the AMX tiles need (0 * 0 adds nothing).
     """
 
     def __init__(self, linear: nn.Linear, out_dtype: torch.dtype | None = None) -> None:
@@ -116,14 +117,21 @@ class AVX512LinearBF16(nn.Module):
         self.out_dtype = out_dtype
         weight = linear.weight.detach().to(torch.bfloat16)  # [out_features, in_features]
         self.has_bias = linear.bias is not None
+        self.extended = self.in_features
         if self.has_bias:
-            weight = torch.cat([weight, linear.bias.detach().to(torch.bfloat16)[:, None]], dim=1)  # [out, in + 1]
+            self.extended = (self.in_features + 1 + 31) // 32 * 32  # in', with the bias's column
+            weight = torch.cat([weight, linear.bias.detach().to(torch.bfloat16)[:, None],
+                                weight.new_zeros(self.out_features, self.extended - self.in_features - 1)],
+                               dim=1)  # [out, in']
         self.register_buffer("panels", cpu_linear.pack(weight), persistent=False)  # [ceil(out / 32), ceil(in' / 2), 64] bf16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [rows, in] bf16
         if self.has_bias:
-            flat = torch.cat([flat, flat.new_ones(flat.shape[0], 1)], dim=1)  # [rows, in + 1]: the bias's column
+            ext = flat.new_zeros(flat.shape[0], self.extended)  # [rows, in']
+            ext[:, :self.in_features] = flat
+            ext[:, self.in_features] = 1.0  # the bias's column
+            flat = ext
         y = cpu_linear.bf16_linear(flat, self.panels, self.out_features)  # [rows, out] bf16
         return y.to(self.out_dtype or x.dtype).reshape(*x.shape[:-1], self.out_features)
 
