@@ -57,6 +57,12 @@ def bf16_dot_instruction() -> bool:
     return avx512() and "avx512_bf16" in cpu_flags()
 
 
+def amx_cpu() -> bool:
+    """Whether the CPU has AMX-BF16 tiles and SPECMESH_AMX is not 0 (the switch that keeps specmesh's
+    kernels and choices off them, to measure the other paths)."""
+    return os.environ.get("SPECMESH_AMX", "1") != "0" and avx512() and {"amx_bf16", "amx_tile"} <= cpu_flags()
+
+
 def avx512() -> bool:
     flags = cpu_flags()
     return platform.machine() in ("x86_64", "AMD64") and {"avx512f", "avx512bw", "avx512dq", "avx512vl"} <= flags

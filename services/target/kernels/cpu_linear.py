@@ -9,12 +9,11 @@ same panels. The module is built and loaded by cpu_kernels.py; its availability 
 from __future__ import annotations
 
 import functools
-import os
 
 import torch
 
 from .cpu_kernels import SOURCES as _SOURCES  # noqa: F401  (the module's sources, for packaging checks)
-from .cpu_kernels import available, avx2, avx512, bf16_dot_instruction, cpu_flags, isa, unavailable_reason  # noqa: F401
+from .cpu_kernels import amx_cpu, available, avx2, avx512, bf16_dot_instruction, cpu_flags, isa, unavailable_reason  # noqa: F401
 from .cpu_kernels import module as _module
 
 
@@ -39,9 +38,7 @@ AMX_MIN_ROWS = 3
 def amx() -> bool:
     """Whether calls of many rows multiply with AMX tiles here: the CPU has AMX-BF16, the OS granted
     the tile registers, and SPECMESH_AMX is not 0 (a switch to measure the VDPBF16PS loop alone)."""
-    if os.environ.get("SPECMESH_AMX", "1") == "0" or not ({"amx_bf16", "amx_tile"} <= cpu_flags() and avx512()):
-        return False
-    return bool(_module().amx_ready())
+    return amx_cpu() and bool(_module().amx_ready())
 
 
 def takes_amx(rows: int, in_features: int) -> bool:

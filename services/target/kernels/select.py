@@ -30,7 +30,7 @@ import torch
 
 from .kv_store import store_kv_reference
 from .paged_attention import paged_attention_planned, paged_attention_reference, plan_paged_attention
-from .paged_attention_cpu import chunk_kernel_runs, paged_attention_cpu, paged_attention_cpu_planned, plan_cpu_attention
+from .paged_attention_cpu import paged_attention_cpu, paged_attention_cpu_planned, plan_cpu_attention, whole_windows
 from .protocol import AcceptTreeGreedy, AcceptTreeSampling, Attend, PagedAttention, PlanAttention, StoreKV
 from .tree_accept import accept_tree_greedy_reference, accept_tree_sampling_reference
 
@@ -78,9 +78,9 @@ def _plan_reference(query, k_cache, block_tables, context_lens, query_start_loc,
 
 def _plan_cpu(query, k_cache, block_tables, context_lens, query_start_loc, query_positions,
               sliding_window, tree_mask, cpp_attention: bool):
-    """Per-sequence block ranges; long window chunks cut in pieces unless the C++ chunk kernel
-    takes them whole (it bounds each row block's keys itself)."""
-    whole = chunk_kernel_runs(query.dtype, k_cache.dtype, query.shape[-1], cpp_attention)
+    """Per-sequence block ranges; long window chunks cut in pieces unless they attend whole
+    (paged_attention_cpu.whole_windows)."""
+    whole = whole_windows(query.dtype, k_cache.dtype, query.shape[-1], cpp_attention)
     return plan_cpu_attention(k_cache.shape[1], block_tables, context_lens, query_start_loc,
                               query_positions, sliding_window, tree_mask, cut_windows=not whole)
 
