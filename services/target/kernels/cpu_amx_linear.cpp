@@ -3,15 +3,16 @@
 //
 // Why: on such a CPU one TDPBF16PS multiplies a 16 x 32 tile of x by a 32 x 16 tile of w, 16 times the
 // work of a VDPBF16PS; oneDNN's AMX path ran a 512-row chunk of the default model's linears 5-11x
-// faster than the VDPBF16PS loop, and 18 rows 2-3x (benchmarks/linear_formats.py; docs/kernels.md).
+// faster than the VDPBF16PS loop, and 18 rows 1.7-3.8x (benchmarks/linear_formats.py; docs/kernels.md).
 // Reading the panels the VDPBF16PS loop reads keeps one copy of the weights.
 //
 // The panels are already AMX's layout for the weight operand: [p, kk] holds columns 0-15 of panel p
 // as (k = 2kk, 2kk + 1) pairs in slots 0-31 and columns 16-31 in slots 32-63, so 16 consecutive kk
 // of one half, 128 bytes apart, are one 16-row B tile (16 k pairs x 16 columns).
-// Precision: bf16 products, float32 sums over the k pairs in order, one rounding to bf16, as the
-// VDPBF16PS loop; within a pair the hardware adds the two products in its own order
-// (tests/target/test_cpu_amx_linear.py measures how often an output differs from that loop's).
+// Precision: bf16 products, float32 sums, one rounding to bf16, as the VDPBF16PS loop; but inside a
+// tile step (16 k pairs) the hardware adds in its own way, which matches neither pair order of a
+// sequential float32 sum, so an output differs from the loop's by one bf16 step in ~1 of 10,000
+// (tests/target/test_cpu_amx_linear.py). Each row's outputs depend on that row alone.
 //
 // Linux gives a process the tile registers only once it asks (arch_prctl ARCH_REQ_XCOMP_PERM);
 // `amx_ready` asks once and says whether it was granted.

@@ -1,7 +1,8 @@
 """Builds and loads specmesh's CPU kernel module, `specmesh_cpu_kernels`, on first use.
 
-It holds the bf16 linear kernel (cpu_linear.cpp, wrapped in cpu_linear.py), the linear kernel over
-GGUF block-quantized weights (cpu_gguf_linear.cpp, wrapped in cpu_gguf_linear.py), Gemma 3's
+It holds the bf16 linear kernel (cpu_linear.cpp, and its AMX tile path cpu_amx_linear.cpp, wrapped
+in cpu_linear.py), the linear kernel over GGUF block-quantized weights (cpu_gguf_linear.cpp, wrapped
+in cpu_gguf_linear.py), Gemma 3's
 per-row ops (cpu_rowops.cpp) and the paged bf16 attention of decode rows and prefill chunks
 (cpu_decode_attention.cpp, cpu_chunk_attention.cpp), all wrapped in cpu_rowops.py; the
 prototypes are in cpu_kernels.h, the Python bindings in cpu_kernels.cpp.
@@ -29,8 +30,8 @@ from pathlib import Path
 
 MODULE_NAME = "specmesh_cpu_kernels"
 SOURCES = [str(Path(__file__).with_name(name)) for name in (
-    "cpu_kernels.cpp", "cpu_linear.cpp", "cpu_amx_linear.cpp", "cpu_gguf_linear.cpp", "cpu_rowops.cpp", "cpu_decode_attention.cpp",
-    "cpu_chunk_attention.cpp")]
+    "cpu_kernels.cpp", "cpu_linear.cpp", "cpu_amx_linear.cpp", "cpu_gguf_linear.cpp", "cpu_rowops.cpp",
+    "cpu_decode_attention.cpp", "cpu_chunk_attention.cpp")]
 _FLAGS = ["-O3", "-fopenmp"]
 # Per ISA: the compiler's target flags and the define that picks the C++ loops (cpu_simd.h).
 ISA_FLAGS = {

@@ -15,10 +15,11 @@
 // AVX512-BF16 its one-row (decode) path streams the weights slower than this kernel
 // (benchmarks/linear_formats.py; numbers: docs/kernels.md).
 //
-// Layout: weights packed once into panels of 32 output columns and pairs of k (cpu_panels.h;
-// K padded with a zero to even). Where the CPU has AMX, calls of many rows go to cpu_amx_linear.cpp,
-// which reads the same panels. One 64-byte load is then 16 columns' pairs: the operand VDPBF16PS takes, and for widen + FMA
-// a 16-bit shift gives the even k's as float32 and masking the low halves the odd k's.
+// Layout: weights packed once into panels of 32 output columns and pairs of k (cpu_panels.h; K padded
+// with a zero to even). One 64-byte load is then 16 columns' pairs: the operand VDPBF16PS takes, and
+// for widen + FMA a 16-bit shift gives the even k's as float32 and masking the low halves the odd k's.
+// Where the CPU has AMX, calls of 3 or more rows go to cpu_amx_linear.cpp over the same panels
+// (cpu_linear.py picks).
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -181,7 +182,8 @@ void run(const char* x, int64_t esize, int64_t M, int64_t K2, const uint16_t* wp
         else
           for (int64_t p = 0; p < panels; ++p)
             rows<1, 12, DOT>(xm, esize, ldx, rows_here, K2, wp, p0 + p, block.data() + p * lpanel, lpanel, prefetch);
-        for (int64_t p = 0; p < panels; ++p) specmesh_panels::write_panel(block.data() + p * lpanel, rows_here, p0 + p, N, y + m0 * N);
+        for (int64_t p = 0; p < panels; ++p)
+          specmesh_panels::write_panel(block.data() + p * lpanel, rows_here, p0 + p, N, y + m0 * N);
       }
     }
   });

@@ -13,7 +13,8 @@ import functools
 import torch
 
 from .cpu_kernels import SOURCES as _SOURCES  # noqa: F401  (the module's sources, for packaging checks)
-from .cpu_kernels import amx_cpu, available, avx2, avx512, bf16_dot_instruction, cpu_flags, isa, unavailable_reason  # noqa: F401
+from .cpu_kernels import (amx_cpu, available, avx2, avx512, bf16_dot_instruction, cpu_flags, isa,  # noqa: F401
+                          unavailable_reason)
 from .cpu_kernels import module as _module
 
 
@@ -29,8 +30,8 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return _module().pack_bf16_weight(weight)
 
 
-# From this many rows a call multiplies with AMX tiles where the CPU has them: at 1-3 rows the
-# VDPBF16PS loop streams the weights as fast, from 3 rows the tiles' arithmetic wins (docs/kernels.md).
+# From this many rows a call multiplies with AMX tiles where the CPU has them: at 1 row the VDPBF16PS
+# loop streams the weights faster, at 2 they are even, from 3 the tiles win (docs/kernels.md).
 AMX_MIN_ROWS = 3
 
 

@@ -20,7 +20,9 @@ place: docs/kernels.md.
                   AVX512-BF16, else widened to float32 and summed in k order with FMA; float32
                   sums, one rounding to bf16. The same products and precision as torch's bf16
                   linear, in another summation order: an output may differ by one bf16 rounding
-                  step, and a row's outputs never depend on the other rows of the step. Faster
+                  step, and a row's outputs never depend on the other rows of the step (on a CPU with
+                  AMX, calls of 3+ rows multiply the same panels with AMX tiles: a row's outputs then
+                  depend on whether its call had 1-2 rows or more, by one bf16 step in ~1 of 10,000). Faster
                   than oneDNN at few rows (much faster where oneDNN emulates bf16), as fast at
                   many (benchmarks/linear_formats.py).
   weights="gguf"  the blocks of the GGUF file the model was prepared from (the default model's
@@ -103,7 +105,8 @@ class AVX512LinearBF16(nn.Module):
     bf16 products, float32 sums and one rounding to bf16, as torch's bf16 linear, but in the
     kernel's summation order (k in order with FMA; pairs of k with VDPBF16PS on AVX512-BF16), so an
     output can differ from torch's by one bf16 rounding step (tests/target/test_cpu_linear.py), and a
-    row's outputs do not depend on the other rows of the step.
+    row's outputs do not depend on the other rows of the step (where AMX tiles take calls of 3+ rows,
+    only on whether the call had 1-2 rows or more: cpu_linear.AMX_MIN_ROWS).
 
     A bias (Qwen2's q/k/v) rides in the product as one more input column: W' = [W | b] and
     x' = [x | 1], so it is summed in float32 with the products before the one rounding, as

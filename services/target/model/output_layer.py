@@ -77,7 +77,8 @@ class OutputLayer:
 
     def deferred_logits(self, row: int) -> torch.Tensor:
         """The logits [vocab] of a row the last call deferred, through the whole layer as a full
-        row would be (the packed kernel's rows do not depend on the other rows of a call)."""
+        row would be (the packed kernel's rows do not depend on the other rows of a call; where AMX
+        tiles take calls of 3+ rows, this one-row call runs as a plain decode row does)."""
         self.deferred_computed += 1
         return self._cap(self.lm_head(self._deferred[row].unsqueeze(0)))[0]
 
