@@ -7,7 +7,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from services.target.kernels import cpu_linear, cpu_rowops, paged_attention_cpu
+from services.target.kernels import cpu_kernels, cpu_linear, cpu_rowops, paged_attention_cpu
 from services.target.kernels.paged_attention_cpu import paged_attention_cpu_planned, plan_cpu_attention
 
 from .helpers import (SeqSpec, assert_no_further_from_float32, assert_within_bf16_rounding, plan_rows,
@@ -23,7 +23,11 @@ pytestmark = pytest.mark.skipif(not (cpu_linear.available() and cpu_linear.bf16_
 def _the_kernel_as_cpus_without_amx_run_it(monkeypatch):
     """On a CPU with AMX the engine leaves prefill chunks to torch's matmuls (chunk_kernel_runs);
     the kernel is what AVX512-BF16 CPUs without AMX run, so it is tested as they run it."""
+    amx_cpu = cpu_kernels.amx_cpu  # the cached function itself (a test may patch the name)
     monkeypatch.setenv("SPECMESH_AMX", "0")
+    amx_cpu.cache_clear()  # read once per process otherwise
+    yield
+    amx_cpu.cache_clear()  # the environment is restored after this
 
 
 def test_with_amx_prefill_chunks_go_to_torchs_matmuls_whole_and_still_match_eager(monkeypatch):

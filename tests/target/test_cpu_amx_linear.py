@@ -78,6 +78,7 @@ def test_switching_amx_off_keeps_the_vdpbf16ps_loop(monkeypatch: pytest.MonkeyPa
     """SPECMESH_AMX=0 (or a CPU without AMX): every call takes the loop the CPU has, and asking for
     AMX tiles says why not."""
     monkeypatch.setenv("SPECMESH_AMX", "0")
+    cpu_linear.amx_cpu.cache_clear()
     cpu_linear.amx.cache_clear()
     try:
         assert not cpu_linear.amx()
@@ -87,5 +88,6 @@ def test_switching_amx_off_keeps_the_vdpbf16ps_loop(monkeypatch: pytest.MonkeyPa
         assert torch.equal(cpu_linear.bf16_linear(x, panels, 48), loop)
         with pytest.raises(ValueError, match="AMX"):
             cpu_linear.amx_linear(x, panels, 48)
-    finally:
+    finally:  # read again once the environment is restored
+        cpu_linear.amx_cpu.cache_clear()
         cpu_linear.amx.cache_clear()

@@ -8,6 +8,7 @@ namespace specmesh_amx {
 
 constexpr int64_t kTileRows = 16;  // rows of x per tile: callers pad x's rows to a multiple of this
 constexpr int64_t kTileK = 32;     // k per tile step: K must be a multiple of this
+constexpr int64_t kRowChunk = 256; // rows per pass over a thread's panels (their x stays in L2)
 
 void begin();  // loads this thread's tile configuration (before panel_rows)
 void end();    // releases this thread's tiles

@@ -45,9 +45,9 @@ namespace {
 using specmesh_panels::kPairSlots;
 using specmesh_panels::kPanel;
 
+using specmesh_amx::kRowChunk;
 using specmesh_amx::kTileK;
 using specmesh_amx::kTileRows;
-constexpr int64_t kRowChunk = 256; // rows per pass over a thread's panels (their x stays in L2)
 
 // The tile palette: tmm0-3 the float32 sums of a 32 x 32 block (row tile r, column half h at 2r + h),
 // tmm4-5 two row tiles of x, tmm6-7 the panel's two column halves.
@@ -72,7 +72,7 @@ SPECMESH_AMX_TARGET void end() { _tile_release(); }
 
 namespace {
 
-// Row tiles [0, RT) of x (bf16, row stride ldx elements, K2 pairs a row) against panel p: float32
+// Row tiles [0, RT) of x (bf16, row stride ldx elements, K2 pairs a row) against one panel: float32
 // sums into buf (32 floats a row, row stride 32).
 template <int RT>
 SPECMESH_AMX_TARGET void block(const uint16_t* x, int64_t ldx, const uint16_t* panel, int64_t K2, float* buf) {

@@ -166,7 +166,7 @@ inline void write_group(const float* buf, int64_t rows, int64_t g, int64_t N, ui
 // then the AMX loop over it, as bf16_linear's AMX path over the packed panel.
 template <bool OFFSETS>
 void run_amx(const uint16_t* x, int64_t M_pad, int64_t M, const Weights& w, int64_t G, int64_t N, uint16_t* y) {
-  const int64_t m_chunk = 256;  // rows per pass over a panel (their x stays in L2)
+  const int64_t m_chunk = specmesh_amx::kRowChunk;
   at::parallel_for(0, (G + 1) / 2, 2, [&](int64_t begin, int64_t end) {
     std::vector<__m512bh> panel(w.K2 * 2);  // [K2, 64] bf16: bf16_linear's panel of these 32 columns
     std::vector<float> block(std::min(m_chunk, M_pad) * 2 * kGroup);

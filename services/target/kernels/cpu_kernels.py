@@ -58,9 +58,11 @@ def bf16_dot_instruction() -> bool:
     return avx512() and "avx512_bf16" in cpu_flags()
 
 
+@functools.cache
 def amx_cpu() -> bool:
     """Whether the CPU has AMX-BF16 tiles and SPECMESH_AMX is not 0 (the switch that keeps specmesh's
-    kernels and choices off them, to measure the other paths)."""
+    kernels and choices off them, to measure the other paths). Read once per process: attention asks
+    on every layer of every step."""
     return os.environ.get("SPECMESH_AMX", "1") != "0" and avx512() and {"amx_bf16", "amx_tile"} <= cpu_flags()
 
 
