@@ -18,6 +18,7 @@ from concurrent.futures import Future
 from services.common.block_hash import block_hash, extra_key
 from services.common.sampling_params import SamplingConfig
 from services.target import metrics
+from services.target.engine.argmax_rows import argmax_rows
 from services.target.engine.block_manager import BlockManager, tier_event
 from services.target.config import EngineConfig
 from services.target.speculation.confidence import Confidence
@@ -538,6 +539,8 @@ class Engine:
         subsets = step_vocab_subsets(batch, inputs, trees, self.spec.vocab_size) \
             if self.config.grammar_vocab_subsets and self.runner.takes_vocab_subsets \
             and any(item.seq.grammar is not None for item in batch) else None
+        if getattr(self.runner, "takes_argmax_rows", False):  # greedy rows no one else reads: through the argmax screen
+            subsets = {**argmax_rows(batch, inputs, trees), **(subsets or {})} or None
         # Only a step with subset rows passes them: the runner's plain signature stays the common path.
         extra = {"vocab_subsets": subsets} if subsets else {}
         with verify_span(trees, batch, self.speculator):

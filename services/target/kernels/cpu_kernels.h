@@ -22,6 +22,14 @@ at::Tensor bf16_linear_amx(const at::Tensor& x, const at::Tensor& packed, int64_
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& quants, const at::Tensor& scales,
                        const at::Tensor& offsets, int64_t N, bool amx);  // [M, K] -> [M, N]
 
+// cpu_argmax_screen.cpp: int8 bounds on every logit of rows that only need the argmax (AVX512-VNNI),
+// laid out by argmax_screen.py: (upper bound [M, N], best lower bound [M], the tokens that can win [C]).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_screen(const at::Tensor& p, const at::Tensor& t, const at::Tensor& corr,
+                                                 const at::Tensor& alpha, const at::Tensor& beta,
+                                                 const at::Tensor& quants, const at::Tensor& scales,
+                                                 const at::Tensor& weight_err, const at::Tensor& weight_norm,
+                                                 int64_t N, double tie_margin);
+
 // cpu_rowops.cpp: the lean forwards' per-row ops between the matmuls (Gemma 3's and the Llama
 // family's: weight_after picks the norm's rounding), bf16 activations.
 at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps, bool weight_after);

@@ -30,6 +30,16 @@ def pack(weight: torch.Tensor) -> torch.Tensor:
     return _module().pack_bf16_weight(weight)
 
 
+def panel_rows(panels: torch.Tensor, ids: torch.Tensor, in_features: int) -> torch.Tensor:
+    """Rows `ids` [C] of the weight `pack` laid out, as bf16 [C, in_features]: in a panel, k pair kk
+    holds its 32 columns as two 16-column halves, a column's two k side by side."""
+    col = ids % 32
+    lanes = ((col // 16) * 32 + (col % 16) * 2)[:, None] + torch.arange(2)  # [C, 2]
+    sel = panels.index_select(0, ids // 32)  # [C, K2, 64]
+    pairs = sel.gather(2, lanes[:, None, :].expand(-1, sel.shape[1], -1))  # [C, K2, 2]
+    return pairs.reshape(ids.shape[0], -1)[:, :in_features]
+
+
 # From this many rows a call multiplies with AMX tiles where the CPU has them: at 1 row the VDPBF16PS
 # loop streams the weights faster, at 2 they are even, from 3 the tiles win (docs/kernels.md).
 AMX_MIN_ROWS = 3

@@ -156,6 +156,13 @@ class ModelRunner:
         output = getattr(self.lean_forward, "output", None)
         return self.tp is None and output is not None and output.takes_subsets
 
+    @property
+    def takes_argmax_rows(self) -> bool:
+        """Whether a step's forward computes rows marked ARGMAX_ONLY through the argmax screen
+        (services/target/model/output_layer.py)."""
+        output = getattr(self.lean_forward, "output", None)
+        return self.tp is None and output is not None and output.takes_argmax_rows
+
     def _forward(self, ids: list[int], positions: list[int], logit_rows: list[int], meta: AttentionMetadata,
                  feature_rows: dict[str, range], vocab_subsets: dict[int, torch.Tensor] | None = None,
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
@@ -164,7 +171,7 @@ class ModelRunner:
             args = (torch.tensor(ids, dtype=torch.long, device=dev),
                     torch.tensor(positions, dtype=torch.long, device=dev),
                     torch.tensor(logit_rows, dtype=torch.long, device=dev), meta)
-            subsets = vocab_subsets if vocab_subsets and self.takes_vocab_subsets else None
+            subsets = vocab_subsets if vocab_subsets and (self.takes_vocab_subsets or self.takes_argmax_rows) else None
             if not feature_rows:
                 return self.lean_forward(*args, vocab_subsets=subsets).float(), {}  # [num_rows, vocab]
             rows = torch.tensor([r for span in feature_rows.values() for r in span], dtype=torch.long, device=dev)

@@ -13,6 +13,13 @@ A row given as {row: None} is deferred: its hidden row is kept and its logits ar
 when the walk reaches that row (a draft leaf behind grammar-restricted rows: structured/
 vocab_subsets.py). A leaf the walk does not reach then costs no pass over the whole vocabulary.
 
+A row given as {row: ARGMAX_ONLY} is read by nothing but a greedy argmax (the engine marks
+such rows: services/target/engine/argmax_rows.py). Where the argmax screen runs (services/target/
+kernels/argmax_screen.py: the layer is specmesh's bf16 or GGUF kernel, the CPU has AVX512-VNNI,
+no final soft-cap), up to SCREEN_MAX_ROWS of them a step get exact logits at every token that can
+be their argmax and -inf elsewhere: the same argmax, ties included, from an int8 pass over the
+vocabulary and a few exact tokens instead of the whole layer. Elsewhere they are whole rows.
+
 A subset row's logits are the same dot products, summed in float32 in another order than the
 packed kernel's, then rounded to the layer's dtype: they can differ from the full row's in the
 last bit. Whether a row is a subset row depends only on the grammar state at its position, so
@@ -23,6 +30,13 @@ from __future__ import annotations
 
 import torch
 from torch import nn
+
+from services.target.kernels import argmax_screen, cpu_linear
+
+ARGMAX_ONLY = "argmax-only"  # a vocab_subsets value: the row's only reader is its argmax
+# Above this many screened rows a step, the whole layer is as fast as the screen (measured on the
+# default model: README, Kernels); they go through it whole.
+SCREEN_MAX_ROWS = 4
 
 
 class OutputLayer:
@@ -38,21 +52,33 @@ class OutputLayer:
         self._deferred: dict[int, torch.Tensor] = {}  # this step's deferred rows: row -> normed hidden [hidden]
         self.deferred_rows = 0  # rows deferred since load, and of those, computed after all
         self.deferred_computed = 0
+        self.screen = _screen(self.lm_head, self.weight_rows, softcap)  # ArgmaxScreen, or None
+
+    @property
+    def takes_argmax_rows(self) -> bool:
+        return self.screen is not None
 
     @property
     def takes_subsets(self) -> bool:
         return self.weight_rows is not None
 
-    def __call__(self, h: torch.Tensor, vocab_subsets: dict[int, torch.Tensor | None] | None = None,
+    def __call__(self, h: torch.Tensor, vocab_subsets: dict[int, torch.Tensor | str | None] | None = None,
                  ) -> torch.Tensor:
-        """h: [R, hidden] normed rows; vocab_subsets: {row: allowed ids [k], or None: deferred}
-        -> logits [R, vocab]."""
+        """h: [R, hidden] normed rows; vocab_subsets: {row: allowed ids [k], None: deferred, or
+        ARGMAX_ONLY} -> logits [R, vocab]."""
         self._deferred = {}
-        if not vocab_subsets or self.weight_rows is None:
+        screened = [r for r, ids in vocab_subsets.items() if isinstance(ids, str)] if vocab_subsets else []
+        if screened and (len(screened) > SCREEN_MAX_ROWS or self.screen is None
+                         or not bool(torch.isfinite(h[screened]).all())):
+            screened = []  # whole rows (a non-finite input keeps the whole layer's NaN / inf handling)
+        subsets = {r: ids for r, ids in vocab_subsets.items() if not isinstance(ids, str)} \
+            if vocab_subsets and self.weight_rows is not None else {}
+        if not subsets and not screened:
             return self._cap(self.lm_head(h))
+        vocab_subsets = subsets
         self._deferred = {row: h[row].clone() for row, ids in vocab_subsets.items() if ids is None}
         self.deferred_rows += len(self._deferred)
-        full = [r for r in range(h.shape[0]) if r not in vocab_subsets]
+        full = [r for r in range(h.shape[0]) if r not in vocab_subsets and r not in screened]
         whole = None
         if full:
             index = torch.tensor(full, dtype=torch.long, device=h.device)
@@ -63,6 +89,9 @@ class OutputLayer:
         out = torch.full((h.shape[0], self.vocab_size), float("-inf"), dtype=dtype, device=h.device)
         if whole is not None:
             out[index] = whole
+        if screened:  # no soft-cap here: the screen runs only without one
+            at = torch.tensor(screened, dtype=torch.long, device=h.device)
+            out[at] = self.screen(h.index_select(0, at)).to(dtype)  # [len(screened), vocab]
         self.subset_rows += len(vocab_subsets) - len(self._deferred)
         for row in self._deferred:
             out[row] = 0.0  # zeros until deferred_logits computes the row (finite: uniform if read)
@@ -92,6 +121,26 @@ class OutputLayer:
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+
+def _screen(lm_head: nn.Module, weight_rows, softcap: float | None):
+    """The argmax screen of this layer, where it gives the layer's own argmax: the layer is
+    specmesh's bf16 kernel without a bias or its GGUF kernel (its rows read from a tied table, the
+    GGUF blocks or the kernel's panels), no soft-cap
+    (a cap applied in float32 could tie two logits the bf16 margin keeps apart), the CPU runs it."""
+    from services.target.model.gguf_weights import GGUFLinear
+    from services.target.model.linear import AVX512LinearBF16
+    packed = isinstance(lm_head, AVX512LinearBF16) and not lm_head.has_bias
+    if not (packed or isinstance(lm_head, GGUFLinear)) or softcap is not None \
+            or argmax_screen.unavailable_reason(lm_head.in_features) is not None:
+        return None
+    if weight_rows is None and packed:  # untied: the rows read back from the kernel's own panels
+        def weight_rows(ids):
+            return cpu_linear.panel_rows(lm_head.panels, ids, lm_head.in_features)
+    if weight_rows is None:
+        return None
+    return argmax_screen.ArgmaxScreen(lambda ids: weight_rows(ids).to(torch.bfloat16), lm_head.out_features,
+                                      lm_head.in_features)
 
 
 def _weight_rows(model: nn.Module, embed: nn.Module, embed_rows):

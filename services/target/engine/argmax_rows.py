@@ -1,0 +1,28 @@
+"""Which logit rows of a step nothing reads but a greedy argmax: those the output layer may
+compute through its argmax screen (services/target/model/output_layer.py; the screen itself:
+services/target/kernels/argmax_screen.py), exact at the tokens that can win and -inf elsewhere.
+
+A row qualifies when its sequence samples plainly this step (no draft tree to verify, no samples
+of an n > 1 request sampled from the same row), greedily, and no one reads its distribution: no
+log-probabilities, no penalties, bias or min_tokens (the logits processor), no grammar mask and
+no confidence sums. Anything else keeps its whole row.
+"""
+
+from __future__ import annotations
+
+from services.target.engine.scheduler import ScheduledSeq
+from services.target.model.output_layer import ARGMAX_ONLY
+
+
+def argmax_rows(batch: list[ScheduledSeq], inputs: list, trees: dict) -> dict[int, str]:
+    """{logit row: ARGMAX_ONLY} for the step's rows whose only reader is the greedy argmax;
+    inputs[i] is batch[i]'s StepInput (its num_logits rows follow the previous inputs')."""
+    rows, offset = {}, 0
+    for item, inp in zip(batch, inputs):
+        seq = item.seq
+        if (inp.num_logits == 1 and item.samples and seq.seq_id not in trees and not seq.followers
+                and seq.sampling.greedy and not seq.sampling.logprobs and not seq.sampling.top_logprobs
+                and seq.logits_processor is None and seq.grammar is None and seq.confidence is None):
+            rows[offset] = ARGMAX_ONLY
+        offset += inp.num_logits
+    return rows

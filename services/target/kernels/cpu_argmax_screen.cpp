@@ -1,0 +1,217 @@
+// The argmax screen of the output layer (argmax_screen.py): for rows whose only reader is a greedy
+// argmax, a cheap int8 pass over the whole vocabulary that bounds every logit from above and
+// below, so that only the few tokens that can still be the argmax are computed exactly.
+//
+// The weights are kept as int8 per block of 32 k with one fp16 scale per column and block
+// (q = round(w / s), stored as q + 128 in uint8), the rows' x as int8 per block of 32 with one
+// float32 scale per row and block (p = round(x / t)). VPDPBUSD multiplies 64 uint8 x int8 pairs a
+// step: (q + 128) * p summed over a block, less the row's 128 * sum(p) over that block, is
+// sum(q * p) exactly in int32; times s * t, summed over the blocks in float32, it is the
+// approximate logit a. Its distance to the exact one is at most
+//   E = alpha * |w - w_hat| + beta * |w_hat|   (Euclidean norms of the column's weight error and of
+// its quantized weight, both taken once at load; alpha and beta per row from its x and x_hat:
+// argmax_screen.py derives them, with the float32 roundings of both paths). The kernel writes
+// a + E (the upper bound) per column and the largest a - E (the best lower bound) per row.
+//
+// Layout: quants [G = ceil(N / 16), K / 4, 16, 4] uint8 (a column's 4 consecutive k in one int32
+// lane, 16 columns a vector: VPDPBUSD's weight operand as it lies); scales [G, K / 32, 16] fp16.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+#include <immintrin.h>
+
+#include "cpu_kernels.h"
+#include "cpu_simd.h"
+
+#include <algorithm>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <vector>
+
+#if defined(SPECMESH_ISA_AVX512)
+
+namespace {
+
+constexpr int64_t kCols = 16;  // columns per group: one vector of int32 sums
+constexpr int64_t kBlock = 32;  // k per scale block
+constexpr int64_t kQuads = kBlock / 4;  // VPDPBUSD steps per block
+
+#define SPECMESH_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c")))
+
+struct Screen {
+  const uint8_t* quants;
+  const uint16_t* scales;  // fp16 bits
+  const float* weight_err;  // |w - w_hat| per column
+  const float* weight_norm;  // |w_hat| per column
+  int64_t K4, blocks, N;
+};
+
+struct Rows {
+  const int8_t* p;  // [M, K]
+  const float* t;  // [M, blocks]
+  const int32_t* corr;  // [M, blocks]: 128 * sum of p over the block
+  const float* alpha;  // [M]
+  const float* beta;  // [M]
+  int64_t K;
+};
+
+// Per group and row: the best lower bound and the largest upper bound ([G, M] each).
+struct Extremes {
+  float* lower;
+  float* upper;
+  int64_t M;
+};
+
+// Rows m0 .. m0 + MB against groups g0 .. g0 + NG (NG x MB independent sum chains): upper bounds ->
+// upper[m, 16g ...], each group's extremes per row -> ext.
+template <int NG, int MB>
+SPECMESH_VNNI_TARGET void group_rows(const Screen& s, const Rows& r, int64_t m0, int64_t g0, float* upper,
+                                     const Extremes& ext) {
+  __m512 total[NG][MB];
+  for (int h = 0; h < NG; ++h)
+    for (int m = 0; m < MB; ++m) total[h][m] = _mm512_setzero_ps();
+  for (int64_t b = 0; b < s.blocks; ++b) {
+    __m512i acc[NG][MB];
+    for (int h = 0; h < NG; ++h)
+      for (int m = 0; m < MB; ++m) acc[h][m] = _mm512_setzero_si512();
+    for (int64_t j = 0; j < kQuads; ++j) {
+      __m512i w[NG];
+      for (int h = 0; h < NG; ++h) w[h] = _mm512_loadu_si512(s.quants + ((g0 + h) * s.K4 + b * kQuads + j) * 64);
+      for (int m = 0; m < MB; ++m) {
+        int32_t quad;  // p[m, 4(8b + j) .. + 3]
+        std::memcpy(&quad, r.p + (m0 + m) * r.K + (b * kQuads + j) * 4, sizeof(quad));
+        const __m512i xq = _mm512_set1_epi32(quad);
+        for (int h = 0; h < NG; ++h) acc[h][m] = _mm512_dpbusd_epi32(acc[h][m], w[h], xq);
+      }
+    }
+    for (int h = 0; h < NG; ++h) {
+      const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+          s.scales + ((g0 + h) * s.blocks + b) * kCols)));
+      for (int m = 0; m < MB; ++m) {
+        const int64_t at = (m0 + m) * s.blocks + b;
+        const __m512 sums = _mm512_cvtepi32_ps(_mm512_sub_epi32(acc[h][m], _mm512_set1_epi32(r.corr[at])));
+        total[h][m] = _mm512_fmadd_ps(sums, _mm512_mul_ps(scale, _mm512_set1_ps(r.t[at])), total[h][m]);
+      }
+    }
+  }
+  const __m512 inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  for (int h = 0; h < NG; ++h) {
+    const int64_t g = g0 + h;
+    const __mmask16 mask = specmesh_simd::lanes(s.N - g * kCols);
+    const __m512 err = _mm512_maskz_loadu_ps(mask, s.weight_err + g * kCols);
+    const __m512 norm = _mm512_maskz_loadu_ps(mask, s.weight_norm + g * kCols);
+    for (int m = 0; m < MB; ++m) {
+      const int64_t row = m0 + m;
+      const __m512 bound = _mm512_fmadd_ps(_mm512_set1_ps(r.alpha[row]), err,
+                                           _mm512_mul_ps(_mm512_set1_ps(r.beta[row]), norm));
+      const __m512 up = _mm512_add_ps(total[h][m], bound);
+      _mm512_mask_storeu_ps(upper + row * s.N + g * kCols, mask, up);
+      ext.upper[g * ext.M + row] = _mm512_reduce_max_ps(_mm512_mask_blend_ps(mask, inf, up));
+      ext.lower[g * ext.M + row] = _mm512_reduce_max_ps(_mm512_mask_blend_ps(mask, inf, _mm512_sub_ps(total[h][m], bound)));
+    }
+  }
+}
+
+template <int NG>
+void groups_rows(const Screen& s, const Rows& r, int64_t M, int64_t g0, float* upper, const Extremes& ext) {
+  for (int64_t m0 = 0; m0 < M; m0 += 4) {  // 4 rows share each weight load
+    switch (std::min<int64_t>(4, M - m0)) {
+      case 1: group_rows<NG, 1>(s, r, m0, g0, upper, ext); break;
+      case 2: group_rows<NG, 2>(s, r, m0, g0, upper, ext); break;
+      case 3: group_rows<NG, 3>(s, r, m0, g0, upper, ext); break;
+      default: group_rows<NG, 4>(s, r, m0, g0, upper, ext); break;
+    }
+  }
+}
+
+// The columns (ascending) where some row's upper bound reaches its threshold.
+std::vector<int64_t> chosen_columns(const float* upper, const float* threshold, int64_t M, int64_t N) {
+  constexpr int64_t kSpan = 4096;
+  const int64_t spans = (N + kSpan - 1) / kSpan;
+  std::vector<std::vector<int64_t>> found(spans);
+  at::parallel_for(0, spans, 1, [&](int64_t begin, int64_t end) {
+    for (int64_t c = begin; c < end; ++c)
+      for (int64_t j = c * kSpan; j < std::min(N, (c + 1) * kSpan); ++j)
+        for (int64_t m = 0; m < M; ++m)
+          if (upper[m * N + j] >= threshold[m]) {
+            found[c].push_back(j);
+            break;
+          }
+  });
+  std::vector<int64_t> out;
+  for (const auto& f : found) out.insert(out.end(), f.begin(), f.end());
+  return out;
+}
+
+}  // namespace
+
+#endif  // SPECMESH_ISA_AVX512
+
+// p [M, K] int8, t / corr [M, K / 32] (float32 / int32), alpha / beta [M] float32; quants, scales,
+// weight_err / weight_norm [N] as above -> (upper [M, N] float32, best lower bound [M] float32, the
+// columns [C] int64, ascending, where some row's upper bound reaches its best lower bound less
+// tie_margin times the larger of |best lower| and |largest upper|).
+std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_screen(const at::Tensor& p, const at::Tensor& t, const at::Tensor& corr,
+                                                 const at::Tensor& alpha, const at::Tensor& beta,
+                                                 const at::Tensor& quants, const at::Tensor& scales,
+                                                 const at::Tensor& weight_err, const at::Tensor& weight_norm,
+                                                 int64_t N, double tie_margin) {
+  TORCH_CHECK(p.dim() == 2 && p.scalar_type() == at::kChar && p.is_contiguous() && p.size(1) % 32 == 0,
+              "argmax_screen: p must be contiguous int8 [M, K], K a multiple of 32");
+  const int64_t M = p.size(0), K = p.size(1), blocks = K / 32, G = (N + 15) / 16;
+  TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.size(0) == M && t.size(1) == blocks
+                  && corr.scalar_type() == at::kInt && corr.is_contiguous() && corr.sizes() == t.sizes(),
+              "argmax_screen: t float32 and corr int32 [M, K / 32] expected");
+  TORCH_CHECK(alpha.scalar_type() == at::kFloat && beta.scalar_type() == at::kFloat && alpha.numel() == M
+                  && beta.numel() == M && alpha.is_contiguous() && beta.is_contiguous(),
+              "argmax_screen: alpha and beta float32 [M] expected");
+  TORCH_CHECK(quants.scalar_type() == at::kByte && quants.is_contiguous() && quants.dim() == 4
+                  && quants.size(0) == G && quants.size(1) * 4 == K && quants.size(2) == 16 && quants.size(3) == 4,
+              "argmax_screen: quants [ceil(N/16), K/4, 16, 4] uint8 expected, got ", quants.sizes());
+  TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3
+                  && scales.size(0) == G && scales.size(1) == blocks && scales.size(2) == 16,
+              "argmax_screen: scales [ceil(N/16), K/32, 16] float16 expected");
+  TORCH_CHECK(weight_err.scalar_type() == at::kFloat && weight_norm.scalar_type() == at::kFloat
+                  && weight_err.numel() == N && weight_norm.numel() == N && weight_err.is_contiguous()
+                  && weight_norm.is_contiguous(),
+              "argmax_screen: weight_err and weight_norm float32 [N] expected");
+  at::Tensor upper = at::empty({M, N}, p.options().dtype(at::kFloat));
+  at::Tensor best = at::empty({M}, p.options().dtype(at::kFloat));
+  at::Tensor columns = at::empty({0}, p.options().dtype(at::kLong));
+#if defined(SPECMESH_ISA_AVX2)
+  TORCH_CHECK(false, "argmax_screen needs AVX512-VNNI; this is the AVX2 build of the module");
+#else
+  if (M == 0 || N == 0) return {upper, best.fill_(-std::numeric_limits<float>::infinity()), columns};
+  const Screen s{quants.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
+                 weight_err.data_ptr<float>(), weight_norm.data_ptr<float>(), K / 4, blocks, N};
+  const Rows r{p.data_ptr<int8_t>(), t.data_ptr<float>(), corr.data_ptr<int32_t>(), alpha.data_ptr<float>(),
+               beta.data_ptr<float>(), K};
+  std::vector<float> lower(G * M), highest(G * M);  // [G, M]
+  const Extremes ext{lower.data(), highest.data(), M};
+  float* up = upper.data_ptr<float>();
+  at::parallel_for(0, (G + 1) / 2, 32, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      if (2 * u + 1 < G) groups_rows<2>(s, r, M, 2 * u, up, ext);
+      else groups_rows<1>(s, r, M, 2 * u, up, ext);
+    }
+  });
+  float* bp = best.data_ptr<float>();
+  std::vector<float> threshold(M);
+  for (int64_t m = 0; m < M; ++m) {
+    float lo = -std::numeric_limits<float>::infinity(), hi = lo;
+    for (int64_t g = 0; g < G; ++g) {
+      lo = std::max(lo, lower[g * M + m]);
+      hi = std::max(hi, highest[g * M + m]);
+    }
+    bp[m] = lo;
+    // Two values farther apart than tie_margin of the larger magnitude round to different bf16 values.
+    threshold[m] = lo - static_cast<float>(tie_margin) * std::max(std::fabs(lo), std::fabs(hi)) - 1e-30f;
+  }
+  const std::vector<int64_t> chosen = chosen_columns(up, threshold.data(), M, N);
+  columns = at::empty({static_cast<int64_t>(chosen.size())}, p.options().dtype(at::kLong));
+  std::copy(chosen.begin(), chosen.end(), columns.data_ptr<int64_t>());
+#endif
+  return {upper, best, columns};
+}

@@ -1,0 +1,160 @@
+"""The argmax screen of greedy rows (services/target/kernels/argmax_screen.py, cpu_argmax_screen.cpp,
+services/target/model/output_layer.py, services/target/engine/argmax_rows.py).
+
+- The kernel's bounds hold: every exact logit (the bf16 kernel's) lies at or below its upper
+  bound, the best lower bound at or below the row's largest logit, on weights and rows built to
+  be hard (outlier components, zero rows, tiny and huge scales, a vocabulary not a multiple of 16).
+- The screened row's argmax is the whole row's, ties included (the first index wins), and its
+  finite entries are the whole row's bit for bit.
+- In a forward and through the mesh: rows marked ARGMAX_ONLY take the screen, their argmax is the
+  whole row's; greedy output is token-identical with the screen on and off, and rows that ask
+  for log-probabilities never take it.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from services.target.kernels import argmax_screen, cpu_gguf_linear, cpu_linear
+from services.target.engine.block_manager import BlockManager, PrefixMatch
+from services.target.model.model_runner_inputs import StepInput
+from services.target.model.output_layer import ARGMAX_ONLY, SCREEN_MAX_ROWS
+from tests.mesh import collect, request, start_mesh
+from tests.target.test_gguf_weights import gguf_gemma_dir  # noqa: F401 (fixture)
+
+pytestmark = pytest.mark.skipif(argmax_screen.unavailable_reason(32) is not None,
+                                reason=f"the argmax screen does not run here: {argmax_screen.unavailable_reason(32)}")
+
+EMPTY = PrefixMatch((), (), 0)
+
+
+def _hard_weights(n: int, k: int, seed: int) -> torch.Tensor:
+    """[n, k] bf16 with the cases that stretch a bound: rows at scales 1e-6 .. 1e3, an all-zero
+    row, a row with one huge weight among tiny ones, and exact duplicates (tied logits)."""
+    gen = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=gen) * torch.logspace(-6, 3, n)[torch.randperm(n, generator=gen)][:, None]
+    w[3] = 0.0
+    w[7] = 1e-4
+    w[7, 5] = 50.0
+    w[11] = w[9]
+    w[n - 1] = w[9]  # a tie at the far end: the first index must win
+    return w.to(torch.bfloat16)
+
+
+def _rows(m: int, k: int, seed: int) -> torch.Tensor:
+    """[m, k] bf16 rows: normal, with an outlier component, tiny, and one all-zero row."""
+    gen = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=gen) * 3
+    x[0, 1] = 400.0
+    if m > 1:
+        x[1] *= 1e-5
+    if m > 2:
+        x[2] = 0.0
+    return x.to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("n,k", [(1000, 64), (1037, 96), (4099, 32)])
+def test_the_bounds_hold_and_the_screened_argmax_is_the_whole_rows(n, k):
+    w = _hard_weights(n, k, seed=n)
+    screen = argmax_screen.ArgmaxScreen(lambda ids: w[ids], n, k)
+    panels = cpu_linear.pack(w)
+    for m in (1, 2, 3, 5, 7):
+        x = _rows(m, k, seed=m)
+        whole = cpu_linear.bf16_linear(x, panels, n).float()  # [m, n]: the layer's own logits
+        upper, best, union = argmax_screen.bounds(x, screen.weights)
+        assert (upper >= whole).all()
+        assert (best <= whole.amax(dim=1)).all()
+        assert torch.equal(union, torch.unique(union))  # ascending, each once
+        got = screen(x)
+        assert torch.equal(got.argmax(dim=1), whole.argmax(dim=1))
+        finite = torch.isfinite(got)
+        assert torch.equal(got[finite], whole[finite])
+        if m < 3:  # (row 2 is all zero: every logit 0, every token ties)
+            assert finite.sum(dim=1).max() < n  # it screened something out
+
+
+def test_a_tie_goes_to_the_first_index_as_in_the_whole_row():
+    n, k = 512, 64
+    w = (torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.01).to(torch.bfloat16)
+    x = torch.ones(1, k, dtype=torch.bfloat16)
+    w[200] = 1.0  # the largest logit, three times: 200 wins
+    w[201] = 1.0
+    w[450] = 1.0
+    screen = argmax_screen.ArgmaxScreen(lambda ids: w[ids], n, k)
+    got = screen(x)
+    assert got.argmax(dim=1).item() == 200
+    assert {201, 450} <= set(torch.isfinite(got[0]).nonzero().flatten().tolist())
+
+
+def test_the_screen_is_off_where_asked(monkeypatch):
+    monkeypatch.setenv("SPECMESH_ARGMAX_SCREEN", "0")
+    assert argmax_screen.unavailable_reason(64) == "SPECMESH_ARGMAX_SCREEN=0"
+    monkeypatch.delenv("SPECMESH_ARGMAX_SCREEN")
+    assert "multiple of 32" in argmax_screen.unavailable_reason(48)
+
+
+def _runner(model_dir, weights):
+    from tests.target.test_gemma3_forward import _runner as format_runner
+    runner = format_runner(model_dir, torch.bfloat16, weights)
+    runner.blocks = BlockManager(64, 4)
+    return runner
+
+
+def _decode_rows(runner, subsets):
+    """Six sequences' prefills, then one decode row each: [6, vocab]."""
+    for i in range(6):
+        runner.blocks.admit(f"s{i}", EMPTY, 24, 9)
+        runner.forward([StepInput.chunk(f"s{i}", list(range(5 + i, 13 + i)), 0, True)])
+    return runner.forward([StepInput.chunk(f"s{i}", [40 + 7 * i], 8, True) for i in range(6)],
+                          vocab_subsets=subsets)
+
+
+def _weights():
+    return ["bf16-avx512"] + (["gguf"] if cpu_gguf_linear.available() else [])
+
+
+@pytest.mark.parametrize("weights", _weights())
+def test_rows_marked_argmax_only_take_the_screen_in_a_forward(tiny_gemma_dir, gguf_gemma_dir, weights):
+    model_dir = gguf_gemma_dir if weights == "gguf" else tiny_gemma_dir
+    whole = _decode_rows(_runner(model_dir, weights), None)
+    runner = _runner(model_dir, weights)
+    assert runner.takes_argmax_rows
+    marked = {0: ARGMAX_ONLY, 2: ARGMAX_ONLY, 5: ARGMAX_ONLY}
+    got = _decode_rows(runner, marked)
+    screen = runner.lean_forward.output.screen
+    assert screen.rows == 3
+    assert torch.equal(got.argmax(dim=1), whole.argmax(dim=1))
+    for row in (1, 3, 4):  # unmarked rows stay whole
+        assert torch.equal(got[row], whole[row])
+    for row in marked:
+        finite = torch.isfinite(got[row])
+        assert finite.sum() < got.shape[1] and torch.equal(got[row][finite], whole[row][finite])
+    # More marked rows than the screen takes in one step: all of them whole.
+    runner = _runner(model_dir, weights)
+    many = _decode_rows(runner, {r: ARGMAX_ONLY for r in range(SCREEN_MAX_ROWS + 1)})
+    assert runner.lean_forward.output.screen.rows == 0 and torch.equal(many, whole)
+
+
+async def _greedy(model_dir, logprobs=False):
+    mesh = await start_mesh(model_dir, dtype="bfloat16", weights="bf16-avx512")
+    try:
+        outs = [await collect(mesh.router_stub, request(p, 24, logprobs=logprobs))
+                for p in ("the cat sat on the mat. the cat", "one two three", "a b a b a b")]
+        screen = mesh.engine.runner.lean_forward.output.screen
+        return [o[0] for o in outs], None if screen is None else screen.rows
+    finally:
+        await mesh.stop()
+
+
+async def test_greedy_output_is_identical_with_the_screen_on_and_off(tiny_gemma_dir, monkeypatch):
+    on, on_rows = await _greedy(tiny_gemma_dir)
+    monkeypatch.setenv("SPECMESH_ARGMAX_SCREEN", "0")
+    off, off_rows = await _greedy(tiny_gemma_dir)
+    assert on_rows and on_rows > 0 and off_rows is None
+    assert on == off
+
+
+async def test_rows_that_ask_for_logprobs_never_take_the_screen(tiny_gemma_dir):
+    _, rows = await _greedy(tiny_gemma_dir, logprobs=True)
+    assert rows == 0
