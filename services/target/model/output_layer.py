@@ -75,6 +75,8 @@ class OutputLayer:
             if vocab_subsets and self.weight_rows is not None else {}
         if not subsets and not screened:
             return self._cap(self.lm_head(h))
+        if not subsets and len(screened) == h.shape[0]:  # every row screened (single-stream decode)
+            return self.screen(h).to(self._logits_dtype(h))
         vocab_subsets = subsets
         self._deferred = {row: h[row].clone() for row, ids in vocab_subsets.items() if ids is None}
         self.deferred_rows += len(self._deferred)
