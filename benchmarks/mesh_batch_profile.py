@@ -2,6 +2,7 @@
 
     python -m benchmarks.mesh_batch_profile                 # target + router, 30 s of batches
     python -m benchmarks.mesh_batch_profile --seconds 60 --weights gguf
+    python -m benchmarks.mesh_batch_profile --single          # one request at a time instead
 
 Starts a target and a router (`specmesh serve --dev`, speculation off, as compare.py's
 `router-off`), warms them with compare.py's nine prompts (so, as in compare.py's batch, the
@@ -36,6 +37,7 @@ PORTS = {"target": 52151, "router": 52161}
 # (category, substrings of a frame: "function (file:line)" as py-spy's raw output writes it).
 # A sample counts in the first category any of its frames matches, so the specific parts come first.
 CATEGORIES = [
+    ("argmax screen", ("argmax_screen.py",)),
     ("output layer (lm_head)", ("output_layer.py",)),
     ("linear kernels", ("bf16_linear", "gguf_linear", "cpu_linear", "linear.py", "gguf_weights.py")),
     ("attention", ("paged_attention", "attention.py", "decode_attention", "chunk_attention")),
@@ -124,7 +126,10 @@ async def run(args) -> None:
         tokens, batches, start = 0, 0, time.perf_counter()
         with ForeignCpu(lambda: [*pids.values(), *(s.pid for s in spies.values())]) as foreign:
             while time.perf_counter() - start < args.seconds:
-                results = await asyncio.gather(*(client.generate(p, lim) for p, lim in zip(reqs, limits)))
+                if args.single:  # compare.py's single-stream: one request at a time, the prompts in turn
+                    results = [await client.generate(reqs[batches % len(prompts)], args.tokens)]
+                else:
+                    results = await asyncio.gather(*(client.generate(p, lim) for p, lim in zip(reqs, limits)))
                 tokens += sum(r[0] for r in results)
                 batches += 1
             wall = time.perf_counter() - start
@@ -140,7 +145,8 @@ async def run(args) -> None:
     finally:
         stop(list(procs.values()))
 
-    print(f"\n{batches} batches of 18 requests in {wall:.1f} s: {tokens / wall:.1f} tok/s while profiled "
+    what = "single requests" if args.single else "batches of 18 requests"
+    print(f"\n{batches} {what} in {wall:.1f} s: {tokens / wall:.1f} tok/s while profiled "
           f"(py-spy at {args.rate} Hz slows it); foreign CPU median {share['median']:.1%}, max {share['max']:.1%}")
     print("\nCPU per generated token, by process (all threads):")
     total = 0.0
@@ -167,6 +173,7 @@ def main() -> None:
     p.add_argument("--weights", default="auto")
     p.add_argument("--tokens", type=int, default=64, help="the batch's longest max_tokens (compare.py's --tokens)")
     p.add_argument("--seconds", type=float, default=30.0, help="how long batches run while profiled")
+    p.add_argument("--single", action="store_true", help="one request at a time (single-stream decode)")
     p.add_argument("--rate", type=int, default=100, help="py-spy samples per second")
     asyncio.run(run(p.parse_args()))
 

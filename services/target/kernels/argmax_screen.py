@@ -36,7 +36,7 @@ from typing import Callable
 
 import torch
 
-from . import cpu_linear
+from . import cpu_linear, huge_pages
 from .cpu_kernels import cpu_flags, module
 
 BLOCK = 32  # k per scale block (of the weights and of the rows)
@@ -94,7 +94,7 @@ def quantize_weights(weight_rows: Callable[[torch.Tensor], torch.Tensor], out_fe
         scales[ids] = s
     quants = quants.view(groups, GROUP, k // 4, 4).permute(0, 2, 1, 3).contiguous()  # [G, K/4, 16, 4]
     scales = scales.view(groups, GROUP, blocks).permute(0, 2, 1).contiguous()  # [G, K/32, 16]
-    return ScreenWeights(quants, scales, err, norm, n, k)
+    return ScreenWeights(huge_pages.place(quants), huge_pages.place(scales), err, norm, n, k)
 
 
 def _up(v: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from . import cpu_linear
+from . import cpu_linear, huge_pages
 from .cpu_kernels import available as _module_available
 from .cpu_kernels import bf16_dot_instruction, module, unavailable_reason as _module_unavailable_reason
 
@@ -155,7 +155,8 @@ def pack(parts: Decoded) -> Packed:
     scales = grouped(parts.scales).permute(0, 2, 1).contiguous()
     offsets = (grouped(parts.offsets).permute(0, 2, 1).contiguous() if parts.offsets is not None
                else torch.empty(0, dtype=torch.float32))
-    return Packed(quants.contiguous(), scales, offsets, n, k, parts.sub_block)
+    return Packed(huge_pages.place(quants.contiguous()), huge_pages.place(scales), huge_pages.place(offsets), n, k,
+                  parts.sub_block)
 
 
 def gguf_linear(x: torch.Tensor, w: Packed) -> torch.Tensor:

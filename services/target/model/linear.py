@@ -51,7 +51,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from services.target.kernels import cpu_gguf_linear, cpu_linear
+from services.target.kernels import cpu_gguf_linear, cpu_linear, huge_pages
 
 from services.target.settings import WEIGHT_FORMATS  # noqa: E402,F401  (declared once, for the settings too)
 
@@ -126,7 +126,7 @@ class AVX512LinearBF16(nn.Module):
             weight = torch.cat([weight, linear.bias.detach().to(torch.bfloat16)[:, None],
                                 weight.new_zeros(self.out_features, self.extended - self.in_features - 1)],
                                dim=1)  # [out, in']
-        self.register_buffer("panels", cpu_linear.pack(weight), persistent=False)  # [ceil(out / 32), ceil(in' / 2), 64] bf16
+        self.register_buffer("panels", huge_pages.place(cpu_linear.pack(weight)), persistent=False)  # [ceil(out / 32), ceil(in' / 2), 64] bf16
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [rows, in] bf16
