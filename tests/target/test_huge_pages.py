@@ -48,3 +48,13 @@ def test_small_tensors_and_the_switch_keep_their_memory(monkeypatch):
     monkeypatch.setenv("SPECMESH_HUGE_PAGES", "0")
     big = torch.zeros(1 << 20)
     assert huge_pages.place(big) is big
+
+
+def test_zeros_on_huge_pages_are_zeros_of_the_dtype_and_shape():
+    for dtype in (torch.bfloat16, torch.float8_e4m3fn, torch.float32):
+        t = huge_pages.zeros((64, 16, 1, 256), dtype)  # 256k-1M elements: a KV pool layer
+        assert t.dtype == dtype and t.shape == (64, 16, 1, 256)
+        assert not t.float().any()
+        t[3, 2] = 1  # writable
+        assert t.float().sum() == 256
+    assert huge_pages.zeros((4, 4), torch.float32).sum() == 0  # small: torch.zeros

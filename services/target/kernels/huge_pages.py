@@ -4,7 +4,8 @@ CPU's stream prefetchers stop at every page boundary and each page costs a TLB w
 Linux gives an anonymous mapping transparent huge pages where it is asked to
 (`/sys/kernel/mm/transparent_hugepage/enabled` is `madvise` on this project's machines):
 `place(t)` copies a weight tensor of at least MIN_BYTES into such a mapping (2 MB-aligned) and
-returns the copy; smaller tensors, other devices and other systems keep theirs. Tensors share
+returns the copy (`zeros` allocates one there: the KV pool); smaller tensors, other devices and
+other systems keep theirs. Tensors share
 64 MB regions, bump-allocated; a region is unmapped when the last tensor in it is freed (the
 tensors hold the mapping through `torch.frombuffer`). On the AVX512-BF16 EPYC (2026-12-05, one
 process, interleaved) the default model's 335 MB output layer at one row: 6.7-7.5 ms on 4 KB
@@ -44,20 +45,37 @@ def _map(nbytes: int) -> torch.Tensor:
     return buf[start:start + nbytes]
 
 
-def place(t: torch.Tensor) -> torch.Tensor:
-    """t, or a contiguous copy of it on huge pages (same dtype, shape and values)."""
+def _room(nbytes: int) -> torch.Tensor:
+    """nbytes of never-used (so zero) huge-page memory, uint8, on a cache line."""
     global _region, _used
-    nbytes = t.numel() * t.element_size()
-    if nbytes < MIN_BYTES or t.device.type != "cpu" or not enabled():
-        return t
     size = (nbytes + ALIGN - 1) // ALIGN * ALIGN
     with _lock:
         if size > REGION // 4:
-            room = _map(size)
-        else:
-            if _region is None or _used + size > REGION:
-                _region, _used = _map(REGION), 0
-            room, _used = _region[_used:_used + size], _used + size
-    out = room[:nbytes].view(t.dtype).view(t.shape)
+            return _map(size)[:nbytes]
+        if _region is None or _used + size > REGION:
+            _region, _used = _map(REGION), 0
+        room, _used = _region[_used:_used + nbytes], _used + size
+        return room
+
+
+def _takes(nbytes: int, device) -> bool:
+    return nbytes >= MIN_BYTES and torch.device(device).type == "cpu" and enabled()
+
+
+def place(t: torch.Tensor) -> torch.Tensor:
+    """t, or a contiguous copy of it on huge pages (same dtype, shape and values)."""
+    nbytes = t.numel() * t.element_size()
+    if not _takes(nbytes, t.device):
+        return t
+    out = _room(nbytes).view(t.dtype).view(t.shape)
     out.copy_(t)
     return out
+
+
+def zeros(shape: tuple[int, ...], dtype: torch.dtype, device="cpu") -> torch.Tensor:
+    """torch.zeros(shape, dtype=dtype, device=device), on huge pages where `place` would put it
+    (a fresh anonymous mapping is zero: nothing is written until used)."""
+    nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
+    if not _takes(nbytes, device):
+        return torch.zeros(shape, dtype=dtype, device=device)
+    return _room(nbytes).view(dtype).view(shape)

@@ -15,6 +15,7 @@ import torch
 from transformers import AttentionInterface
 from transformers.masking_utils import AttentionMaskInterface
 
+from services.target.kernels import huge_pages
 from services.target.kernels.select import Kernels
 
 ATTN_IMPLEMENTATION = "specmesh_paged"
@@ -34,8 +35,9 @@ class KVPool:
                  head_dim: int, dtype: torch.dtype, device: torch.device | str) -> "KVPool":
         shape = (num_blocks, block_size, num_kv_heads, head_dim)
         fp8 = dtype == torch.float8_e4m3fn
-        k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        # On the CPU, 2 MB pages (kernels/huge_pages.py): attention reads blocks scattered over the pool.
+        k = [huge_pages.zeros(shape, dtype, device) for _ in range(num_layers)]
+        v = [huge_pages.zeros(shape, dtype, device) for _ in range(num_layers)]
         scales = (lambda: [torch.ones(shape[:3], dtype=torch.float32, device=device)
                            for _ in range(num_layers)]) if fp8 else (lambda: None)
         return cls(k, v, scales(), scales())
