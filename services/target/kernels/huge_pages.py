@@ -73,9 +73,10 @@ def place(t: torch.Tensor) -> torch.Tensor:
 
 
 def zeros(shape: tuple[int, ...], dtype: torch.dtype, device="cpu") -> torch.Tensor:
-    """torch.zeros(shape, dtype=dtype, device=device), on huge pages where `place` would put it
-    (a fresh anonymous mapping is zero: nothing is written until used)."""
+    """torch.zeros(shape, dtype=dtype, device=device), on huge pages where `place` would put it.
+    Written once here, as torch.zeros writes: a page first touched while serving would stall that
+    step on the fault (and on compacting memory for a 2 MB page)."""
     nbytes = torch.Size(shape).numel() * torch.empty(0, dtype=dtype).element_size()
     if not _takes(nbytes, device):
         return torch.zeros(shape, dtype=dtype, device=device)
-    return _room(nbytes).view(dtype).view(shape)
+    return _room(nbytes).zero_().view(dtype).view(shape)
