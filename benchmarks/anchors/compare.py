@@ -294,6 +294,7 @@ def start_llamacpp(server: Path, gguf: Path, context: int, log: Path, repack: bo
     return subprocess.Popen(cmd, stdout=open(log, "w"), stderr=subprocess.STDOUT)
 
 
+SPECMESH_SWITCHES = ("SPECMESH_ARGMAX_SCREEN", "SPECMESH_HUGE_PAGES", "SPECMESH_AMX")
 LLAMACPP_NOTES: list[str] = []  # what the report must say about how llama.cpp ran (start_llamacpp_ready)
 
 
@@ -622,7 +623,11 @@ def main() -> None:
     result = asyncio.run(run(args, llamacpp))
     md = table(result)
     load = os.getloadavg()
-    header = (f"model={args.model} bf16 (specmesh weights: {args.specmesh_weights}) greedy tokens={args.tokens} "
+    # specmesh's switches that change what it runs, as this run's environment set them (README settings)
+    switches = {k: v for k, v in os.environ.items() if k in SPECMESH_SWITCHES}
+    header = (f"model={args.model} bf16 (specmesh weights: {args.specmesh_weights}"
+              + "".join(f", {k}={v}" for k, v in sorted(switches.items()))
+              + f") greedy tokens={args.tokens} "
               f"rounds={args.rounds} prompts={args.prompts} "
               f"(medians); load average during the run ended at {load[0]:.1f} on {os.cpu_count()} cores"
               + (f"; llama.cpp: llama-server -t 2 -np {LLAMACPP_PARALLEL} from the llama-cpp-python "
@@ -631,7 +636,8 @@ def main() -> None:
               + "".join(f"; {n}" for n in LLAMACPP_NOTES))
     out = ROOT / "benchmarks" / "results"
     stamp = time.strftime("%Y%m%d-%H%M%S")
-    (out / f"compare-{stamp}.json").write_text(json.dumps({"args": vars(args), "result": result}, indent=1))
+    (out / f"compare-{stamp}.json").write_text(json.dumps({"args": vars(args), "switches": switches, "result": result},
+                                                                 indent=1))
     png = plot(result, out / f"compare-{stamp}.png")
     figure = f"\n![specmesh / vLLM per round](compare-{stamp}.png)\n" if png else ""
     (out / f"compare-{stamp}.md").write_text(header + "\n\n" + md + "\n" + figure)

@@ -29,3 +29,18 @@ def test_each_system_gets_its_bytes_a_token_and_a_share_of_the_read(tmp_path, mo
 def test_the_streaming_read_measures_each_repeat():
     rates = memory_roofline.stream_bandwidth(0.01, 3)
     assert len(rates) == 3 and all(r > 1e8 for r in rates)
+
+
+def test_a_run_with_the_argmax_screen_counts_its_int8_copy_not_the_output_layer(tmp_path, monkeypatch, capsys):
+    runs = []
+    for name, switches in (("screened", {}), ("unscreened", {"SPECMESH_ARGMAX_SCREEN": "0"})):
+        path = tmp_path / f"compare-{name}.json"
+        path.write_text(json.dumps({"args": {"specmesh_weights": "auto"}, "switches": switches,
+                                    "result": {"single": {"specmesh": 50.0}}}))
+        runs.append(str(path))
+    monkeypatch.setattr(memory_roofline, "stream_bandwidth", lambda gb, repeats: [20e9])
+    monkeypatch.setattr(sys, "argv", ["memory_roofline", *runs])
+    memory_roofline.main()
+    out = capsys.readouterr().out
+    assert "| compare-screened | specmesh (auto) | 50.0 | 381 |" in out
+    assert "| compare-unscreened | specmesh (auto) | 50.0 | 536 |" in out
