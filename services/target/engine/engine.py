@@ -539,7 +539,7 @@ class Engine:
         subsets = step_vocab_subsets(batch, inputs, trees, self.spec.vocab_size) \
             if self.config.grammar_vocab_subsets and self.runner.takes_vocab_subsets \
             and any(item.seq.grammar is not None for item in batch) else None
-        if getattr(self.runner, "takes_argmax_rows", False):  # greedy rows no one else reads: through the argmax screen
+        if getattr(self.runner, "takes_argmax_rows", False):  # greedy rows no one else reads: the argmax screen
             subsets = {**argmax_rows(batch, inputs, trees), **(subsets or {})} or None
         # Only a step with subset rows passes them: the runner's plain signature stays the common path.
         extra = {"vocab_subsets": subsets} if subsets else {}

@@ -130,7 +130,7 @@ class ArgmaxScreen:
     def __init__(self, weight_rows: Callable[[torch.Tensor], torch.Tensor], out_features: int, in_features: int):
         self.weight_rows = weight_rows
         self.weights = quantize_weights(weight_rows, out_features, in_features)
-        self.rows = 0  # rows screened since load, and the exact tokens they took (the engine's stats)
+        self.rows = 0  # rows screened since load, and the exact tokens they took (tests, benchmarks)
         self.exact_tokens = 0
 
     def __call__(self, h: torch.Tensor) -> torch.Tensor:

@@ -109,7 +109,8 @@ SPECMESH_VNNI_TARGET void group_rows(const Screen& s, const Rows& r, int64_t m0,
       const __m512 up = _mm512_add_ps(total[h][m], bound);
       _mm512_mask_storeu_ps(upper + row * s.N + g * kCols, mask, up);
       ext.upper[g * ext.M + row] = _mm512_reduce_max_ps(_mm512_mask_blend_ps(mask, inf, up));
-      ext.lower[g * ext.M + row] = _mm512_reduce_max_ps(_mm512_mask_blend_ps(mask, inf, _mm512_sub_ps(total[h][m], bound)));
+      const __m512 low = _mm512_sub_ps(total[h][m], bound);
+      ext.lower[g * ext.M + row] = _mm512_reduce_max_ps(_mm512_mask_blend_ps(mask, inf, low));
     }
   }
 }
@@ -153,11 +154,10 @@ std::vector<int64_t> chosen_columns(const float* upper, const float* threshold, 
 // weight_err / weight_norm [N] as above -> (upper [M, N] float32, best lower bound [M] float32, the
 // columns [C] int64, ascending, where some row's upper bound reaches its best lower bound less
 // tie_margin times the larger of |best lower| and |largest upper|).
-std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_screen(const at::Tensor& p, const at::Tensor& t, const at::Tensor& corr,
-                                                 const at::Tensor& alpha, const at::Tensor& beta,
-                                                 const at::Tensor& quants, const at::Tensor& scales,
-                                                 const at::Tensor& weight_err, const at::Tensor& weight_norm,
-                                                 int64_t N, double tie_margin) {
+std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_screen(
+    const at::Tensor& p, const at::Tensor& t, const at::Tensor& corr, const at::Tensor& alpha, const at::Tensor& beta,
+    const at::Tensor& quants, const at::Tensor& scales, const at::Tensor& weight_err, const at::Tensor& weight_norm,
+    int64_t N, double tie_margin) {
   TORCH_CHECK(p.dim() == 2 && p.scalar_type() == at::kChar && p.is_contiguous() && p.size(1) % 32 == 0,
               "argmax_screen: p must be contiguous int8 [M, K], K a multiple of 32");
   const int64_t M = p.size(0), K = p.size(1), blocks = K / 32, G = (N + 15) / 16;

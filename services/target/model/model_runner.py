@@ -171,7 +171,8 @@ class ModelRunner:
             args = (torch.tensor(ids, dtype=torch.long, device=dev),
                     torch.tensor(positions, dtype=torch.long, device=dev),
                     torch.tensor(logit_rows, dtype=torch.long, device=dev), meta)
-            subsets = vocab_subsets if vocab_subsets and (self.takes_vocab_subsets or self.takes_argmax_rows) else None
+            takes = self.takes_vocab_subsets or self.takes_argmax_rows
+            subsets = vocab_subsets if vocab_subsets and takes else None
             if not feature_rows:
                 return self.lean_forward(*args, vocab_subsets=subsets).float(), {}  # [num_rows, vocab]
             rows = torch.tensor([r for span in feature_rows.values() for r in span], dtype=torch.long, device=dev)

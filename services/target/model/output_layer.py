@@ -35,7 +35,7 @@ from services.target.kernels import argmax_screen, cpu_linear
 
 ARGMAX_ONLY = "argmax-only"  # a vocab_subsets value: the row's only reader is its argmax
 # Above this many screened rows a step, the whole layer is as fast as the screen (measured on the
-# default model: README, Kernels); they go through it whole.
+# default model: docs/kernels.md); they go through it whole.
 SCREEN_MAX_ROWS = 4
 
 
@@ -128,8 +128,8 @@ class OutputLayer:
 def _screen(lm_head: nn.Module, weight_rows, softcap: float | None):
     """The argmax screen of this layer, where it gives the layer's own argmax: the layer is
     specmesh's bf16 kernel without a bias or its GGUF kernel (its rows read from a tied table, the
-    GGUF blocks or the kernel's panels), no soft-cap
-    (a cap applied in float32 could tie two logits the bf16 margin keeps apart), the CPU runs it."""
+    GGUF blocks or the kernel's panels), no soft-cap (a cap applied in float32 could tie two logits
+    the bf16 margin keeps apart), and the CPU runs it."""
     from services.target.model.gguf_weights import GGUFLinear
     from services.target.model.linear import AVX512LinearBF16
     packed = isinstance(lm_head, AVX512LinearBF16) and not lm_head.has_bias
