@@ -58,7 +58,7 @@ def _engine_greedy(engine: Engine, prompt_ids: list[int]) -> tuple[list[int], li
     captured: list[torch.Tensor] = []
     forward = engine.runner.forward
 
-    def recording_forward(batch):
+    def recording_forward(batch, **kwargs):  # whole rows, even those marked for the argmax screen
         logits = forward(batch)
         if logits.shape[0]:  # prefill chunks that end mid-prompt sample nothing
             captured.append(logits[0].clone())

@@ -261,11 +261,11 @@ def test_a_failing_step_fails_its_requests_and_the_engine_keeps_serving(tiny_lla
     forward = engine.runner.forward
     calls = {"n": 0}
 
-    def failing_once(inputs):
+    def failing_once(inputs, **kwargs):  # kwargs: vocab_subsets (greedy rows: the argmax screen)
         calls["n"] += 1
         if calls["n"] == 1:
             raise RuntimeError("injected step failure")
-        return forward(inputs)
+        return forward(inputs, **kwargs)
     engine.runner.forward = failing_once
     errors, done = [], threading.Event()
     try:

@@ -84,7 +84,7 @@ def test_nan_logits_fail_only_their_own_request(engine):
     expected = _run_together(engine, {"alone": SamplingConfig(max_tokens=8)})["alone"].token_ids
     forward = engine.runner.forward
 
-    def poisoned(inputs):
+    def poisoned(inputs, **kwargs):  # whole rows: the poison must reach the sampler as written
         logits = forward(inputs).clone()  # [num_rows, vocab]
         offset = 0
         for inp in inputs:

@@ -100,10 +100,10 @@ async def test_a_speculating_step_never_exceeds_max_batched_tokens(tiny_llama_di
     rows, trees = [], []
     forward = mesh.engine.runner.forward
 
-    def recording_forward(inputs):
+    def recording_forward(inputs, **kwargs):
         rows.append(sum(len(inp.token_ids) for inp in inputs))
         trees.append(sum(inp.parents is not None for inp in inputs))
-        return forward(inputs)
+        return forward(inputs, **kwargs)
     mesh.engine.runner.forward = recording_forward
     try:
         results = await asyncio.gather(*(collect(mesh.router_stub, request(p, 24)) for p in PROMPTS))
