@@ -67,11 +67,14 @@ def test_the_bounds_hold_and_the_screened_argmax_is_the_whole_rows(n, k):
         assert (best <= whole.amax(dim=1)).all()
         assert torch.equal(union, torch.unique(union))  # ascending, each once
         got = screen(x)
+        if m >= 3:  # row 2 is all zero: every logit 0, every token ties, and the screen leaves it whole
+            assert got is None and union.numel() == n
+            got = screen(x[:2])
+            whole = whole[:2]
         assert torch.equal(got.argmax(dim=1), whole.argmax(dim=1))
         finite = torch.isfinite(got)
         assert torch.equal(got[finite], whole[finite])
-        if m < 3:  # (row 2 is all zero: every logit 0, every token ties)
-            assert finite.sum(dim=1).max() < n  # it screened something out
+        assert finite.sum(dim=1).max() < n  # it screened something out
 
 
 def test_a_tie_goes_to_the_first_index_as_in_the_whole_row():
@@ -130,6 +133,11 @@ def test_rows_marked_argmax_only_take_the_screen_in_a_forward(tiny_gemma_dir, gg
     for row in marked:
         finite = torch.isfinite(got[row])
         assert finite.sum() < got.shape[1] and torch.equal(got[row][finite], whole[row][finite])
+    # A row whose logits all tie (an all-zero input): the screen leaves it to the whole layer.
+    output = runner.lean_forward.output
+    h = torch.zeros(2, output.lm_head.in_features, dtype=torch.bfloat16)
+    h[1] = 1.0
+    assert torch.equal(output(h, {0: ARGMAX_ONLY}), output(h)) and output.screen.rows == 3
     # More marked rows than the screen takes in one step: all of them whole.
     runner = _runner(model_dir, weights)
     many = _decode_rows(runner, {r: ARGMAX_ONLY for r in range(SCREEN_MAX_ROWS + 1)})

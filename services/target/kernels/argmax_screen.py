@@ -133,11 +133,14 @@ class ArgmaxScreen:
         self.rows = 0  # rows screened since load, and the exact tokens they took (tests, benchmarks)
         self.exact_tokens = 0
 
-    def __call__(self, h: torch.Tensor) -> torch.Tensor:
+    def __call__(self, h: torch.Tensor) -> torch.Tensor | None:
         """h [M, K] (the layer's input rows) -> logits [M, N] float32: exact at every token that can be
-        its row's argmax, -inf elsewhere."""
+        its row's argmax, -inf elsewhere; None where more than an eighth of the vocabulary could be
+        (a row of near-equal logits, e.g. an all-zero row): the whole layer is then cheaper."""
         x = h.to(torch.bfloat16).contiguous()  # what the layer multiplies
         upper, _, union = bounds(x, self.weights)  # union [C]: any row's possible argmax
+        if union.numel() > self.weights.out_features // 8:
+            return None
         self.rows += x.shape[0]
         self.exact_tokens += union.numel()
         # The same kernel call as the whole layer's, over C columns: the same M rows, so the same

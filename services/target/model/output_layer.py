@@ -73,10 +73,14 @@ class OutputLayer:
             screened = []  # whole rows (a non-finite input keeps the whole layer's NaN / inf handling)
         subsets = {r: ids for r, ids in vocab_subsets.items() if not isinstance(ids, str)} \
             if vocab_subsets and self.weight_rows is not None else {}
+        screened_logits = self.screen(h.index_select(0, torch.tensor(screened, dtype=torch.long, device=h.device))) \
+            if screened else None  # [len(screened), vocab], or None: the screen left them whole
+        if screened_logits is None:
+            screened = []
         if not subsets and not screened:
             return self._cap(self.lm_head(h))
         if not subsets and len(screened) == h.shape[0]:  # every row screened (single-stream decode)
-            return self.screen(h).to(self._logits_dtype(h))
+            return screened_logits.to(self._logits_dtype(h))
         vocab_subsets = subsets
         self._deferred = {row: h[row].clone() for row, ids in vocab_subsets.items() if ids is None}
         self.deferred_rows += len(self._deferred)
@@ -92,8 +96,7 @@ class OutputLayer:
         if whole is not None:
             out[index] = whole
         if screened:  # no soft-cap here: the screen runs only without one
-            at = torch.tensor(screened, dtype=torch.long, device=h.device)
-            out[at] = self.screen(h.index_select(0, at)).to(dtype)  # [len(screened), vocab]
+            out[torch.tensor(screened, dtype=torch.long, device=h.device)] = screened_logits.to(dtype)
         self.subset_rows += len(vocab_subsets) - len(self._deferred)
         for row in self._deferred:
             out[row] = 0.0  # zeros until deferred_logits computes the row (finite: uniform if read)
