@@ -19,7 +19,7 @@ import torch
 from services.target.kernels import argmax_screen, cpu_gguf_linear, cpu_linear
 from services.target.engine.block_manager import BlockManager, PrefixMatch
 from services.target.model.model_runner_inputs import StepInput
-from services.target.model.output_layer import ARGMAX_ONLY, SCREEN_MAX_ROWS
+from services.target.model.output_layer import ARGMAX_ONLY, screen_max_rows
 from tests.mesh import collect, request, start_mesh
 from tests.target.test_gguf_weights import gguf_gemma_dir  # noqa: F401 (fixture)
 
@@ -77,6 +77,33 @@ def test_the_bounds_hold_and_the_screened_argmax_is_the_whole_rows(n, k):
         assert finite.sum(dim=1).max() < n  # it screened something out
 
 
+@pytest.mark.parametrize("k", [64, 96])
+def test_the_amx_pass_returns_the_loops_bits_and_only_the_columns_that_reach_the_threshold(k):
+    """Blocks of 64 k where the hidden size allows (96: blocks of 32). Where the CPU has AMX-INT8 the
+    int8 pass runs on tiles from AMX_MIN_ROWS rows, and returns the VPDPBUSD loop's bits at every
+    row count (whole tiles of 16 and the 1-8 row tails); elsewhere it never takes them. Either way
+    the tokens returned are exactly those whose upper bound reaches some row's threshold (the
+    kernel scans only the groups whose largest upper bound does)."""
+    n = 4099
+    w = _hard_weights(n, k, seed=k)
+    screen = argmax_screen.ArgmaxScreen(lambda ids: w[ids], n, k)
+    assert screen.weights.block == (64 if k % 64 == 0 else 32)
+    for m in (1, 2, 3, 8, 9, 16, 17, 18, 33):
+        x = _rows(m, k, seed=100 + m)[:, torch.randperm(k, generator=torch.Generator().manual_seed(m))]
+        x[2 % m] = (torch.randn(k, generator=torch.Generator().manual_seed(m)) * 2).to(torch.bfloat16)
+        loop = argmax_screen.bounds(x, screen.weights, amx=False)
+        upper, best, union = loop
+        threshold = best - torch.tensor(2.0 ** -6) * torch.maximum(best.abs(), upper.amax(dim=1).abs()) - 1e-30
+        expected = (upper >= threshold[:, None]).any(dim=0).nonzero().flatten()
+        assert torch.equal(union, expected)
+        if argmax_screen.amx_int8():
+            assert argmax_screen.takes_amx(m) == (m >= argmax_screen.AMX_MIN_ROWS)
+            tiles = argmax_screen.bounds(x, screen.weights, amx=True)
+            assert all(torch.equal(a, b) for a, b in zip(tiles, loop)), m
+        else:
+            assert not argmax_screen.takes_amx(m)
+
+
 def test_a_tie_goes_to_the_first_index_as_in_the_whole_row():
     n, k = 512, 64
     w = (torch.randn(n, k, generator=torch.Generator().manual_seed(0)) * 0.01).to(torch.bfloat16)
@@ -100,16 +127,16 @@ def test_the_screen_is_off_where_asked(monkeypatch):
 def _runner(model_dir, weights):
     from tests.target.test_gemma3_forward import _runner as format_runner
     runner = format_runner(model_dir, torch.bfloat16, weights)
-    runner.blocks = BlockManager(64, 4)
+    runner.blocks = BlockManager(128, 4)
     return runner
 
 
-def _decode_rows(runner, subsets):
-    """Six sequences' prefills, then one decode row each: [6, vocab]."""
-    for i in range(6):
+def _decode_rows(runner, subsets, n=6):
+    """n sequences' prefills, then one decode row each: [n, vocab]."""
+    for i in range(n):
         runner.blocks.admit(f"s{i}", EMPTY, 24, 9)
         runner.forward([StepInput.chunk(f"s{i}", list(range(5 + i, 13 + i)), 0, True)])
-    return runner.forward([StepInput.chunk(f"s{i}", [40 + 7 * i], 8, True) for i in range(6)],
+    return runner.forward([StepInput.chunk(f"s{i}", [40 + 7 * i], 8, True) for i in range(n)],
                           vocab_subsets=subsets)
 
 
@@ -138,9 +165,16 @@ def test_rows_marked_argmax_only_take_the_screen_in_a_forward(tiny_gemma_dir, gg
     h = torch.zeros(2, output.lm_head.in_features, dtype=torch.bfloat16)
     h[1] = 1.0
     assert torch.equal(output(h, {0: ARGMAX_ONLY}), output(h)) and output.screen.rows == 3
-    # More marked rows than the screen takes in one step: all of them whole.
+    # As many marked rows as the screen takes in one step (12 where its int8 pass runs on AMX-INT8
+    # tiles, else 4), then one more: all of them whole.
+    n = screen_max_rows() + 1
+    whole = _decode_rows(_runner(model_dir, weights), None, n)
     runner = _runner(model_dir, weights)
-    many = _decode_rows(runner, {r: ARGMAX_ONLY for r in range(SCREEN_MAX_ROWS + 1)})
+    most = _decode_rows(runner, {r: ARGMAX_ONLY for r in range(n - 1)}, n)
+    assert runner.lean_forward.output.screen.rows == n - 1
+    assert torch.equal(most.argmax(dim=1), whole.argmax(dim=1)) and torch.equal(most[n - 1], whole[n - 1])
+    runner = _runner(model_dir, weights)
+    many = _decode_rows(runner, {r: ARGMAX_ONLY for r in range(n)}, n)
     assert runner.lean_forward.output.screen.rows == 0 and torch.equal(many, whole)
 
 

@@ -25,21 +25,28 @@ them: services/target/engine/argmax_rows.py).
 The bound, for a column w (bf16 values) and a row x (bf16 values) with w_hat = s q and x_hat = t p:
   x.w - x_hat.w_hat = x.(w - w_hat) + (x - x_hat).w_hat, so |.| <= |x| |w - w_hat| + |x - x_hat| |w_hat|;
   the kernel's float32 sum of x.w is within (K + 2) u |x| |w| of it (u = 2^-24; |w| <= |w - w_hat| + |w_hat|),
-  and the screen's float32 sum of its blocks within (K / 32 + 3) u |x_hat| |w_hat|.
+  and the screen's float32 sum of its blocks of B k within (K / B + 3) u |x_hat| |w_hat|.
 """
 
 from __future__ import annotations
 
+import functools
 import os
 from dataclasses import dataclass
 from typing import Callable
 
 import torch
 
-from . import cpu_linear, huge_pages
+from . import cpu_kernels, cpu_linear, huge_pages
 from .cpu_kernels import cpu_flags, module
 
-BLOCK = 32  # k per scale block (of the weights and of the rows)
+BLOCK = 32  # k per scale block (of the weights and of the rows) where the hidden size is not a
+WIDE_BLOCK = 64  # multiple of WIDE_BLOCK; half the blocks: half the epilogue work and the scale bytes
+# Rows from which the int8 pass runs on AMX-INT8 tiles where the CPU has them (the same results). On
+# a 2-core Xeon, the default model, blocks of 64 (`python -m benchmarks.argmax_screen`, two runs):
+# about even up to 4 rows (4 rows: 8.3 / 8.0 ms on tiles, 8.0 / 8.0 on the loop), tiles ahead from
+# ~8 (12 rows: 11.9 / 11.5 against 12.2 / 12.3; 18 rows: 14.7 / 13.9 against 22.3 / 15.7).
+AMX_MIN_ROWS = 8
 GROUP = 16  # columns per kernel group
 _U = 2.0 ** -24 * 1.01  # float32's unit roundoff, with room
 _INFLATE = 1 + 2.0 ** -12  # the float32 ops that form a + E themselves round
@@ -63,27 +70,29 @@ def unavailable_reason(in_features: int) -> str | None:
 class ScreenWeights:
     """The int8 copy of an output layer [N, K] and its per-column error norms."""
     quants: torch.Tensor  # [ceil(N / 16), K / 4, 16, 4] uint8: q + 128
-    scales: torch.Tensor  # [ceil(N / 16), K / 32, 16] float16
+    scales: torch.Tensor  # [ceil(N / 16), K / block, 16] float16
     weight_err: torch.Tensor  # [N] float32: |w - s q|, rounded up
     weight_norm: torch.Tensor  # [N] float32: |s q|, rounded up
     out_features: int
     in_features: int
+    block: int = BLOCK  # k per scale block
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.quants, self.scales, self.weight_err, self.weight_norm))
 
 
 def quantize_weights(weight_rows: Callable[[torch.Tensor], torch.Tensor], out_features: int, in_features: int,
-                     chunk: int = 16384) -> ScreenWeights:
-    """The screen's copy of a layer whose rows `weight_rows(ids)` gives as bf16 [len(ids), K]."""
+                     chunk: int = 16384, block: int = BLOCK) -> ScreenWeights:
+    """The screen's copy of a layer whose rows `weight_rows(ids)` gives as bf16 [len(ids), K], one
+    scale per column and `block` k."""
     n, k = out_features, in_features
-    groups, blocks = (n + GROUP - 1) // GROUP, k // BLOCK
+    groups, blocks = (n + GROUP - 1) // GROUP, k // block
     quants = torch.full((groups * GROUP, k), 128, dtype=torch.uint8)
     scales = torch.zeros(groups * GROUP, blocks, dtype=torch.float16)
     err, norm = torch.zeros(n, dtype=torch.float32), torch.zeros(n, dtype=torch.float32)
     for start in range(0, n, chunk):
         ids = torch.arange(start, min(n, start + chunk))
-        w = weight_rows(ids).float().view(len(ids), blocks, BLOCK)  # [c, blocks, 32], the bf16 values
+        w = weight_rows(ids).float().view(len(ids), blocks, block)  # [c, blocks, block], the bf16 values
         s = (w.abs().amax(-1) / 127).clamp(max=60000.0).to(torch.float16)  # [c, blocks]
         sf = s.float()[..., None]
         q = torch.where(sf > 0, torch.round(w / torch.where(sf > 0, sf, 1.0)), 0.0).clamp(-127, 127)
@@ -93,8 +102,8 @@ def quantize_weights(weight_rows: Callable[[torch.Tensor], torch.Tensor], out_fe
         quants[ids] = (q.flatten(1) + 128).to(torch.uint8)
         scales[ids] = s
     quants = quants.view(groups, GROUP, k // 4, 4).permute(0, 2, 1, 3).contiguous()  # [G, K/4, 16, 4]
-    scales = scales.view(groups, GROUP, blocks).permute(0, 2, 1).contiguous()  # [G, K/32, 16]
-    return ScreenWeights(huge_pages.place(quants), huge_pages.place(scales), err, norm, n, k)
+    scales = scales.view(groups, GROUP, blocks).permute(0, 2, 1).contiguous()  # [G, K/block, 16]
+    return ScreenWeights(huge_pages.place(quants), huge_pages.place(scales), err, norm, n, k, block)
 
 
 def _up(v: torch.Tensor) -> torch.Tensor:
@@ -102,23 +111,38 @@ def _up(v: torch.Tensor) -> torch.Tensor:
     return (v * (1 + 1e-6)).float()
 
 
-def bounds(x: torch.Tensor, w: ScreenWeights) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+@functools.cache
+def amx_int8() -> bool:
+    """Whether the int8 pass runs on AMX-INT8 tiles here (a CPU with them, SPECMESH_AMX not 0, the OS
+    grants the tile registers)."""
+    return cpu_kernels.amx_cpu() and "amx_int8" in cpu_flags() and module().amx_ready()
+
+
+def takes_amx(rows: int) -> bool:
+    return rows >= AMX_MIN_ROWS and amx_int8()
+
+
+def bounds(x: torch.Tensor, w: ScreenWeights, amx: bool | None = None,
+           ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """x [M, K] bf16 -> (upper bound of every logit [M, N] float32, best lower bound per row [M],
-    the tokens [C] ascending whose upper bound reaches some row's best lower bound less the tie margin)."""
+    the tokens [C] ascending whose upper bound reaches some row's best lower bound less the tie margin).
+    amx: the int8 pass on AMX-INT8 tiles (None: from AMX_MIN_ROWS rows where `amx_int8`); the same
+    results either way."""
     m, k = x.shape
-    xf = x.float().view(m, k // BLOCK, BLOCK)  # [M, blocks, 32]
+    xf = x.float().view(m, k // w.block, w.block)  # [M, blocks, block]
     t = xf.abs().amax(-1) / 127  # [M, blocks]
     t = torch.where(t > 0, t, torch.ones_like(t))
-    p = torch.round(xf / t[..., None]).clamp(-127, 127)  # [M, blocks, 32]
+    p = torch.round(xf / t[..., None]).clamp(-127, 127)  # [M, blocks, block]
     corr = (p.sum(-1) * 128).to(torch.int32)  # [M, blocks]
     x_norm = xf.double().flatten(1).norm(dim=1) * (1 + 1e-6)  # [M]
     dx_norm = (xf.double() - p.double() * t.double()[..., None]).flatten(1).norm(dim=1) * (1 + 1e-6)
     exact_err = (k + 2) * _U * x_norm  # the layer's own float32 sum, times |w| <= err + norm
-    screen_err = (k // BLOCK + 3) * _U * (x_norm + dx_norm)  # the screen's float32 sum, times |w_hat|
+    screen_err = (k // w.block + 3) * _U * (x_norm + dx_norm)  # the screen's float32 sum, times |w_hat|
     alpha = ((x_norm + exact_err) * _INFLATE).float()
     beta = ((dx_norm + exact_err + screen_err) * _INFLATE).float()
     return module().argmax_screen(p.to(torch.int8).view(m, k), t.contiguous(), corr, alpha, beta, w.quants,
-                                  w.scales, w.weight_err, w.weight_norm, w.out_features, _TIE_MARGIN)
+                                  w.scales, w.weight_err, w.weight_norm, w.out_features, _TIE_MARGIN,
+                                  takes_amx(m) if amx is None else amx)
 
 
 class ArgmaxScreen:
@@ -129,7 +153,8 @@ class ArgmaxScreen:
 
     def __init__(self, weight_rows: Callable[[torch.Tensor], torch.Tensor], out_features: int, in_features: int):
         self.weight_rows = weight_rows
-        self.weights = quantize_weights(weight_rows, out_features, in_features)
+        block = WIDE_BLOCK if in_features % WIDE_BLOCK == 0 else BLOCK
+        self.weights = quantize_weights(weight_rows, out_features, in_features, block=block)
         self.rows = 0  # rows screened since load, and the exact tokens they took (tests, benchmarks)
         self.exact_tokens = 0
 

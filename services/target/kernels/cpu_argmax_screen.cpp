@@ -2,9 +2,9 @@
 // argmax, a cheap int8 pass over the whole vocabulary that bounds every logit from above and
 // below, so that only the few tokens that can still be the argmax are computed exactly.
 //
-// The weights are kept as int8 per block of 32 k with one fp16 scale per column and block
-// (q = round(w / s), stored as q + 128 in uint8), the rows' x as int8 per block of 32 with one
-// float32 scale per row and block (p = round(x / t)). VPDPBUSD multiplies 64 uint8 x int8 pairs a
+// The weights are kept as int8 per block of B k (32, or 64 where the AMX pass runs) with one fp16
+// scale per column and block (q = round(w / s), stored as q + 128 in uint8), the rows' x as int8 per
+// block of B with one float32 scale per row and block (p = round(x / t)). VPDPBUSD multiplies 64 uint8 x int8 pairs a
 // step: (q + 128) * p summed over a block, less the row's 128 * sum(p) over that block, is
 // sum(q * p) exactly in int32; times s * t, summed over the blocks in float32, it is the
 // approximate logit a. Its distance to the exact one is at most
@@ -14,7 +14,16 @@
 // a + E (the upper bound) per column and the largest a - E (the best lower bound) per row.
 //
 // Layout: quants [G = ceil(N / 16), K / 4, 16, 4] uint8 (a column's 4 consecutive k in one int32
-// lane, 16 columns a vector: VPDPBUSD's weight operand as it lies); scales [G, K / 32, 16] fp16.
+// lane, 16 columns a vector: VPDPBUSD's weight operand as it lies); scales [G, K / B, 16] fp16.
+//
+// On a CPU with AMX-INT8, `amx` runs the int8 pass on tiles: one TDPBSUD multiplies 16 rows x B k of
+// p (signed) by a block's B / 4 x 64 bytes of one group's quants (unsigned; AMX's weight tile layout
+// as they lie) into 16 x 16 int32 sums. The float32 epilogue per row, column and block is the
+// VPDPBUSD loop's, op for op and in the same order, so both paths return the same bits
+// (tests/target/test_argmax_screen.py). That epilogue, not the multiplies, is most of the pass's
+// work from a few rows on (a load, a subtraction, a conversion, a multiply and an FMA per 16
+// columns, row and block): hence B = 64 there, half the blocks of B = 32, with its row totals
+// kept in registers.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -35,8 +44,6 @@
 namespace {
 
 constexpr int64_t kCols = 16;  // columns per group: one vector of int32 sums
-constexpr int64_t kBlock = 32;  // k per scale block
-constexpr int64_t kQuads = kBlock / 4;  // VPDPBUSD steps per block
 
 #define SPECMESH_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c")))
 
@@ -45,7 +52,7 @@ struct Screen {
   const uint16_t* scales;  // fp16 bits
   const float* weight_err;  // |w - w_hat| per column
   const float* weight_norm;  // |w_hat| per column
-  int64_t K4, blocks, N;
+  int64_t K4, blocks, quads, N;  // quads: k / 4 per block (VPDPBUSD steps, tile rows of B)
 };
 
 struct Rows {
@@ -76,12 +83,12 @@ SPECMESH_VNNI_TARGET void group_rows(const Screen& s, const Rows& r, int64_t m0,
     __m512i acc[NG][MB];
     for (int h = 0; h < NG; ++h)
       for (int m = 0; m < MB; ++m) acc[h][m] = _mm512_setzero_si512();
-    for (int64_t j = 0; j < kQuads; ++j) {
+    for (int64_t j = 0; j < s.quads; ++j) {
       __m512i w[NG];
-      for (int h = 0; h < NG; ++h) w[h] = _mm512_loadu_si512(s.quants + ((g0 + h) * s.K4 + b * kQuads + j) * 64);
+      for (int h = 0; h < NG; ++h) w[h] = _mm512_loadu_si512(s.quants + ((g0 + h) * s.K4 + b * s.quads + j) * 64);
       for (int m = 0; m < MB; ++m) {
-        int32_t quad;  // p[m, 4(8b + j) .. + 3]
-        std::memcpy(&quad, r.p + (m0 + m) * r.K + (b * kQuads + j) * 4, sizeof(quad));
+        int32_t quad;  // p[m, 4(quads b + j) .. + 3]
+        std::memcpy(&quad, r.p + (m0 + m) * r.K + (b * s.quads + j) * 4, sizeof(quad));
         const __m512i xq = _mm512_set1_epi32(quad);
         for (int h = 0; h < NG; ++h) acc[h][m] = _mm512_dpbusd_epi32(acc[h][m], w[h], xq);
       }
@@ -127,19 +134,112 @@ void groups_rows(const Screen& s, const Rows& r, int64_t M, int64_t g0, float* u
   }
 }
 
-// The columns (ascending) where some row's upper bound reaches its threshold.
-std::vector<int64_t> chosen_columns(const float* upper, const float* threshold, int64_t M, int64_t N) {
-  constexpr int64_t kSpan = 4096;
-  const int64_t spans = (N + kSpan - 1) / kSpan;
+#define SPECMESH_AMX_INT8_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,f16c,amx-tile,amx-int8")))
+
+constexpr int64_t kTileRows = 16;
+
+// The tile palette of the AMX pass for blocks of Q quads: tmm0-1 int32 sums of a 16-row tile against
+// one group (alternate blocks, so one block's sums are read while the next multiplies), tmm2-3 the
+// rows' p of those blocks (16 rows x 4Q bytes), tmm4-5 the group's quants (Q rows of 64 bytes).
+template <int Q>
+struct alignas(64) ScreenTiles {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {64, 64, 4 * Q, 4 * Q, 64, 64};
+  uint8_t rows[16] = {kTileRows, kTileRows, kTileRows, kTileRows, Q, Q};
+};
+// Constants in memory: GCC drops stores to a local config as dead (cpu_amx_linear.cpp says why).
+constexpr ScreenTiles<8> kTiles32{};
+constexpr ScreenTiles<16> kTiles64{};
+
+// One block's int32 sums of a 16-row tile on tiles (C, A, B) into sums [16, 16]. (GCC's tile
+// intrinsics take the register numbers as literals, hence a macro.)
+#define SPECMESH_SCREEN_TILE_BLOCK(C, A, B)                                  \
+  do {                                                                       \
+    _tile_zero(C);                                                           \
+    _tile_loadd(A, p_tile + b * 4 * s.quads, r.K);                           \
+    _tile_loadd(B, s.quants + (g * s.K4 + b * s.quads) * 64, 64);            \
+    _tile_dpbsud(C, A, B);                                                   \
+    _tile_stored(C, &sums[C][0][0], kCols * 4);                              \
+  } while (0)
+
+// As group_rows for one group and R rows from m0 (p, t and corr padded to whole tiles from m0), the
+// R row totals in registers. The float32 arithmetic per row and column is group_rows', in its order.
+template <int R>
+SPECMESH_AMX_INT8_TARGET void tile_rows(const Screen& s, const Rows& r, const int8_t* p_pad, int64_t m0, int64_t M,
+                                        int64_t g, float* upper, const Extremes& ext) {
+  alignas(64) int32_t sums[2][kTileRows][kCols];
+  __m512 total[R];
+  for (int m = 0; m < R; ++m) total[m] = _mm512_setzero_ps();
+  const int8_t* p_tile = p_pad + m0 * r.K;
+  for (int64_t b = 0; b < s.blocks; ++b) {
+    if (b % 2 == 0) SPECMESH_SCREEN_TILE_BLOCK(0, 2, 4);
+    else SPECMESH_SCREEN_TILE_BLOCK(1, 3, 5);
+    const __m512 scale = _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+        s.scales + (g * s.blocks + b) * kCols)));
+    for (int m = 0; m < R; ++m) {
+      const int64_t at = (m0 + m) * s.blocks + b;
+      const __m512 got = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(sums[b % 2][m]),
+                                                             _mm512_set1_epi32(r.corr[at])));
+      total[m] = _mm512_fmadd_ps(got, _mm512_mul_ps(scale, _mm512_set1_ps(r.t[at])), total[m]);
+    }
+  }
+  const __m512 inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __mmask16 mask = specmesh_simd::lanes(s.N - g * kCols);
+  const __m512 err = _mm512_maskz_loadu_ps(mask, s.weight_err + g * kCols);
+  const __m512 norm = _mm512_maskz_loadu_ps(mask, s.weight_norm + g * kCols);
+  for (int m = 0; m < R; ++m) {
+    const int64_t row = m0 + m;
+    if (row >= M) break;  // a padding row
+    const __m512 bound = _mm512_fmadd_ps(_mm512_set1_ps(r.alpha[row]), err,
+                                         _mm512_mul_ps(_mm512_set1_ps(r.beta[row]), norm));
+    const __m512 up = _mm512_add_ps(total[m], bound);
+    _mm512_mask_storeu_ps(upper + row * s.N + g * kCols, mask, up);
+    ext.upper[g * ext.M + row] = _mm512_reduce_max_ps(_mm512_mask_blend_ps(mask, inf, up));
+    const __m512 low = _mm512_sub_ps(total[m], bound);
+    ext.lower[g * ext.M + row] = _mm512_reduce_max_ps(_mm512_mask_blend_ps(mask, inf, low));
+  }
+}
+
+// Groups [begin, end) for every row, on tiles (one thread's share). Rows go in tiles of 16 and a
+// last one of 1, 2, 4 or 8 (rounded up: the padding rows' sums are computed and dropped).
+SPECMESH_AMX_INT8_TARGET void tile_groups(const Screen& s, const Rows& r, const int8_t* p_pad, int64_t M,
+                                          int64_t begin, int64_t end, float* upper, const Extremes& ext) {
+  _tile_loadconfig(s.quads == 16 ? static_cast<const void*>(&kTiles64) : static_cast<const void*>(&kTiles32));
+  for (int64_t g = begin; g < end; ++g)
+    for (int64_t m0 = 0; m0 < M; m0 += kTileRows) {  // the group's quants stay in L1 across row tiles
+      const int64_t rows = M - m0;
+      if (rows > 8) tile_rows<16>(s, r, p_pad, m0, M, g, upper, ext);
+      else if (rows > 4) tile_rows<8>(s, r, p_pad, m0, M, g, upper, ext);
+      else if (rows > 2) tile_rows<4>(s, r, p_pad, m0, M, g, upper, ext);
+      else if (rows > 1) tile_rows<2>(s, r, p_pad, m0, M, g, upper, ext);
+      else tile_rows<1>(s, r, p_pad, m0, M, g, upper, ext);
+    }
+  _tile_release();
+}
+
+// The columns (ascending) where some row's upper bound reaches its threshold: only in the groups
+// whose largest upper bound (ext) reaches it for some row, a few of the vocabulary's.
+std::vector<int64_t> chosen_columns(const float* upper, const Extremes& ext, const float* threshold, int64_t M,
+                                    int64_t N) {
+  constexpr int64_t kSpan = 256;  // groups per task
+  const int64_t G = (N + kCols - 1) / kCols, spans = (G + kSpan - 1) / kSpan;
   std::vector<std::vector<int64_t>> found(spans);
   at::parallel_for(0, spans, 1, [&](int64_t begin, int64_t end) {
     for (int64_t c = begin; c < end; ++c)
-      for (int64_t j = c * kSpan; j < std::min(N, (c + 1) * kSpan); ++j)
-        for (int64_t m = 0; m < M; ++m)
-          if (upper[m * N + j] >= threshold[m]) {
-            found[c].push_back(j);
-            break;
-          }
+      for (int64_t g = c * kSpan; g < std::min(G, (c + 1) * kSpan); ++g) {
+        bool any = false;
+        for (int64_t m = 0; m < M && !any; ++m) any = ext.upper[g * M + m] >= threshold[m];
+        if (!any) continue;
+        for (int64_t j = g * kCols; j < std::min(N, (g + 1) * kCols); ++j)
+          for (int64_t m = 0; m < M; ++m)
+            if (upper[m * N + j] >= threshold[m]) {
+              found[c].push_back(j);
+              break;
+            }
+      }
   });
   std::vector<int64_t> out;
   for (const auto& f : found) out.insert(out.end(), f.begin(), f.end());
@@ -150,20 +250,25 @@ std::vector<int64_t> chosen_columns(const float* upper, const float* threshold, 
 
 #endif  // SPECMESH_ISA_AVX512
 
-// p [M, K] int8, t / corr [M, K / 32] (float32 / int32), alpha / beta [M] float32; quants, scales,
+// p [M, K] int8, t / corr [M, K / B] (float32 / int32), alpha / beta [M] float32; quants, scales,
 // weight_err / weight_norm [N] as above -> (upper [M, N] float32, best lower bound [M] float32, the
 // columns [C] int64, ascending, where some row's upper bound reaches its best lower bound less
-// tie_margin times the larger of |best lower| and |largest upper|).
+// tie_margin times the larger of |best lower| and |largest upper|). The block B is K over scales'
+// second size (32 or 64; p, t and corr are in blocks of B). amx: on AMX-INT8 tiles (the caller checks
+// the CPU has them): the same results.
 std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_screen(
     const at::Tensor& p, const at::Tensor& t, const at::Tensor& corr, const at::Tensor& alpha, const at::Tensor& beta,
     const at::Tensor& quants, const at::Tensor& scales, const at::Tensor& weight_err, const at::Tensor& weight_norm,
-    int64_t N, double tie_margin) {
-  TORCH_CHECK(p.dim() == 2 && p.scalar_type() == at::kChar && p.is_contiguous() && p.size(1) % 32 == 0,
-              "argmax_screen: p must be contiguous int8 [M, K], K a multiple of 32");
-  const int64_t M = p.size(0), K = p.size(1), blocks = K / 32, G = (N + 15) / 16;
+    int64_t N, double tie_margin, bool amx) {
+  TORCH_CHECK(p.dim() == 2 && p.scalar_type() == at::kChar && p.is_contiguous(),
+              "argmax_screen: p must be contiguous int8 [M, K]");
+  TORCH_CHECK(scales.dim() == 3 && scales.size(1) > 0 && (p.size(1) == 32 * scales.size(1) || p.size(1) == 64 * scales.size(1)),
+              "argmax_screen: scales [ceil(N/16), K/B, 16] with blocks of B = 32 or 64 k expected, got ", scales.sizes(),
+              " for K=", p.size(1));
+  const int64_t M = p.size(0), K = p.size(1), blocks = scales.size(1), G = (N + 15) / 16;
   TORCH_CHECK(t.scalar_type() == at::kFloat && t.is_contiguous() && t.size(0) == M && t.size(1) == blocks
                   && corr.scalar_type() == at::kInt && corr.is_contiguous() && corr.sizes() == t.sizes(),
-              "argmax_screen: t float32 and corr int32 [M, K / 32] expected");
+              "argmax_screen: t float32 and corr int32 [M, K / B] expected");
   TORCH_CHECK(alpha.scalar_type() == at::kFloat && beta.scalar_type() == at::kFloat && alpha.numel() == M
                   && beta.numel() == M && alpha.is_contiguous() && beta.is_contiguous(),
               "argmax_screen: alpha and beta float32 [M] expected");
@@ -172,7 +277,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_screen(
               "argmax_screen: quants [ceil(N/16), K/4, 16, 4] uint8 expected, got ", quants.sizes());
   TORCH_CHECK(scales.scalar_type() == at::kHalf && scales.is_contiguous() && scales.dim() == 3
                   && scales.size(0) == G && scales.size(1) == blocks && scales.size(2) == 16,
-              "argmax_screen: scales [ceil(N/16), K/32, 16] float16 expected");
+              "argmax_screen: scales [ceil(N/16), K/B, 16] float16 expected");
   TORCH_CHECK(weight_err.scalar_type() == at::kFloat && weight_norm.scalar_type() == at::kFloat
                   && weight_err.numel() == N && weight_norm.numel() == N && weight_err.is_contiguous()
                   && weight_norm.is_contiguous(),
@@ -185,18 +290,34 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_screen(
 #else
   if (M == 0 || N == 0) return {upper, best.fill_(-std::numeric_limits<float>::infinity()), columns};
   const Screen s{quants.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
-                 weight_err.data_ptr<float>(), weight_norm.data_ptr<float>(), K / 4, blocks, N};
+                 weight_err.data_ptr<float>(), weight_norm.data_ptr<float>(), K / 4, blocks, K / blocks / 4, N};
   const Rows r{p.data_ptr<int8_t>(), t.data_ptr<float>(), corr.data_ptr<int32_t>(), alpha.data_ptr<float>(),
                beta.data_ptr<float>(), K};
   std::vector<float> lower(G * M), highest(G * M);  // [G, M]
   const Extremes ext{lower.data(), highest.data(), M};
   float* up = upper.data_ptr<float>();
-  at::parallel_for(0, (G + 1) / 2, 32, [&](int64_t begin, int64_t end) {
-    for (int64_t u = begin; u < end; ++u) {
-      if (2 * u + 1 < G) groups_rows<2>(s, r, M, 2 * u, up, ext);
-      else groups_rows<1>(s, r, M, 2 * u, up, ext);
-    }
-  });
+  if (amx) {
+    TORCH_CHECK(amx_ready(), "argmax_screen: the OS did not grant this process the AMX tile registers");
+    // p, t and corr padded with zero rows to whole tiles (a tile reads 16 rows; padding sums are dropped)
+    const int64_t M_pad = (M + kTileRows - 1) / kTileRows * kTileRows;
+    std::vector<int8_t> p_pad(M_pad * K, 0);
+    std::vector<float> t_pad(M_pad * blocks, 0.0f);
+    std::vector<int32_t> corr_pad(M_pad * blocks, 0);
+    std::memcpy(p_pad.data(), r.p, M * K);
+    std::memcpy(t_pad.data(), r.t, M * blocks * sizeof(float));
+    std::memcpy(corr_pad.data(), r.corr, M * blocks * sizeof(int32_t));
+    const Rows padded{p_pad.data(), t_pad.data(), corr_pad.data(), r.alpha, r.beta, K};
+    at::parallel_for(0, G, 64, [&](int64_t begin, int64_t end) {
+      tile_groups(s, padded, p_pad.data(), M, begin, end, up, ext);
+    });
+  } else {
+    at::parallel_for(0, (G + 1) / 2, 32, [&](int64_t begin, int64_t end) {
+      for (int64_t u = begin; u < end; ++u) {
+        if (2 * u + 1 < G) groups_rows<2>(s, r, M, 2 * u, up, ext);
+        else groups_rows<1>(s, r, M, 2 * u, up, ext);
+      }
+    });
+  }
   float* bp = best.data_ptr<float>();
   std::vector<float> threshold(M);
   for (int64_t m = 0; m < M; ++m) {
@@ -209,7 +330,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_screen(
     // Two values farther apart than tie_margin of the larger magnitude round to different bf16 values.
     threshold[m] = lo - static_cast<float>(tie_margin) * std::max(std::fabs(lo), std::fabs(hi)) - 1e-30f;
   }
-  const std::vector<int64_t> chosen = chosen_columns(up, threshold.data(), M, N);
+  const std::vector<int64_t> chosen = chosen_columns(up, ext, threshold.data(), M, N);
   columns = at::empty({static_cast<int64_t>(chosen.size())}, p.options().dtype(at::kLong));
   std::copy(chosen.begin(), chosen.end(), columns.data_ptr<int64_t>());
 #endif

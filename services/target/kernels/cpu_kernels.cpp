@@ -18,7 +18,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "y = x w^T for bf16 x [M, K] and GGUF block weights repacked as int8 quants, scales and offsets "
         "(VDPBF16PS; equal to bf16_linear over the weights dequantized to bf16)");
   m.def("argmax_screen", &argmax_screen,
-        "int8 upper bounds of every logit and the best lower bound per row (VPDPBUSD), for rows that only need the argmax");
+        "int8 upper bounds of every logit and the best lower bound per row (VPDPBUSD, or AMX-INT8 tiles with amx), "
+        "for rows that only need the argmax");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows with float32 weight rows (Gemma's or, weight_after, Llama's rounding)");
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "h + norm(a), then the next norm of it: (h_new, x)");
   m.def("qk_norm_rope_bf16", &qk_norm_rope_bf16, "q/k norm and RoPE of a fused qkv: (q, k, v)");

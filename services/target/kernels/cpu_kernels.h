@@ -28,7 +28,7 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_screen(const at::Tensor& p
                                                  const at::Tensor& alpha, const at::Tensor& beta,
                                                  const at::Tensor& quants, const at::Tensor& scales,
                                                  const at::Tensor& weight_err, const at::Tensor& weight_norm,
-                                                 int64_t N, double tie_margin);
+                                                 int64_t N, double tie_margin, bool amx);
 
 // cpu_rowops.cpp: the lean forwards' per-row ops between the matmuls (Gemma 3's and the Llama
 // family's: weight_after picks the norm's rounding), bf16 activations.

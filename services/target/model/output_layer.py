@@ -16,7 +16,7 @@ vocab_subsets.py). A leaf the walk does not reach then costs no pass over the wh
 A row given as {row: ARGMAX_ONLY} is read by nothing but a greedy argmax (the engine marks
 such rows: services/target/engine/argmax_rows.py). Where the argmax screen runs (services/target/
 kernels/argmax_screen.py: the layer is specmesh's bf16 or GGUF kernel, the CPU has AVX512-VNNI,
-no final soft-cap), up to SCREEN_MAX_ROWS of them a step get exact logits at every token that can
+no final soft-cap), up to `screen_max_rows()` of them a step get exact logits at every token that can
 be their argmax and -inf elsewhere: the same argmax, ties included, from an int8 pass over the
 vocabulary and a few exact tokens instead of the whole layer. Elsewhere they are whole rows.
 
@@ -35,8 +35,14 @@ from services.target.kernels import argmax_screen, cpu_linear
 
 ARGMAX_ONLY = "argmax-only"  # a vocab_subsets value: the row's only reader is its argmax
 # Above this many screened rows a step, the whole layer is as fast as the screen (measured on the
-# default model: docs/kernels.md); they go through it whole.
+# default model: docs/kernels.md); they go through it whole. With the int8 pass on AMX-INT8 tiles,
+# SCREEN_MAX_ROWS_AMX.
 SCREEN_MAX_ROWS = 4
+SCREEN_MAX_ROWS_AMX = 12
+
+
+def screen_max_rows() -> int:
+    return SCREEN_MAX_ROWS_AMX if argmax_screen.amx_int8() else SCREEN_MAX_ROWS
 
 
 class OutputLayer:
@@ -68,7 +74,7 @@ class OutputLayer:
         ARGMAX_ONLY} -> logits [R, vocab]."""
         self._deferred = {}
         screened = [r for r, ids in vocab_subsets.items() if isinstance(ids, str)] if vocab_subsets else []
-        if screened and (len(screened) > SCREEN_MAX_ROWS or self.screen is None
+        if screened and (len(screened) > screen_max_rows() or self.screen is None
                          or not bool(torch.isfinite(h[screened]).all())):
             screened = []  # whole rows (a non-finite input keeps the whole layer's NaN / inf handling)
         subsets = {r: ids for r, ids in vocab_subsets.items() if not isinstance(ids, str)} \
