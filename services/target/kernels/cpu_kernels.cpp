@@ -20,6 +20,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_screen", &argmax_screen,
         "int8 upper bounds of every logit and the best lower bound per row (VPDPBUSD, or AMX-INT8 tiles with amx), "
         "for rows that only need the argmax");
+  m.def("argmax_rows_f32", &argmax_rows_f32, "first index of each float32 row's largest value, and whether the row is clean");
   m.def("rms_norm_bf16", &rms_norm_bf16, "RMSNorm of bf16 rows with float32 weight rows (Gemma's or, weight_after, Llama's rounding)");
   m.def("add_rms_norm_bf16", &add_rms_norm_bf16, "h + norm(a), then the next norm of it: (h_new, x)");
   m.def("qk_norm_rope_bf16", &qk_norm_rope_bf16, "q/k norm and RoPE of a fused qkv: (q, k, v)");

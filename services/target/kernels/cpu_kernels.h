@@ -30,6 +30,10 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_screen(const at::Tensor& p
                                                  const at::Tensor& weight_err, const at::Tensor& weight_norm,
                                                  int64_t N, double tie_margin, bool amx);
 
+// cpu_argmax_rows.cpp: the greedy token of float32 logit rows, torch.argmax's answer where the row has
+// no NaN and a finite largest value: (index [M] int64, ok [M] bool).
+std::tuple<at::Tensor, at::Tensor> argmax_rows_f32(const at::Tensor& logits);
+
 // cpu_rowops.cpp: the lean forwards' per-row ops between the matmuls (Gemma 3's and the Llama
 // family's: weight_after picks the norm's rounding), bf16 activations.
 at::Tensor rms_norm_bf16(const at::Tensor& x, const at::Tensor& w, double eps, bool weight_after);

@@ -31,7 +31,7 @@ from pathlib import Path
 MODULE_NAME = "specmesh_cpu_kernels"
 SOURCES = [str(Path(__file__).with_name(name)) for name in (
     "cpu_kernels.cpp", "cpu_linear.cpp", "cpu_amx_linear.cpp", "cpu_gguf_linear.cpp", "cpu_rowops.cpp",
-    "cpu_decode_attention.cpp", "cpu_chunk_attention.cpp", "cpu_argmax_screen.cpp")]
+    "cpu_decode_attention.cpp", "cpu_chunk_attention.cpp", "cpu_argmax_screen.cpp", "cpu_argmax_rows.cpp")]
 _FLAGS = ["-O3", "-fopenmp"]
 # Per ISA: the compiler's target flags and the define that picks the C++ loops (cpu_simd.h).
 ISA_FLAGS = {

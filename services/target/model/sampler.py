@@ -14,6 +14,7 @@ from __future__ import annotations
 import torch
 
 from services.common.sampling_params import SamplingConfig
+from services.target.kernels import cpu_kernels, cpu_rowops
 
 
 class SamplingError(RuntimeError):
@@ -126,6 +127,11 @@ def _argmax_rows(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     largest): passes over the batch's logits that cost milliseconds at 18 rows of a 262k
     vocabulary.
     """
+    if (logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2
+            and logits.shape[1] > 0 and logits.is_contiguous() and cpu_kernels.available()):
+        index, ok = cpu_rowops.argmax_rows(logits)  # [num_seqs] each: torch's argmax where ok, ~10x faster
+        if bool(ok.all()):
+            return index.tolist(), [True] * logits.shape[0]
     index = logits.argmax(dim=-1)  # [num_seqs]
     if bool(torch.isfinite(logits.gather(-1, index[:, None])).all()):
         return index.tolist(), [True] * logits.shape[0]
