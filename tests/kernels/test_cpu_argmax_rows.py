@@ -51,3 +51,12 @@ def test_the_sampler_takes_it_for_float32_greedy_rows(monkeypatch):
     logits[7, 9] = float("nan")
     out = sampler.sample(logits, configs, gens)
     assert calls and out[7] != 9 and out[:7] == expected[:7] and out[8:] == expected[8:]
+
+
+def test_row_argmax_is_torch_argmax_on_any_rows():
+    """What the speculator's greedy walk reads: torch.argmax(dim=-1) bit for bit, through the C++
+    pass on clean float32 rows and torch's own otherwise (a NaN row, bf16, a non-contiguous view)."""
+    x = torch.randn(6, 777, generator=torch.Generator().manual_seed(9)) * 3
+    x[1] = x[1].round()
+    for rows in (x, x.to(torch.bfloat16), x[:, ::2], torch.where(torch.arange(777) == 5, float("nan"), x)):
+        assert torch.equal(sampler.row_argmax(rows), rows.argmax(dim=-1))

@@ -127,17 +127,24 @@ def _argmax_rows(logits: torch.Tensor) -> tuple[list[int], list[bool]]:
     largest): passes over the batch's logits that cost milliseconds at 18 rows of a 262k
     vocabulary.
     """
-    if (logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2
-            and logits.shape[1] > 0 and logits.is_contiguous() and cpu_kernels.available()):
-        index, ok = cpu_rowops.argmax_rows(logits)  # [num_seqs] each: torch's argmax where ok, ~10x faster
-        if bool(ok.all()):
-            return index.tolist(), [True] * logits.shape[0]
-    index = logits.argmax(dim=-1)  # [num_seqs]
+    index = row_argmax(logits)  # [num_seqs]
     if bool(torch.isfinite(logits.gather(-1, index[:, None])).all()):
         return index.tolist(), [True] * logits.shape[0]
     safe = _finite_shifted(logits, check=False)  # [num_seqs, vocab]
     # The max is 0 unless no logit of the row is usable.
     return safe.argmax(dim=-1).tolist(), (safe.amax(dim=-1) == 0).tolist()
+
+
+def row_argmax(logits: torch.Tensor) -> torch.Tensor:
+    """logits [M, N] -> torch.argmax(logits, dim=-1) [M] int64: through specmesh's C++ pass (one
+    vectorized read, ~10x torch's at 18 rows of a 262k vocabulary) where the logits are float32 on
+    the CPU and every row is clean (no NaN, a finite largest value), else torch's own."""
+    if (logits.dtype == torch.float32 and logits.device.type == "cpu" and logits.dim() == 2
+            and logits.shape[1] > 0 and logits.is_contiguous() and cpu_kernels.available()):
+        index, ok = cpu_rowops.argmax_rows(logits)
+        if bool(ok.all()):
+            return index
+    return logits.argmax(dim=-1)
 
 
 def _finite_shifted(logits: torch.Tensor, check: bool = True) -> torch.Tensor:

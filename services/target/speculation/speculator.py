@@ -24,7 +24,7 @@ from services.target.speculation.features import FeatureBuffer
 from specmesh.proto.v1 import common_pb2
 from services.target.model.logits_processors import tree_paths
 from services.target.model.logprobs import token_logprobs
-from services.target.model.sampler import target_probs
+from services.target.model.sampler import row_argmax, target_probs
 from services.target.kernels.tree_accept import sample_inverse_cdf
 from services.target.engine.scheduler import ScheduledSeq, StepResult
 from services.target.engine.sequence import Sequence
@@ -184,7 +184,7 @@ class Speculator:
         num_nodes = torch.tensor([n + 1], dtype=torch.int64, device=dev)
         probs = None
         if seq.sampling.greedy:
-            argmax = processed.argmax(dim=-1).unsqueeze(0)  # [1, n + 1]
+            argmax = row_argmax(processed).unsqueeze(0)  # [1, n + 1]
             nodes, num_accepted, bonus = self.kernels.accept_tree_greedy(
                 draft_tokens, parents, num_nodes, argmax)
         else:
