@@ -3,15 +3,16 @@
 A greedy row reads one number from its logits: the index of the largest. On the default model
 the output layer is 262,144 x 640 bf16 weights (335 MB), read once a decode step, about 40% of
 what a step reads. The screen keeps a second copy of it in int8 (one fp16 scale per column and
-block of 32 k: 178 MB, as the GGUF's own Q8_0 copy) and runs, for the greedy rows of a step:
+block of 64 k, 32 where the hidden size is no multiple of 64: 175 MB) and runs, for the greedy rows
+of a step:
 
 1. an int8 pass over the whole vocabulary (cpu_argmax_screen.cpp, VPDPBUSD: 64 products an
    instruction against VDPBF16PS's 32, half the bytes) that gives every logit an approximate value a
    and a proven bound E with |exact - a| <= E;
 2. the tokens whose upper bound a + E reaches the best lower bound of the row (less a margin of
    2^-6 of its size: two logits that far apart never round to the same bf16 value, so a token
-   outside cannot tie the argmax either): on the default model ~100 of 262,144, a few thousand at
-   worst;
+   outside cannot tie the argmax either): on the default model a median of 25 of 262,144, a few
+   thousand at worst (`python -m benchmarks.argmax_screen`);
 3. those tokens' logits through the layer's own kernel (`cpu_linear.bf16_linear` over their
    gathered rows: the same VDPBF16PS sums in the same order as the whole layer's, so the same
    bits), and -inf for every other token.

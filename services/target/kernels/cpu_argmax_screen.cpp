@@ -2,7 +2,7 @@
 // argmax, a cheap int8 pass over the whole vocabulary that bounds every logit from above and
 // below, so that only the few tokens that can still be the argmax are computed exactly.
 //
-// The weights are kept as int8 per block of B k (32, or 64 where the AMX pass runs) with one fp16
+// The weights are kept as int8 per block of B k (64 where the hidden size allows, else 32) with one fp16
 // scale per column and block (q = round(w / s), stored as q + 128 in uint8), the rows' x as int8 per
 // block of B with one float32 scale per row and block (p = round(x / t)). VPDPBUSD multiplies 64 uint8 x int8 pairs a
 // step: (q + 128) * p summed over a block, less the row's 128 * sum(p) over that block, is
@@ -22,8 +22,8 @@
 // VPDPBUSD loop's, op for op and in the same order, so both paths return the same bits
 // (tests/target/test_argmax_screen.py). That epilogue, not the multiplies, is most of the pass's
 // work from a few rows on (a load, a subtraction, a conversion, a multiply and an FMA per 16
-// columns, row and block): hence B = 64 there, half the blocks of B = 32, with its row totals
-// kept in registers.
+// columns, row and block), with the tile store and reload per block: hence B = 64 (half the blocks
+// of B = 32, for the loop too) and the row totals kept in registers.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
