@@ -16,13 +16,12 @@ Machines here are shared and noisy: compare columns within one run.
 from __future__ import annotations
 
 import argparse
-import statistics
-import time
 from pathlib import Path
 
 import torch
 
 from benchmarks.engine_step import StepBench, corpus_ids
+from benchmarks.linear_formats import median_ms
 from services.common.models.loading import resolve_model_dir
 from services.settings import read_settings
 from services.target.config import EngineConfig
@@ -49,16 +48,6 @@ def captured_rows(engine: Engine, steps: int) -> tuple[torch.Tensor, output_laye
     finally:
         output_layer.OutputLayer.__call__ = call
     return torch.cat(rows), layers[0]
-
-
-def median_ms(fn, repeats: int) -> float:
-    fn()
-    times = []
-    for _ in range(repeats):
-        start = time.perf_counter()
-        fn()
-        times.append(time.perf_counter() - start)
-    return statistics.median(times) * 1000
 
 
 def main() -> None:

@@ -71,6 +71,23 @@ struct Extremes {
   int64_t M;
 };
 
+// One group's approximate logits `total` of one row -> its upper bounds (into upper) and the
+// group's largest upper and lower bound for the row (into ext). Both passes end here.
+inline void write_bounds(const Screen& s, const Rows& r, int64_t g, int64_t row, __m512 total, float* upper,
+                         const Extremes& ext) {
+  const __m512 inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
+  const __mmask16 mask = specmesh_simd::lanes(s.N - g * kCols);
+  const __m512 err = _mm512_maskz_loadu_ps(mask, s.weight_err + g * kCols);
+  const __m512 norm = _mm512_maskz_loadu_ps(mask, s.weight_norm + g * kCols);
+  const __m512 bound = _mm512_fmadd_ps(_mm512_set1_ps(r.alpha[row]), err,
+                                       _mm512_mul_ps(_mm512_set1_ps(r.beta[row]), norm));
+  const __m512 up = _mm512_add_ps(total, bound);
+  _mm512_mask_storeu_ps(upper + row * s.N + g * kCols, mask, up);
+  ext.upper[g * ext.M + row] = _mm512_reduce_max_ps(_mm512_mask_blend_ps(mask, inf, up));
+  const __m512 low = _mm512_sub_ps(total, bound);
+  ext.lower[g * ext.M + row] = _mm512_reduce_max_ps(_mm512_mask_blend_ps(mask, inf, low));
+}
+
 // Rows m0 .. m0 + MB against groups g0 .. g0 + NG (NG x MB independent sum chains): upper bounds ->
 // upper[m, 16g ...], each group's extremes per row -> ext.
 template <int NG, int MB>
@@ -103,23 +120,8 @@ SPECMESH_VNNI_TARGET void group_rows(const Screen& s, const Rows& r, int64_t m0,
       }
     }
   }
-  const __m512 inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  for (int h = 0; h < NG; ++h) {
-    const int64_t g = g0 + h;
-    const __mmask16 mask = specmesh_simd::lanes(s.N - g * kCols);
-    const __m512 err = _mm512_maskz_loadu_ps(mask, s.weight_err + g * kCols);
-    const __m512 norm = _mm512_maskz_loadu_ps(mask, s.weight_norm + g * kCols);
-    for (int m = 0; m < MB; ++m) {
-      const int64_t row = m0 + m;
-      const __m512 bound = _mm512_fmadd_ps(_mm512_set1_ps(r.alpha[row]), err,
-                                           _mm512_mul_ps(_mm512_set1_ps(r.beta[row]), norm));
-      const __m512 up = _mm512_add_ps(total[h][m], bound);
-      _mm512_mask_storeu_ps(upper + row * s.N + g * kCols, mask, up);
-      ext.upper[g * ext.M + row] = _mm512_reduce_max_ps(_mm512_mask_blend_ps(mask, inf, up));
-      const __m512 low = _mm512_sub_ps(total[h][m], bound);
-      ext.lower[g * ext.M + row] = _mm512_reduce_max_ps(_mm512_mask_blend_ps(mask, inf, low));
-    }
-  }
+  for (int h = 0; h < NG; ++h)
+    for (int m = 0; m < MB; ++m) write_bounds(s, r, g0 + h, m0 + m, total[h][m], upper, ext);
 }
 
 template <int NG>
@@ -186,21 +188,7 @@ SPECMESH_AMX_INT8_TARGET void tile_rows(const Screen& s, const Rows& r, const in
       total[m] = _mm512_fmadd_ps(got, _mm512_mul_ps(scale, _mm512_set1_ps(r.t[at])), total[m]);
     }
   }
-  const __m512 inf = _mm512_set1_ps(-std::numeric_limits<float>::infinity());
-  const __mmask16 mask = specmesh_simd::lanes(s.N - g * kCols);
-  const __m512 err = _mm512_maskz_loadu_ps(mask, s.weight_err + g * kCols);
-  const __m512 norm = _mm512_maskz_loadu_ps(mask, s.weight_norm + g * kCols);
-  for (int m = 0; m < R; ++m) {
-    const int64_t row = m0 + m;
-    if (row >= M) break;  // a padding row
-    const __m512 bound = _mm512_fmadd_ps(_mm512_set1_ps(r.alpha[row]), err,
-                                         _mm512_mul_ps(_mm512_set1_ps(r.beta[row]), norm));
-    const __m512 up = _mm512_add_ps(total[m], bound);
-    _mm512_mask_storeu_ps(upper + row * s.N + g * kCols, mask, up);
-    ext.upper[g * ext.M + row] = _mm512_reduce_max_ps(_mm512_mask_blend_ps(mask, inf, up));
-    const __m512 low = _mm512_sub_ps(total[m], bound);
-    ext.lower[g * ext.M + row] = _mm512_reduce_max_ps(_mm512_mask_blend_ps(mask, inf, low));
-  }
+  for (int m = 0; m < R && m0 + m < M; ++m) write_bounds(s, r, g, m0 + m, total[m], upper, ext);  // not padding rows
 }
 
 // Groups [begin, end) for every row, on tiles (one thread's share). Rows go in tiles of 16 and a
