@@ -89,3 +89,55 @@ def test_out_of_range_rows_and_blocks_are_refused_before_any_read():
                        (ok[:4] + (torch.ones(1, 8),), "masks bool")]:
         with pytest.raises(RuntimeError, match=match):
             cpu_rowops.decode_attention(q, cache, cache, *bad, 0.5, out)
+
+
+def _store_step(seqs, window, seed=11, heads=(4, 1), head_dim=64):
+    """A step's batch, its new keys and values and their slots (two tokens not stored: slot -1)."""
+    g = torch.Generator().manual_seed(seed)
+    batch = make_batch(seqs, heads[0], heads[1], head_dim, 4, torch.bfloat16, g, use_tree_mask=True)
+    T = batch.query.shape[0]
+    key = torch.randn(T, heads[1], head_dim, generator=g).to(torch.bfloat16)
+    value = torch.randn(T, heads[1], head_dim, generator=g).to(torch.bfloat16)
+    plan = plan_cpu_attention(4, batch.block_tables, batch.context_lens, batch.query_start_loc,
+                              batch.query_positions, window, batch.tree_mask)
+    slots = torch.randperm(batch.k_cache.shape[0] * 4, generator=g)[:T]
+    slots[0] = -1
+    return batch, key, value, slots, plan
+
+
+@pytest.mark.parametrize("window", [None, 5])
+def test_store_and_attend_in_one_call_equals_store_kv_then_the_decode_kernel(window):
+    """Decode rows and a 3-node tree: the fused call's pool and output equal store_kv_reference then
+    paged_attention_cpu_planned's, bit for bit; a slot < 0 is not stored."""
+    from services.target.kernels.kv_store import store_kv_reference
+    from services.target.kernels.paged_attention_cpu import store_and_attend
+    batch, key, value, slots, plan = _store_step(
+        [SeqSpec(40, 1), SeqSpec(3, 1), SeqSpec(12, 3, chain_tree(3)), SeqSpec(25, 1)], window)
+    kc, vc = batch.k_cache.clone(), batch.v_cache.clone()
+    fused = store_and_attend(batch.query, key, value, kc, vc, slots, plan, 0.3)
+    rk, rv = batch.k_cache.clone(), batch.v_cache.clone()
+    store_kv_reference(key, value, rk, rv, slots)
+    reference = paged_attention_cpu_planned(batch.query, rk, rv, plan, 0.3, cpp_attention=True)
+    assert plan.every_row_decode and torch.equal(kc, rk) and torch.equal(vc, rv)
+    assert torch.equal(fused, reference)
+
+
+def test_store_and_attend_declines_a_step_with_a_prefill_chunk_and_writes_nothing():
+    from services.target.kernels.paged_attention_cpu import store_and_attend
+    batch, key, value, slots, plan = _store_step([SeqSpec(7, 1), SeqSpec(5, 40)], None)
+    kc = batch.k_cache.clone()
+    assert store_and_attend(batch.query, key, value, kc, batch.v_cache, slots, plan, 0.3) is None
+    assert not plan.every_row_decode and torch.equal(kc, batch.k_cache)
+    assert store_and_attend(batch.query, key.float(), value, kc, batch.v_cache, slots, plan, 0.3) is None
+
+
+def test_store_and_attend_refuses_an_out_of_range_slot_before_writing():
+    batch, key, value, slots, plan = _store_step([SeqSpec(9, 1), SeqSpec(20, 1)], None)
+    from services.target.kernels.paged_attention_cpu import store_and_attend
+    kc = batch.k_cache.clone()
+    slots[1] = kc.shape[0] * kc.shape[1]  # one past the pool
+    with pytest.raises(RuntimeError, match="slot .* out of range"):
+        store_and_attend(batch.query, key, value, kc, batch.v_cache, slots, plan, 0.3)
+    assert torch.equal(kc, batch.k_cache)
+    with pytest.raises(RuntimeError, match="key and value"):
+        store_and_attend(batch.query, key[:1], value, kc, batch.v_cache, slots, plan, 0.3)

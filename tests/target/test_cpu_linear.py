@@ -58,12 +58,22 @@ LOOPS_AND_REFERENCES = [  # each loop against its arithmetic written out in torc
 @needs_kernel
 @pytest.mark.parametrize("dot,reference", LOOPS_AND_REFERENCES)
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 6, 7, 12, 13, 25, 97])  # every microtile, past the 96-row pass
-@pytest.mark.parametrize("n,k", [(37, 200), (128, 33), (5, 1)])  # a part panel, whole panels, odd K, one column
+@pytest.mark.parametrize("n,k", [(37, 200), (128, 33), (5, 1), (640, 24)])  # a part panel, whole panels, odd K, one column, 20 panels
 def test_each_loop_equals_its_float32_sums_bit_for_bit(rows, n, k, dot, reference):
     x, w = _bf16(rows, k, seed=rows), _bf16(n, k, seed=n + k, scale=0.05)
     y = _linear(x, w, dot=dot)
     assert y.dtype == torch.bfloat16 and y.shape == (rows, n)
     assert torch.equal(y, reference(x, w))
+
+
+@needs_kernel
+def test_a_few_row_call_splits_its_panels_evenly_over_the_threads():
+    """1-3 rows stream the weights: the thread with the most panels sets the call's time. 20 panels
+    (640 outputs) in groups of 8 would leave one of 2 threads 16; groups of 2 give each 10."""
+    groups = cpu_linear._module().few_row_panel_groups
+    assert groups(20, 8, 2) == 2 and groups(20, 4, 2) == 2
+    assert groups(48, 8, 2) == 8 and groups(8192, 8, 2) == 8  # 6 and 1,024 groups of 8 split evenly already
+    assert groups(128, 4, 2) == 4 and groups(1, 8, 2) == 8 and groups(20, 8, 1) == 8  # one thread: the widest
 
 
 @needs_kernel

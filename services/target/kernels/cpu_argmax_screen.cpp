@@ -299,10 +299,20 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_screen(
       tile_groups(s, padded, p_pad.data(), M, begin, end, up, ext);
     });
   } else {
-    at::parallel_for(0, (G + 1) / 2, 32, [&](int64_t begin, int64_t end) {
+    // Groups a pass: more independent sum chains where few rows give each weight load little work
+    // (one row: 8 groups against 2, 4.4 -> 3.9 ms over the default model's layer on the
+    // AVX512-BF16 EPYC; two rows: 4); from 3 rows, 2 (more would spill the sums' registers).
+    const int64_t width = M == 1 ? 8 : M == 2 ? 4 : 2;
+    at::parallel_for(0, (G + width - 1) / width, 64 / width, [&](int64_t begin, int64_t end) {
       for (int64_t u = begin; u < end; ++u) {
-        if (2 * u + 1 < G) groups_rows<2>(s, r, M, 2 * u, up, ext);
-        else groups_rows<1>(s, r, M, 2 * u, up, ext);
+        const int64_t g0 = u * width, groups = std::min(width, G - g0);
+        if (groups == 8) groups_rows<8>(s, r, M, g0, up, ext);
+        else if (groups == 4) groups_rows<4>(s, r, M, g0, up, ext);
+        else
+          for (int64_t g = g0; g < g0 + groups; g += 2) {
+            if (g + 1 < g0 + groups) groups_rows<2>(s, r, M, g, up, ext);
+            else groups_rows<1>(s, r, M, g, up, ext);
+          }
       }
     });
   }

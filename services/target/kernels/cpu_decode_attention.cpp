@@ -219,3 +219,39 @@ void decode_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, c
     }
   });
 }
+
+// One layer's step of decode rows in one call: this step's keys and values key, value [T, KV, D] bf16
+// into their pool slots (slots [T] int64, slot = block * block_size + offset; < 0: not stored),
+// then decode_attention_bf16 over the pool -> out [T, H, D] (zeros where no row writes). The same
+// stores and arithmetic as store_kv_reference and decode_attention_bf16 one after the other,
+// without a dozen torch calls per layer between them (paged_attention_cpu.store_and_attend).
+at::Tensor store_decode_attention_bf16(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                       at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                                       const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& offsets,
+                                       const at::Tensor& lens, const at::Tensor& masks, double scale) {
+  at::Tensor out = at::zeros_like(query);
+  specmesh_checks::check_paged_bf16("store_decode_attention_bf16", query, k_cache, v_cache, out, 16);
+  const int64_t T = query.size(0), KV = k_cache.size(2), D = k_cache.size(3);
+  const int64_t num_slots = k_cache.size(0) * k_cache.size(1);
+  for (const at::Tensor* t : {&key, &value})
+    TORCH_CHECK(t->dim() == 3 && t->size(0) == T && t->size(1) == KV && t->size(2) == D
+                    && t->scalar_type() == at::kBFloat16 && t->is_contiguous(),
+                "store_decode_attention_bf16: contiguous bf16 key and value [T, KV, D] expected");
+  TORCH_CHECK(slots.scalar_type() == at::kLong && slots.dim() == 1 && slots.size(0) == T && slots.is_contiguous(),
+              "store_decode_attention_bf16: slots int64 [T] expected");
+  const int64_t* sp = slots.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(sp[t] < num_slots, "store_decode_attention_bf16: slot ", sp[t], " out of range");
+  const int64_t row = KV * D;  // bf16 values a slot holds
+  const uint16_t* kp = reinterpret_cast<const uint16_t*>(key.data_ptr<at::BFloat16>());
+  const uint16_t* vp = reinterpret_cast<const uint16_t*>(value.data_ptr<at::BFloat16>());
+  uint16_t* kc = reinterpret_cast<uint16_t*>(k_cache.data_ptr<at::BFloat16>());
+  uint16_t* vc = reinterpret_cast<uint16_t*>(v_cache.data_ptr<at::BFloat16>());
+  for (int64_t t = 0; t < T; ++t) {
+    if (sp[t] < 0) continue;
+    std::memcpy(kc + sp[t] * row, kp + t * row, row * sizeof(uint16_t));
+    std::memcpy(vc + sp[t] * row, vp + t * row, row * sizeof(uint16_t));
+  }
+  decode_attention_bf16(query, k_cache, v_cache, rows, tables, offsets, lens, masks, scale, out);
+  return out;
+}

@@ -11,6 +11,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "bf16 [N, K] -> [ceil(N/32), ceil(K/2), 64] panels for bf16_linear");
   m.def("bf16_linear", &bf16_linear,
         "y = x w^T for bf16 x [M, K] and packed w (float32 sums, bf16 out); dot: VDPBF16PS, else widen + FMA");
+  m.def("few_row_panel_groups", &few_row_panel_groups,
+        "bf16_linear's panels per group at 1-3 rows: P panels over `threads`, at most `widest` a group");
   m.def("bf16_linear_amx", &bf16_linear_amx,
         "y = x w^T over the same panels with AMX tiles (K a multiple of 32; float32 sums, bf16 out)");
   m.def("amx_ready", &amx_ready, "whether the OS granted this process the AMX tile registers (asked once)");
@@ -28,6 +30,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul_bf16", &silu_mul_bf16, "silu(gate) * up of a fused gate|up, bf16");
   m.def("masked_softmax_bf16_", &masked_softmax_bf16_, "softmax of bf16 scores with a hidden mask, in place");
   m.def("decode_attention_bf16", &decode_attention_bf16, "decode rows' attention over the paged bf16 pool, in place");
+  m.def("store_decode_attention_bf16", &store_decode_attention_bf16,
+        "a layer's new keys and values into the pool, then its decode rows' attention");
   m.def("chunk_attention_bf16", &chunk_attention_bf16,
         "prefill chunks' attention over the paged bf16 pool (VDPBF16PS), each row one visible run, in place");
 }

@@ -12,6 +12,7 @@
 // cpu_linear.cpp: bf16 linear layers (AVX-512; VDPBF16PS where the CPU has AVX512-BF16).
 at::Tensor pack_bf16_weight(const at::Tensor& w);  // [N, K] bf16 -> [ceil(N/32), ceil(K/2), 64] panels
 at::Tensor bf16_linear(const at::Tensor& x, const at::Tensor& packed, int64_t N, bool dot);  // [M, K] -> [M, N]
+int64_t few_row_panel_groups(int64_t P, int64_t widest, int64_t threads);  // bf16_linear's panels per group at 1-3 rows
 
 // cpu_amx_linear.cpp: the same product over the same panels with AMX tiles (calls of many rows).
 bool amx_ready();  // asks the OS for the tile registers once; whether it granted them
@@ -50,6 +51,10 @@ void masked_softmax_bf16_(at::Tensor& scores, const at::Tensor& hidden);
 void decode_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                            const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& offsets,
                            const at::Tensor& lens, const at::Tensor& masks, double scale, at::Tensor& out);
+at::Tensor store_decode_attention_bf16(const at::Tensor& query, const at::Tensor& key, const at::Tensor& value,
+                                       at::Tensor& k_cache, at::Tensor& v_cache, const at::Tensor& slots,
+                                       const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& offsets,
+                                       const at::Tensor& lens, const at::Tensor& masks, double scale);
 
 // cpu_chunk_attention.cpp: prefill chunks over the paged bf16 pool (AVX512-BF16), in place.
 void chunk_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,

@@ -42,6 +42,21 @@ using specmesh_panels::kPanel;
 
 }  // namespace
 
+// The panels per group (`widest`, a power of two, or a narrower one) that split P panels most
+// evenly over `threads`. A few-row call streams its weights, so the thread with the most panels
+// sets its time: 640 outputs (20 panels) in groups of 8 are 3 groups, which one thread streamed
+// alone (fewer than parallel_for's grain) and at best 16 + 4; in groups of 2, 10 + 10 (the default
+// model's o_proj and down_proj at one row: 29 -> 17 and 71 -> 34 us on the AVX512-BF16 EPYC).
+// Narrower groups keep fewer loads in flight, so one wins only where it unloads the busiest thread.
+int64_t few_row_panel_groups(int64_t P, int64_t widest, int64_t threads) {
+  int64_t best = widest, best_panels = P + 1;
+  for (int64_t np = widest; np >= 1; np /= 2) {
+    const int64_t groups = (P + np - 1) / np, busiest = std::min(P, (groups + threads - 1) / threads * np);
+    if (busiest < best_panels) best_panels = busiest, best = np;
+  }
+  return best;
+}
+
 #if defined(SPECMESH_ISA_AVX2)
 #include "cpu_linear_avx2.h"  // run_fma: the AVX2 + FMA loop
 #else  // SPECMESH_ISA_AVX512
@@ -162,9 +177,14 @@ void run(const char* x, int64_t esize, int64_t M, int64_t K2, const uint16_t* wp
   // own arithmetic (the 262k-row lm_head at 11 rows: 11.9 ms against 18.3 with two 2-panel
   // tiles, one streaming and one computing); past that, 2-panel tiles of 6 rows reuse each
   // weight vector best. FMA needs registers for the widened weights: 12-row tiles of one panel.
-  const int64_t np = DOT ? (M == 1 ? 8 : M <= 3 ? 4 : M <= 24 ? 1 : 2) : M <= 3 ? 4 : M <= 6 ? 2 : 1;
+  int64_t np = DOT ? (M == 1 ? 8 : M <= 3 ? 4 : M <= 24 ? 1 : 2) : M <= 3 ? 4 : M <= 6 ? 2 : 1;
+  int64_t grain = 4;
+  if (M <= 3) {  // streaming: every thread an equal share, however few the groups
+    np = few_row_panel_groups(P, np, at::get_num_threads());
+    grain = 1;
+  }
   const int64_t m_chunk = 96;  // rows per pass over a thread's panels (their x stays in L2)
-  at::parallel_for(0, (P + np - 1) / np, 4, [&](int64_t begin, int64_t end) {
+  at::parallel_for(0, (P + np - 1) / np, grain, [&](int64_t begin, int64_t end) {
     // The float32 sums of one panel group, panel-major ([np, rows, 32]): written by the tiles in
     // whole vectors, then rounded into y. Writing y's rows directly strided by N, a power of two
     // for the lm_head, made the tiles' stores collide in the caches.

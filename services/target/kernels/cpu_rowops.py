@@ -58,6 +58,17 @@ def decode_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.
                                                _NO_MASK if masks is None else masks, scale, out)
 
 
+def store_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.Tensor, k_cache: torch.Tensor,
+                           v_cache: torch.Tensor, slots: torch.Tensor, rows: torch.Tensor, tables: torch.Tensor,
+                           offsets: torch.Tensor, lens: torch.Tensor, masks: torch.Tensor | None,
+                           scale: float) -> torch.Tensor:
+    """A layer's new keys and values (key/value [T, KV, D] bf16) into their slots ([T] int64, < 0:
+    not stored), then `decode_attention` over the pool, in one call -> [T, H, D] bf16 (zeros where
+    no row writes)."""
+    return module().store_decode_attention_bf16(query, key, value, k_cache, v_cache, slots, rows, tables, offsets,
+                                                lens, _NO_MASK if masks is None else masks, scale)
+
+
 def chunk_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pieces: torch.Tensor,
                     tables: torch.Tensor, bounds: torch.Tensor, scale: float, out: torch.Tensor) -> None:
     """Prefill chunks' attention over the paged bf16 pool with VDPBF16PS (cpu_chunk_attention.cpp);

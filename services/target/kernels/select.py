@@ -24,13 +24,15 @@ class: both give up bit-exactness with transformers); the other backends ignore 
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
 
 from .kv_store import store_kv_reference
 from .paged_attention import paged_attention_planned, paged_attention_reference, plan_paged_attention
-from .paged_attention_cpu import paged_attention_cpu, paged_attention_cpu_planned, plan_cpu_attention, whole_windows
+from .paged_attention_cpu import (paged_attention_cpu, paged_attention_cpu_planned, plan_cpu_attention, store_and_attend,
+                                  whole_windows)
 from .protocol import AcceptTreeGreedy, AcceptTreeSampling, Attend, PagedAttention, PlanAttention, StoreKV
 from .tree_accept import accept_tree_greedy_reference, accept_tree_sampling_reference
 
@@ -49,6 +51,9 @@ class Kernels:
     accept_tree_sampling: AcceptTreeSampling
     paged_attention: PagedAttention  # plan + attend in one checked call
     cpp_attention: bool = False  # cpu backend: attention in C++ where the CPU allows
+    # store_kv then attend in one call where the step's plan allows, else None (the caller takes
+    # the two): (query, key, value, k_cache, v_cache, slot_mapping, plan, scale) -> out or None.
+    store_and_attend: Callable | None = None
 
 
 def get_kernels(backend: str = "auto", cpp_attention: bool = False) -> Kernels:
@@ -65,7 +70,7 @@ def get_kernels(backend: str = "auto", cpp_attention: bool = False) -> Kernels:
         return Kernels("cpu", store_kv_reference, functools.partial(_plan_cpu, cpp_attention=cpp_attention),
                        functools.partial(paged_attention_cpu_planned, cpp_attention=cpp_attention),
                        accept_tree_greedy_reference, accept_tree_sampling_reference,
-                       paged_attention_cpu, cpp_attention)
+                       paged_attention_cpu, cpp_attention, store_and_attend if cpp_attention else None)
     return _triton_kernels()
 
 

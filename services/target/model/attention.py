@@ -94,12 +94,16 @@ def paged_attention(meta: AttentionMetadata, layer: int, q: torch.Tensor, k: tor
     k_scale = pool.k_scales[layer] if pool.k_scales else None
     v_scale = pool.v_scales[layer] if pool.v_scales else None
     kernels = meta.kernels
-    kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
     plan = meta.plans.get(sliding_window)  # depends on the step and window, not the layer: once
     if plan is None:
         plan = meta.plans[sliding_window] = kernels.plan(
             q, k_cache, meta.block_tables, meta.context_lens, meta.query_start_loc,
             meta.query_positions, sliding_window, meta.tree_mask)
+    if kernels.store_and_attend is not None and k_scale is None:
+        out = kernels.store_and_attend(q, k, v, k_cache, v_cache, meta.slot_mapping, plan, scale)
+        if out is not None:
+            return out
+    kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
     return kernels.attend(q, k_cache, v_cache, plan, scale, k_scale=k_scale, v_scale=v_scale)
 
 
