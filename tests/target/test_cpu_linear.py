@@ -165,6 +165,22 @@ def test_avx512_layers_replace_every_linear_and_add_a_bias_within_two_rounding_s
 
 
 @needs_kernel
+def test_a_lean_forward_multiplies_through_matmul_rows_with_the_layers_own_results():
+    """`direct_rows` hands a lean forward each kernel layer's matmul_rows (no nn.Module call): the
+    same outputs as the module's forward, with and without a bias, and for a float32 lm_head."""
+    x = _bf16(3, 64, seed=9)
+    for layer in (linear.AVX512LinearBF16(nn.Linear(64, 40, bias=False).to(torch.bfloat16)),
+                  linear.AVX512LinearBF16(nn.Linear(64, 40, bias=True).to(torch.bfloat16)),
+                  linear.AVX512LinearBF16(nn.Linear(64, 40, bias=False).to(torch.bfloat16), out_dtype=torch.float32)):
+        fast = linear.direct_rows(layer)
+        assert fast == layer.matmul_rows
+        y = fast(x)
+        assert torch.equal(y, layer(x)) and y.dtype == layer(x).dtype
+    plain = nn.Linear(64, 40)
+    assert linear.direct_rows(plain) is plain  # no kernel: the module itself
+
+
+@needs_kernel
 @pytest.mark.parametrize("rows", [1, 7, 64])
 def test_a_biased_kernel_output_is_within_one_bf16_step_of_torch(rows):
     # The bias is summed with the products in float32 (an input column of ones), then the one

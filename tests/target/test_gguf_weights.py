@@ -69,6 +69,7 @@ def gguf_gemma_dir(tmp_path_factory):
 def test_gguf_logits_equal_bf16_avx512_on_prefill_decode_and_tree_steps(gguf_gemma_dir):
     gguf = _runner(gguf_gemma_dir, torch.bfloat16, "gguf")
     assert isinstance(gguf.model.lm_head, GGUFLinear) and gguf.lean_forward.embed_rows is not None
+    assert isinstance(gguf.lean_forward.layers[0].down_proj.__self__, GGUFLinear)  # its matmul_rows (direct_rows)
     expected = _run(_runner(gguf_gemma_dir, torch.bfloat16, "bf16-avx512"))
     for got, want in zip(_run(gguf), expected):
         assert torch.isfinite(want).all()

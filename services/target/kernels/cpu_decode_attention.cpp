@@ -89,11 +89,48 @@ inline void weighted_values(const float* probs, int64_t len, const uint16_t* con
     for (int c = 0; c < C; ++c) store_bf16(out + g * D + d + 16 * c, round_bf16(acc[g][c]), 0xFFFF);
 }
 
+// head_scores for 4 key rows at once: each key's sums are head_scores' (the same FMAs in the same
+// order), in 4 x G independent chains instead of G, each query vector loaded once for the 4 keys.
+// One key's chain is D / 16 dependent FMAs, so one key at a time waits on their latency.
+template <int G, int J>
+inline void head_scores_keys(const float* qf, const uint16_t* const* krows, int64_t D, float scale, float* out,
+                             int64_t stride) {
+  __m512 acc[J][G];
+  for (int j = 0; j < J; ++j)
+    for (int g = 0; g < G; ++g) acc[j][g] = _mm512_setzero_ps();
+  for (int64_t d = 0; d < D; d += 16) {
+    __m512 k[J];
+    for (int j = 0; j < J; ++j) k[j] = widen(krows[j] + d);
+    for (int g = 0; g < G; ++g) {
+      const __m512 qv = _mm512_loadu_ps(qf + g * D + d);
+      for (int j = 0; j < J; ++j) acc[j][g] = _mm512_fmadd_ps(qv, k[j], acc[j][g]);
+    }
+  }
+  for (int j = 0; j < J; ++j)
+    for (int g = 0; g < G; ++g)
+      out[g * stride + j] = _mm512_cvtss_f32(round_bf16(_mm512_set1_ps(_mm512_reduce_add_ps(acc[j][g]) * scale)));
+}
+
 // Heads [h, h + G) of a job: every score, then (after the softmax) every output column.
 template <int G>
 void head_block_scores(const float* qf, const uint16_t* const* krows, int64_t len, int64_t D, float scale,
                        float* probs) {
-  for (int64_t j = 0; j < len; ++j) {
+  constexpr int J = G <= 2 ? 4 : 2;  // keys at once: J x G chains, within the registers
+  int64_t j = 0;
+  for (; j + J <= len; j += J) {
+    bool all = true;
+    for (int64_t a = 0; a < J; ++a) {
+      prefetch_row(krows, j + a + kPrefetchRows, len, 0, D);
+      all = all && krows[j + a] != nullptr;
+    }
+    if (all) {
+      head_scores_keys<G, J>(qf, krows + j, D, scale, probs + j, len);
+      continue;
+    }
+    for (int64_t a = j; a < j + J; ++a)
+      if (krows[a] != nullptr) head_scores<G>(qf, krows[a], D, scale, probs + a, len);
+  }
+  for (; j < len; ++j) {
     prefetch_row(krows, j + kPrefetchRows, len, 0, D);
     if (krows[j] != nullptr) head_scores<G>(qf, krows[j], D, scale, probs + j, len);
   }
@@ -176,15 +213,22 @@ void decode_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, c
   uint16_t* o = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
   const float sc = static_cast<float>(scale);
 
-  at::parallel_for(0, n * KV, 1, [&](int64_t begin, int64_t end) {
+  // A job: one row's kv head and some of its query heads. Fewer (row, kv head) pairs than threads
+  // (one sequence decoding, one kv head: the default model) split each pair's query heads, so every
+  // thread works: each head's arithmetic is the same whichever job computes it.
+  const int64_t threads = at::get_num_threads();
+  const int64_t parts = n * KV < threads ? std::min<int64_t>(group, threads) : 1;
+  at::parallel_for(0, n * KV * parts, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> probs, qf;
     std::vector<const uint16_t*> krows, vrows;
     for (int64_t job = begin; job < end; ++job) {
-      const int64_t i = job / KV, g = job % KV, len = lp[i], h0 = g * group;
-      const uint16_t* qrow = q + (rp[i] * H + h0) * D;  // the group's query heads, [group, D]
-      qf.resize(group * D);  // ... in float32 (exact)
-      widen_row(qrow, group * D, qf.data());
-      probs.assign(group * len, -INFINITY);  // [group, len]; -inf: an entry the row may not see
+      const int64_t pair = job / parts, part = job % parts, i = pair / KV, g = pair % KV, len = lp[i];
+      const int64_t first = part * group / parts, heads = (part + 1) * group / parts - first;
+      const int64_t h0 = g * group + first;  // this job's heads: h0 .. h0 + heads - 1
+      const uint16_t* qrow = q + (rp[i] * H + h0) * D;  // those query heads, [heads, D]
+      qf.resize(heads * D);  // ... in float32 (exact)
+      widen_row(qrow, heads * D, qf.data());
+      probs.assign(heads * len, -INFINITY);  // [heads, len]; -inf: an entry the row may not see
       krows.assign(len, nullptr);
       vrows.assign(len, nullptr);
       const bool* mrow = masked ? mp + i * mask_width : nullptr;
@@ -198,11 +242,11 @@ void decode_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, c
       }
       uint16_t* orow = o + (rp[i] * H + h0) * D;
       if (!any) {
-        std::fill(orow, orow + group * D, uint16_t{0});  // sees nothing
+        std::fill(orow, orow + heads * D, uint16_t{0});  // sees nothing
         continue;
       }
-      for (int64_t h = 0; h < group;) {  // heads in blocks of up to 4: accumulators in registers
-        const int64_t block = std::min<int64_t>(4, group - h);
+      for (int64_t h = 0; h < heads;) {  // heads in blocks of up to 4: accumulators in registers
+        const int64_t block = std::min<int64_t>(4, heads - h);
         const float* qh = qf.data() + h * D;
         float* ph = probs.data() + h * len;
         if (block == 4) head_block_scores<4>(qh, krows.data(), len, D, sc, ph);

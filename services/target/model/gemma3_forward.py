@@ -30,7 +30,7 @@ from torch import nn
 from services.target.model.attention import AttentionMetadata, paged_attention
 from services.target.kernels import cpu_linear, cpu_rowops
 from services.target.model.gguf_weights import GGUFLinear, tied_embedding_rows
-from services.target.model.linear import AVX512LinearBF16
+from services.target.model.linear import AVX512LinearBF16, direct_rows
 from services.target.model.output_layer import OutputLayer
 
 _STATIC_ROPE = ("default", "linear")  # inv_freq fixed at load; dynamic kinds rescale per call
@@ -127,6 +127,7 @@ class _Layer:
     sliding_window: int | None
     rope: str  # layer type: which cos/sin it uses
     input_norm: torch.Tensor  # [hidden] f32, 1 + weight
+    # The projections as `linear.direct_rows` gives them: [T, in] -> [T, out]
     qkv_proj: nn.Module  # fused: [T, hidden] -> [T, (heads + 2 kv heads) * head_dim]
     qk_norm: torch.Tensor  # [num_heads + num_kv_heads, head_dim] f32: q_norm's per query head, then k_norm's
     o_proj: nn.Module
@@ -184,12 +185,12 @@ class Gemma3PagedForward:
             attn, mlp = layer.self_attn, layer.mlp
             self.layers.append(_Layer(
                 i, attn.sliding_window, config.layer_types[i], _one_plus(layer.input_layernorm),
-                getattr(fused, f"qkv_{i}"),
+                direct_rows(getattr(fused, f"qkv_{i}")),
                 torch.cat([_one_plus(attn.q_norm).expand(self.num_heads, -1),
                            _one_plus(attn.k_norm).expand(self.num_kv_heads, -1)]),
-                attn.o_proj, _one_plus(layer.post_attention_layernorm),
-                _one_plus(layer.pre_feedforward_layernorm), getattr(fused, f"gate_up_{i}"), mlp.down_proj,
-                _one_plus(layer.post_feedforward_layernorm)))
+                direct_rows(attn.o_proj), _one_plus(layer.post_attention_layernorm),
+                _one_plus(layer.pre_feedforward_layernorm), direct_rows(getattr(fused, f"gate_up_{i}")),
+                direct_rows(mlp.down_proj), _one_plus(layer.post_feedforward_layernorm)))
 
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
         """Per RoPE kind: (cos, sin) [T, 1, head_dim] in the activations' dtype (Gemma3RotaryEmbedding)."""

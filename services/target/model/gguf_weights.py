@@ -41,6 +41,12 @@ class GGUFLinear(nn.Module):
         y = cpu_gguf_linear.gguf_linear(flat, self.packed)  # [rows, out] bf16
         return y.to(self.out_dtype or x.dtype).reshape(*x.shape[:-1], self.out_features)
 
+    def matmul_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """forward for x [M, in] bf16 (a lean forward's activations), without nn.Module's call."""
+        if self.out_dtype not in (None, torch.bfloat16) or x.dtype != torch.bfloat16:
+            return self.forward(x)
+        return cpu_gguf_linear.gguf_linear(x, self.packed)
+
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of W as bf16 [T, in]: a tied embedding's lookup in the same blocks."""
         return cpu_gguf_linear.rows(self.packed, ids)

@@ -38,6 +38,7 @@ from torch import nn
 from services.target.kernels import cpu_rowops
 from services.target.model.attention import AttentionMetadata, paged_attention
 from services.target.model.gemma3_forward import FUSED, _rotate_half, choose_row_ops
+from services.target.model.linear import direct_rows
 from services.target.model.output_layer import OutputLayer
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
@@ -66,7 +67,7 @@ class _Layer:
     index: int
     sliding_window: int | None
     input_norm: torch.Tensor  # [hidden], the model's dtype
-    qkv_proj: nn.Module  # fused: [T, hidden] -> [T, (heads + 2 kv heads) * head_dim] (+ bias: Qwen2)
+    qkv_proj: nn.Module  # fused, as linear.direct_rows gives it: [T, hidden] -> [T, (heads + 2 kv heads) * head_dim] (+ bias: Qwen2)
     qk_norm: torch.Tensor | None  # [num_heads + num_kv_heads, head_dim]: q_norm's per query head, then k_norm's (Qwen3)
     o_proj: nn.Module
     post_attention_norm: torch.Tensor  # [hidden]
@@ -127,9 +128,9 @@ class LlamaPagedForward:
                 qk_norm = torch.cat([_weight(attn.q_norm).expand(self.num_heads, -1),
                                      _weight(attn.k_norm).expand(self.num_kv_heads, -1)])
             self.layers.append(_Layer(
-                i, _sliding_window(config, attn), _weight(layer.input_layernorm), getattr(fused, f"qkv_{i}"),
-                qk_norm, attn.o_proj, _weight(layer.post_attention_layernorm), getattr(fused, f"gate_up_{i}"),
-                mlp.down_proj))
+                i, _sliding_window(config, attn), _weight(layer.input_layernorm), direct_rows(getattr(fused, f"qkv_{i}")),
+                qk_norm, direct_rows(attn.o_proj), _weight(layer.post_attention_layernorm),
+                direct_rows(getattr(fused, f"gate_up_{i}")), direct_rows(mlp.down_proj)))
         # The C++ row ops take each norm's weight as float32 (the bf16 values, exactly).
         self.row_weights = [(layer.input_norm.float(), None if layer.qk_norm is None else layer.qk_norm.float(),
                              layer.post_attention_norm.float()) for layer in self.layers] if row_ops else []
