@@ -129,6 +129,8 @@ def test_store_and_attend_declines_a_step_with_a_prefill_chunk_and_writes_nothin
     assert store_and_attend(batch.query, key, value, kc, batch.v_cache, slots, plan, 0.3) is None
     assert not plan.every_row_decode and torch.equal(kc, batch.k_cache)
     assert store_and_attend(batch.query, key.float(), value, kc, batch.v_cache, slots, plan, 0.3) is None
+    two, key, value, slots, plan = _store_step([SeqSpec(7, 1), SeqSpec(9, 1)], None)  # decode rows only
+    assert store_and_attend(two.query, key, value, two.k_cache, two.v_cache, slots.int(), plan, 0.3) is None  # int32 slots
 
 
 def test_store_and_attend_refuses_an_out_of_range_slot_before_writing():

@@ -89,8 +89,8 @@ inline void weighted_values(const float* probs, int64_t len, const uint16_t* con
     for (int c = 0; c < C; ++c) store_bf16(out + g * D + d + 16 * c, round_bf16(acc[g][c]), 0xFFFF);
 }
 
-// head_scores for 4 key rows at once: each key's sums are head_scores' (the same FMAs in the same
-// order), in 4 x G independent chains instead of G, each query vector loaded once for the 4 keys.
+// head_scores for J key rows at once: each key's sums are head_scores' (the same FMAs in the same
+// order), in J x G independent chains instead of G, each query vector loaded once for the J keys.
 // One key's chain is D / 16 dependent FMAs, so one key at a time waits on their latency.
 template <int G, int J>
 inline void head_scores_keys(const float* qf, const uint16_t* const* krows, int64_t D, float scale, float* out,

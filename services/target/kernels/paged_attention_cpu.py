@@ -308,7 +308,8 @@ def store_and_attend(
         every = rows is not None and len(rows.plans) == len(plan)
         if isinstance(plan, CpuAttentionPlan):
             plan.every_row_decode = every
-    if not every or not (query.dtype == key.dtype == value.dtype == k_cache.dtype == torch.bfloat16):
+    if not every or not (query.dtype == key.dtype == value.dtype == k_cache.dtype == torch.bfloat16) \
+            or slot_mapping.dtype != torch.long:
         return None
     return cpu_rowops.store_decode_attention(query.contiguous(), key.contiguous(), value.contiguous(), k_cache, v_cache,
                                              slot_mapping, *plan.decode_rows.tensors, scale)
