@@ -306,8 +306,8 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_screen(
     at::parallel_for(0, (G + width - 1) / width, 64 / width, [&](int64_t begin, int64_t end) {
       for (int64_t u = begin; u < end; ++u) {
         const int64_t g0 = u * width, groups = std::min(width, G - g0);
-        if (groups == 8) groups_rows<8>(s, r, M, g0, up, ext);
-        else if (groups == 4) groups_rows<4>(s, r, M, g0, up, ext);
+        if (groups == 8) group_rows<8, 1>(s, r, 0, g0, up, ext);  // width 8: one row
+        else if (groups == 4) group_rows<4, 2>(s, r, 0, g0, up, ext);  // width 4: two rows
         else
           for (int64_t g = g0; g < g0 + groups; g += 2) {
             if (g + 1 < g0 + groups) groups_rows<2>(s, r, M, g, up, ext);

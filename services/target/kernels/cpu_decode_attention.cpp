@@ -116,23 +116,14 @@ template <int G>
 void head_block_scores(const float* qf, const uint16_t* const* krows, int64_t len, int64_t D, float scale,
                        float* probs) {
   constexpr int J = G <= 2 ? 4 : 2;  // keys at once: J x G chains, within the registers
-  int64_t j = 0;
-  for (; j + J <= len; j += J) {
-    bool all = true;
-    for (int64_t a = 0; a < J; ++a) {
-      prefetch_row(krows, j + a + kPrefetchRows, len, 0, D);
-      all = all && krows[j + a] != nullptr;
-    }
-    if (all) {
-      head_scores_keys<G, J>(qf, krows + j, D, scale, probs + j, len);
-      continue;
-    }
-    for (int64_t a = j; a < j + J; ++a)
-      if (krows[a] != nullptr) head_scores<G>(qf, krows[a], D, scale, probs + a, len);
-  }
-  for (; j < len; ++j) {
-    prefetch_row(krows, j + kPrefetchRows, len, 0, D);
-    if (krows[j] != nullptr) head_scores<G>(qf, krows[j], D, scale, probs + j, len);
+  for (int64_t j = 0; j < len;) {
+    bool run = j + J <= len;  // J keys in a row that the row sees: one head_scores_keys
+    for (int64_t a = 0; run && a < J; ++a) run = krows[j + a] != nullptr;
+    const int64_t keys = run ? J : 1;
+    for (int64_t a = 0; a < keys; ++a) prefetch_row(krows, j + a + kPrefetchRows, len, 0, D);
+    if (run) head_scores_keys<G, J>(qf, krows + j, D, scale, probs + j, len);
+    else if (krows[j] != nullptr) head_scores<G>(qf, krows[j], D, scale, probs + j, len);
+    j += keys;
   }
 }
 
