@@ -91,6 +91,34 @@ def test_training_attention_step_one_equals_serving_attention():
     torch.testing.assert_close(step2[0, j], served2[0])
 
 
+def test_few_query_attention_equals_sdpa_of_many(monkeypatch):
+    """Drafting's few-row attention (plain matmuls, float32) gives what SDPA gives."""
+    import services.draft.eagle.head as head_module
+    torch.manual_seed(0)
+    head = FeatureHead(HeadConfig(32, 2, 8, 64))
+    emb, feat = torch.randn(5, 32), torch.randn(5, 32)
+    _, k, v = head(emb[:3], feat[:3], torch.arange(3))
+    mask = torch.tensor([[True, False, True, True, False], [True, True, True, True, True]])  # [n, s + n]
+    few, _, _ = head(emb[3:], feat[3:], torch.arange(3, 5), k, v, mask)
+    monkeypatch.setattr(head_module, "_SMALL_QUERIES", 0)  # every call through SDPA
+    sdpa, _, _ = head(emb[3:], feat[3:], torch.arange(3, 5), k, v, mask)
+    torch.testing.assert_close(few, sdpa)
+
+
+def test_a_bf16_drafter_multiplies_through_the_kernel_within_one_rounding(trained):
+    from services.target.kernels import cpu_linear
+    from services.target.model.linear import AVX512LinearBF16
+    model_dir, result = trained
+    served = EagleProposer.load(result.path, model_dir, torch.bfloat16).drafter.head
+    if not cpu_linear.available():
+        assert isinstance(served.qkv, torch.nn.Linear)  # no kernel: torch's linears stay
+        return
+    assert all(isinstance(getattr(served, n), AVX512LinearBF16) for n in ("fc", "qkv", "o_proj", "gate_up", "down"))
+    x = torch.randn(3, served.config.hidden_size).to(torch.bfloat16)
+    plain = load_head(result.path, target_identity(model_dir), torch.bfloat16)
+    torch.testing.assert_close(served.qkv(x).float(), plain.qkv(x).float(), atol=0.05, rtol=2 ** -7)
+
+
 @pytest.fixture(scope="module")
 def drafter(trained):
     model_dir, result = trained

@@ -26,7 +26,22 @@ _SUBJECTS = ("the ocean", "a small town", "friendship", "the moon", "an old libr
              "a train journey", "honey bees", "a lighthouse", "chess", "a market", "volcanoes", "a birthday party",
              "learning to swim", "a haunted house", "the first day of school", "coffee", "a thunderstorm",
              "dinosaurs", "a city at night", "an island", "bicycles", "a family dinner", "the desert",
-             "a museum", "kindness", "autumn leaves", "a fox", "space travel", "a bakery", "the wind")
+             "a museum", "kindness", "autumn leaves", "a fox", "space travel", "a bakery", "the wind",
+             # a second set (2026-12-05): everyday life, work, science, history and feelings
+             "saving money", "a first job", "cooking pasta", "running a marathon", "moving to a new city",
+             "public speaking", "sleep", "a rainforest", "electric cars", "the internet", "recycling",
+             "an old photograph", "a snowstorm", "ancient Egypt", "the Roman Empire", "a pirate ship", "glaciers",
+             "a hospital", "a farmer", "a teacher", "a grandmother", "a lazy cat", "an elephant", "owls", "whales",
+             "a city park", "a camping trip", "a wedding", "a storm at sea", "a quiet evening", "homework",
+             "video games", "a football match", "painting", "photography", "gardening tools", "a road trip",
+             "the human heart", "earthquakes", "climate change", "the water cycle", "photosynthesis",
+             "black holes", "the brain", "a computer", "smartphones", "robots in factories", "a small business",
+             "teamwork", "patience", "courage", "forgiveness", "loneliness", "growing older", "a new neighbour",
+             "a lost dog", "a broken bridge", "a secret door", "a magic hat", "a talking tree", "a dragon",
+             "a knight", "a spaceship crew", "a detective", "a mystery letter", "a storm cloud", "the sun",
+             "tea", "chocolate", "apples", "a picnic", "a festival", "fireworks", "a snowman", "the beach",
+             "a waterfall", "a cave", "a windmill", "an airport", "a bus ride", "a bookstore", "a village well",
+             "a street musician")
 _FORMS = ("Tell me a short story about {}.", "Write a poem about {}.", "Explain {} to a child.",
           "What is interesting about {}?", "Describe {} in a few sentences.",
           "Why do people like {}?", "Give me three facts about {}.", "Write a letter to a friend about {}.",
@@ -34,7 +49,18 @@ _FORMS = ("Tell me a short story about {}.", "Write a poem about {}.", "Explain 
           "Imagine a conversation between two friends about {}.", "What would a scientist say about {}?",
           "Write a song chorus about {}.", "Give me some advice related to {}.", "Write the opening of a novel about {}.",
           "What are the pros and cons of {}?", "Summarize what you know about {}.",
-          "Tell me a funny anecdote about {}.", "How has {} changed over time?")
+          "Tell me a funny anecdote about {}.", "How has {} changed over time?",
+          # a second set (2026-12-05): questions and requests as people ask them in a chat
+          "Can you help me understand {}?", "I keep thinking about {}. Any thoughts?",
+          "What should a beginner know about {}?", "Write a blog post introduction about {}.",
+          "List five ideas inspired by {}.", "What are common mistakes people make with {}?",
+          "Write a short speech about {}.", "How would you describe {} to someone who has never seen it?",
+          "What is the history of {}?", "Why does {} matter?", "Write a haiku about {}.",
+          "Compare {} with something similar.", "What questions would a child ask about {}?",
+          "Write a product description inspired by {}.", "Plan a day around {}.",
+          "What would happen if {} disappeared?", "Give me a step-by-step guide related to {}.",
+          "Write a fairy tale about {}.", "What is the most surprising thing about {}?",
+          "Explain {} in simple words.")
 @dataclass
 class Rollout:
     """One prompt + continuation as the target sees it."""
@@ -44,6 +70,11 @@ class Rollout:
     label_ids: torch.Tensor  # [T, k] int64: the target's top-k tokens at j (for token j + 1)
     label_probs: torch.Tensor  # [T, k] float32, summing to 1 per row
     num_prompt_tokens: int
+
+
+def builtin_prompt_texts() -> list[str]:
+    """The built-in open-text prompts: every form with every subject (4,920)."""
+    return [form.format(subject) for form in _FORMS for subject in _SUBJECTS]
 
 
 def build_prompts(tokenizer, num_prompts: int, seed: int, prompts_file: Path | None = None,
@@ -63,7 +94,7 @@ def build_prompts(tokenizer, num_prompts: int, seed: int, prompts_file: Path | N
             if line:
                 texts.append(json.loads(line)["prompt"] if line.startswith("{") else line)
     else:
-        texts = [form.format(subject) for form in _FORMS for subject in _SUBJECTS]
+        texts = builtin_prompt_texts()
     random.Random(seed).shuffle(texts)
     texts = texts[:num_prompts]
     if not texts:
@@ -82,17 +113,18 @@ def build_prompts(tokenizer, num_prompts: int, seed: int, prompts_file: Path | N
 
 def generate_continuations(model_dir: Path, prompts: list[list[int]], max_new_tokens: int, seed: int,
                            sampled_share: float = 0.5, temperature: float = 0.8, dtype: str = "bfloat16",
-                           progress=None) -> list[list[int]]:
+                           progress=None, max_num_seqs: int = 128) -> list[list[int]]:
     """The served target's own continuations: specmesh's engine (in `dtype`, as it serves; all
     prompts batched continuously), greedy for all but the first `sampled_share` of the prompts,
-    which are sampled at `temperature` with seed `seed * 100_003 + i` each."""
+    which are sampled at `temperature` with seed `seed * 100_003 + i` each. `max_num_seqs`
+    continue at once (128: ~540 tok/s for the default model on a 2-core AVX512-BF16 EPYC, 32: ~220)."""
     import threading
     from services.common.sampling_params import SamplingConfig
     from services.target.config import EngineConfig
     from services.target.engine.engine import Engine
 
-    blocks = 32 * (max(len(p) for p in prompts) + max_new_tokens) // 16 + 64  # 32 sequences at once
-    engine = Engine.load(EngineConfig(model_dir=Path(model_dir), dtype=dtype, num_blocks=blocks, max_num_seqs=32,
+    blocks = max_num_seqs * (max(len(p) for p in prompts) + max_new_tokens) // 16 + 64
+    engine = Engine.load(EngineConfig(model_dir=Path(model_dir), dtype=dtype, num_blocks=blocks, max_num_seqs=max_num_seqs,
                                       max_queued_requests=len(prompts)))
     engine.start()
     num_sampled = round(sampled_share * len(prompts))
@@ -127,21 +159,48 @@ def generate_continuations(model_dir: Path, prompts: list[list[int]], max_new_to
 
 @torch.inference_mode()
 def record_rollouts(model, parts: TargetParts, prompts: list[list[int]], continuations: list[list[int]],
-                    label_top_k: int = 8, progress=None) -> list[Rollout]:
-    """Features and soft labels of every prompt + continuation (`progress`: a tqdm or None)."""
-    rollouts = []
-    for prompt, continuation in zip(prompts, continuations, strict=True):
-        rollouts.append(_record(model, parts, prompt + continuation, len(prompt), label_top_k))
-        if progress is not None:
-            progress.update(1)
-    return rollouts
+                    label_top_k: int = 8, progress=None, vocab: torch.Tensor | None = None,
+                    batch_tokens: int = 4096) -> list[Rollout]:
+    """Features and soft labels of every prompt + continuation (`progress`: a tqdm or None).
+
+    `model` runs in the dtype it was loaded in (the dtype the target serves, so the features are
+    those the serving target sends); rollouts of similar length share one forward (right-padded:
+    a causal model's rows before the padding do not see it), about `batch_tokens` rows at a
+    time. Labels are the target's distribution over `vocab` (ascending token ids; None = the
+    whole vocabulary), top-`label_top_k` renormalised: the head never scores other tokens, and
+    the LM head's other rows are most of the pass's cost (262,144 of them for Gemma 3)."""
+    sequences = [p + c for p, c in zip(prompts, continuations, strict=True)]
+    weight = parts.lm_head.weight if vocab is None else parts.lm_head.weight[vocab.to(parts.device)]  # [V', hidden]
+    order = sorted(range(len(sequences)), key=lambda i: len(sequences[i]))
+    rollouts: list[Rollout | None] = [None] * len(sequences)
+    start = 0
+    while start < len(order):
+        end = start + 1  # the batch: rollouts order[start:end], padded to the longest (the last)
+        while end < len(order) and (end + 1 - start) * len(sequences[order[end]]) <= batch_tokens:
+            end += 1
+        batch = [order[i] for i in range(start, end)]
+        width = len(sequences[batch[-1]])
+        tokens = torch.zeros(len(batch), width, dtype=torch.long, device=parts.device)  # [b, T], right-padded
+        for row, i in enumerate(batch):
+            tokens[row, :len(sequences[i])] = torch.tensor(sequences[i], dtype=torch.long)
+        features = model.get_decoder()(tokens).last_hidden_state  # [b, T, hidden], after the final norm
+        for row, i in enumerate(batch):
+            n = len(sequences[i])
+            rollouts[i] = _labelled(parts, tokens[row, :n], features[row, :n], weight, vocab, label_top_k,
+                                    len(prompts[i]))
+            if progress is not None:
+                progress.update(1)
+        start = end
+    return rollouts  # type: ignore[return-value]
 
 
-def _record(model, parts: TargetParts, token_ids: list[int], num_prompt_tokens: int, label_top_k: int) -> Rollout:
-    """One teacher-forced pass over prompt + continuation: features and top-k labels per position."""
-    tokens = torch.tensor(token_ids, dtype=torch.long, device=parts.device)  # [T]
-    features = model.get_decoder()(tokens[None]).last_hidden_state[0]  # [T, hidden], after the final norm
-    probs = torch.softmax(parts.features_to_logits(features), dim=-1)  # [T, vocab]
-    top, top_ids = torch.topk(probs, min(label_top_k, probs.shape[-1]), dim=-1)  # [T, k]
+def _labelled(parts: TargetParts, tokens: torch.Tensor, features: torch.Tensor, weight: torch.Tensor,
+              vocab: torch.Tensor | None, label_top_k: int, num_prompt_tokens: int) -> Rollout:
+    """One rollout's record: tokens [T], features [T, hidden], labels from weight [V', hidden]."""
+    logits = (features @ weight.T).float()  # [T, V']
+    if parts.softcap is not None:
+        logits = torch.tanh(logits / parts.softcap) * parts.softcap
+    top, top_index = torch.topk(torch.softmax(logits, dim=-1), min(label_top_k, logits.shape[-1]), dim=-1)  # [T, k]
+    top_ids = top_index if vocab is None else vocab.to(top_index.device)[top_index]
     return Rollout(tokens.cpu(), features.to(torch.bfloat16).cpu(), top_ids.cpu(),
                    (top / top.sum(-1, keepdim=True)).float().cpu(), num_prompt_tokens)

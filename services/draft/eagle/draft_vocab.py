@@ -1,5 +1,5 @@
 """The head's draft vocabulary (EAGLE-3's reduced vocabulary, arXiv 2503.01840 section 3): the
-tokens the target most often puts probability on in the training rollouts. The head scores only
+tokens the target most often writes in the training rollouts. The head scores only
 these: its output layer is the target's LM head restricted to their rows, so a draft step reads
 |draft vocabulary| x hidden weights instead of the whole vocabulary's (262,144 rows for Gemma 3:
 the LM head would otherwise cost more than the head's decoder layer many times over).
@@ -17,18 +17,21 @@ from collections.abc import Sequence
 import torch
 from torch import nn
 
+from services.draft.eagle.head import fast_bf16_linear
 from services.draft.eagle.target_parts import TargetParts
 
 
-def choose_draft_vocab(label_ids: Sequence[torch.Tensor], label_probs: Sequence[torch.Tensor], size: int,
-                       vocab_size: int) -> torch.Tensor:
-    """The `size` token ids with the most target probability mass over the rollouts' soft labels
-    (label_ids / label_probs: [T, k] per rollout), ascending; fewer when fewer were ever labelled."""
-    mass = torch.zeros(vocab_size, dtype=torch.float64)
-    for ids, probs in zip(label_ids, label_probs, strict=True):
-        mass.index_add_(0, ids.reshape(-1), probs.reshape(-1).double())
-    seen = int((mass > 0).sum())
-    order = torch.sort(mass, descending=True, stable=True).indices  # ties: the lower id first
+def choose_draft_vocab(continuations: Sequence[Sequence[int]], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` token ids the target wrote most often in its rollouts' continuations (EAGLE-3
+    counts token frequency in its training data), ascending; fewer when fewer were ever written.
+    Chosen before the labels are recorded, so the labelling pass reads only these rows of the LM
+    head."""
+    counts = torch.zeros(vocab_size, dtype=torch.long)
+    for tokens in continuations:
+        if len(tokens):
+            counts.index_add_(0, torch.as_tensor(list(tokens), dtype=torch.long), torch.ones(len(tokens), dtype=torch.long))
+    seen = int((counts > 0).sum())
+    order = torch.sort(counts, descending=True, stable=True).indices  # ties: the lower id first
     return torch.sort(order[:min(size, seen)]).values  # [V'] int64 ascending
 
 
@@ -50,7 +53,7 @@ class DraftOutput(nn.Module):
         linear = nn.Linear(weight.shape[1], self.size, bias=False, device=full.device, dtype=dtype)
         linear.weight.data.copy_(weight)
         linear.requires_grad_(False)
-        self.linear = _fast(linear) if fast and dtype == torch.bfloat16 else linear
+        self.linear = fast_bf16_linear(linear) if fast and dtype == torch.bfloat16 else linear
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:  # [..., hidden] -> [..., V'] float32
         logits = self.linear(features).float()
@@ -69,11 +72,3 @@ class DraftOutput(nn.Module):
         out = torch.full((vocab_size,), -1, dtype=torch.long)
         out[self.vocab.cpu()] = torch.arange(self.size)
         return out
-
-
-def _fast(linear: nn.Linear) -> nn.Module:
-    from services.target.kernels import cpu_linear
-    if not cpu_linear.available():
-        return linear
-    from services.target.model.linear import AVX512LinearBF16
-    return AVX512LinearBF16(linear)

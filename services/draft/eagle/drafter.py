@@ -54,6 +54,8 @@ class HeadDrafter:
         self.parts = parts
         self.dtype = next(head.parameters()).dtype
         self.device = next(head.parameters()).device
+        if self.dtype == torch.bfloat16 and self.device.type == "cpu":
+            head.use_fast_linears()
         self.output = DraftOutput(parts, head.draft_vocab, self.dtype, fast=True)  # [.., hidden] -> [.., V']
 
     def feed(self, ctx: HeadContext, next_tokens: Sequence[int], features: torch.Tensor) -> None:

@@ -23,6 +23,7 @@ step-1 keys of the true-feature context and the diagonal keys of its own earlier
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import asdict, dataclass
 
@@ -109,7 +110,12 @@ class FeatureHead(nn.Module):
             n, s = q.shape[1], keys.shape[1] - q.shape[1]
             mask = torch.ones(n, s + n, dtype=torch.bool, device=q.device)
             mask[:, s:] = torch.tril(mask[:, s:])
-        a = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [heads, n, head_dim]
+        if q.shape[-2] <= _SMALL_QUERIES:  # drafting: a few rows, where SDPA's CPU kernel costs ~0.3 ms a call
+            scores = (q.float() @ keys.float().transpose(-1, -2)) / math.sqrt(self.config.head_dim)  # [.., n, s + n]
+            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            a = (probs @ values.float()).to(q.dtype)  # [heads, n, head_dim]
+        else:
+            a = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [heads, n, head_dim]
         return self._rest(x, a), k, v
 
     def forward_ttt(self, embeds: torch.Tensor, features: torch.Tensor, positions: torch.Tensor,
@@ -136,6 +142,13 @@ class FeatureHead(nn.Module):
             a = a + probs[..., t + i, None] * dv
         return self._rest(x, a), k, v
 
+    def use_fast_linears(self) -> None:
+        """Serving in bf16 on a CPU: the decoder layer's linears through specmesh's bf16 kernel
+        (packed copies of the weights; torch's bf16 linear at one row took ~45% of a draft
+        token). Within one bf16 rounding of torch's; training keeps nn.Linear."""
+        for name in ("fc", "qkv", "o_proj", "gate_up", "down"):
+            setattr(self, name, fast_bf16_linear(getattr(self, name)))
+
     # ---- helpers ------------------------------------------------------------------------
 
     def _input(self, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
@@ -156,10 +169,18 @@ class FeatureHead(nn.Module):
         return h + self.down(nn.functional.silu(gate) * up)
 
 
+_SMALL_QUERIES = 64  # query rows up to which attention is plain matmuls and softmax in float32
+
+
+@functools.lru_cache(maxsize=8)
+def _inverse_frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)  # [head_dim / 2]
+
+
 def _rope(positions: torch.Tensor, head_dim: int, theta: float,
           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """positions [..., n] -> cos, sin [..., 1, n, head_dim]."""
-    inv = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device, dtype=torch.float32) / head_dim)
+    inv = _inverse_frequencies(head_dim, theta, positions.device)
     angles = positions.float()[..., None] * inv  # [..., n, head_dim / 2]
     emb = torch.cat([angles, angles], dim=-1)[..., None, :, :]  # [..., 1, n, head_dim]
     return emb.cos().to(dtype), emb.sin().to(dtype)
@@ -168,3 +189,12 @@ def _rope(positions: torch.Tensor, head_dim: int, theta: float,
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     half = x.shape[-1] // 2
     return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+
+
+def fast_bf16_linear(linear: nn.Linear) -> nn.Module:
+    """`linear` (bf16) through specmesh's bf16 CPU kernel where it builds, else itself."""
+    from services.target.kernels import cpu_linear
+    if not cpu_linear.available():
+        return linear
+    from services.target.model.linear import AVX512LinearBF16
+    return AVX512LinearBF16(linear)
