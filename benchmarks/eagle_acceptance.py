@@ -3,7 +3,8 @@ greedy answers to held-out open-text prompts (benchmarks/eagle_open_text.py's, n
 training prompts), their features as the serving target computes them (bf16), and at every
 answer position the head's depth-`d` greedy chain from the true context, scored against the
 tokens the target wrote next. Reports the mean accepted draft tokens per pass (τ - 1 of a
-greedy chain verified at that position) and the first draft token's hit rate.
+greedy chain verified at that position) and the first draft token's hit rate, beside prompt
+lookup's chains at the same positions and their combinations.
 
     python -u benchmarks/eagle_acceptance.py --head services/draft/eagle/heads/gemma-3-270m.eagle.safetensors
 
@@ -30,6 +31,8 @@ from services.draft.eagle.drafter import HeadContext  # noqa: E402
 from services.draft.eagle.proposer import EagleProposer  # noqa: E402
 from services.draft.eagle.target_parts import TargetParts  # noqa: E402
 from services.draft.proposers.base import DraftSampling  # noqa: E402
+from services.draft.proposers.prompt_lookup import PromptLookupProposer  # noqa: E402
+from services.draft.state import SequenceState  # noqa: E402
 from services.settings import read_settings  # noqa: E402
 
 
@@ -48,25 +51,44 @@ def held_out_answers(model_dir: Path, tokens: int) -> tuple[list[list[int]], lis
 
 
 def score(head: Path, model_dir: Path, prompts: list[list[int]], rollouts: list, depth: int) -> dict:
+    """Per answer position: the head's chain, prompt lookup's chain (3- to 1-grams) and "lookup
+    where it matches, else the head", each scored by the run of its tokens the target wrote."""
     drafter = EagleProposer.load(head, model_dir, torch.bfloat16).drafter
-    accepted, first, passes = 0, 0, 0
+    runs = {"head": 0, "lookup": 0, "lookup else head": 0, "best of both": 0}
+    first, passes, matched = 0, 0, 0
     for prompt, rollout in zip(prompts, rollouts, strict=True):
         ids = rollout.token_ids.tolist()
         ctx = HeadContext()
+        lookup, state = PromptLookupProposer(), SequenceState("s", "", 0)
+        lookup.observe("s", ids[:len(prompt)])
+        state.token_ids.extend(ids[:len(prompt)])
         # head position j takes (f_j, t_{j+1}); feed the prompt's positions but its last
         drafter.feed(ctx, ids[1:len(prompt)], rollout.features[:len(prompt) - 1])
         for j in range(len(prompt) - 1, len(ids) - 2):
             drafter.feed(ctx, [ids[j + 1]], rollout.features[j:j + 1])  # now ctx.last predicts t_{j+2}
-            chain = drafter.chain(ctx, "s", depth, DraftSampling(), None, 16).token_ids
+            lookup.observe("s", [ids[j + 1]])
+            state.token_ids.append(ids[j + 1])  # committed: t_0 .. t_{j+1}
             truth = ids[j + 2:j + 2 + depth]
-            run = 0
-            while run < min(len(chain), len(truth)) and chain[run] == truth[run]:
-                run += 1
-            accepted += run
-            first += int(bool(truth) and chain[0] == truth[0])
+            head_chain = list(drafter.chain(ctx, "s", depth, DraftSampling(), None, 16).token_ids)
+            lookup_chain = list(lookup.propose([state], depth, depth)[0].token_ids)
+            head_run, lookup_run = _run(head_chain, truth), _run(lookup_chain, truth)
+            runs["head"] += head_run
+            runs["lookup"] += lookup_run
+            runs["lookup else head"] += lookup_run if lookup_chain else head_run
+            runs["best of both"] += max(head_run, lookup_run)
+            matched += bool(lookup_chain)
+            first += int(head_chain[0] == truth[0])
             passes += 1
-    return {"passes": passes, "accepted_per_pass": accepted / passes, "tau": 1 + accepted / passes,
-            "first_token_hit": first / passes}
+    return {"passes": passes, "accepted_per_pass": {k: v / passes for k, v in runs.items()},
+            "first_token_hit": first / passes, "lookup_matched": matched / passes}
+
+
+def _run(chain: list[int], truth: list[int]) -> int:
+    """Draft tokens a greedy verify accepts: the leading run equal to what the target wrote."""
+    run = 0
+    while run < min(len(chain), len(truth)) and chain[run] == truth[run]:
+        run += 1
+    return run
 
 
 def main() -> None:
@@ -83,8 +105,10 @@ def main() -> None:
           f"answer tokens ({time.perf_counter() - started:.0f} s)")
     for head in args.head:
         result = score(head, model_dir, prompts, rollouts, args.depth)
-        print(f"{head}: depth {args.depth}, {result['passes']} positions: {result['accepted_per_pass']:.2f} accepted "
-              f"per pass (τ {result['tau']:.2f}), first draft token right {100 * result['first_token_hit']:.1f}%")
+        print(f"{head}: depth {args.depth}, {result['passes']} positions; first draft token right "
+              f"{100 * result['first_token_hit']:.1f}%; prompt lookup matched at {100 * result['lookup_matched']:.1f}%")
+        for name, accepted in result["accepted_per_pass"].items():
+            print(f"  {name:<18} {accepted:.2f} accepted per pass (τ {1 + accepted:.2f})")
 
 
 if __name__ == "__main__":

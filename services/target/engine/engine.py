@@ -16,6 +16,7 @@ from collections.abc import Callable
 from concurrent.futures import Future
 
 from services.common.block_hash import block_hash, extra_key
+from services.common.large_allocations import keep_large_allocations_on_heap
 from services.common.sampling_params import SamplingConfig
 from services.target import metrics
 from services.target.engine.argmax_rows import argmax_rows
@@ -140,6 +141,7 @@ class Engine:
     def load(cls, config: EngineConfig) -> "Engine":
         """Loads the model on the engine's own thread, where every later step runs too
         (see services/target/engine/torch_thread.py for why)."""
+        keep_large_allocations_on_heap()  # a step's logits buffers are tens of MB: reuse, not fresh pages
         torch_thread = TorchThread()
 
         def build() -> "Engine":
