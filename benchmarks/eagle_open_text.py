@@ -2,8 +2,8 @@
 
     python benchmarks/eagle_open_text.py --head services/draft/eagle/heads/gemma-3-270m.eagle.safetensors
 
-Starts draft (with the head) + target + router gRPC servers on loopback (default model, bf16)
-and sends open-text chat requests (questions, stories, explanations, advice: none copies its
+Starts draft (with the head) + target + router gRPC servers on loopback (default model, bf16;
+in this process, or with --processes each a `specmesh serve` process of its own) and sends open-text chat requests (questions, stories, explanations, advice: none copies its
 prompt; none is in the head's training prompts) one at a time with speculation off, prompt
 lookup and the head, greedy and at T=0.8; then 16 at once with speculation off and the head
 under the adaptive policy, in rounds where the two take turns (the spread across rounds is the
@@ -19,6 +19,7 @@ import asyncio
 import contextlib
 import os
 import statistics
+import subprocess
 import sys
 import time
 from dataclasses import dataclass
@@ -27,7 +28,8 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))  # for tests.mesh helpers
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))  # for tests.mesh helpers
 
 from services.bench.foreign_cpu import ForeignCpu  # noqa: E402
 from services.common.models.loading import resolve_model_dir  # noqa: E402
@@ -89,50 +91,128 @@ def _row(plan: str, temperature: float, ids: list[int], seconds: float, last) ->
     return Row(plan, temperature, len(ids), seconds, u.verify_passes, u.accepted_tokens)
 
 
-async def run(model_dir: Path, head: Path, tokens: int, temperatures: list[float], concurrency: int,
-              plans: list[str], rounds: int) -> tuple[list[Row], list[Row]]:
-    from services.draft.app import build_draft_server
-    from services.draft.config import DraftConfig
-    draft = build_draft_server(DraftConfig(server=ServerConfig(port=0), draft_model_dtype="bfloat16",
-                                           eagle_head_path=head, eagle_target_dir=model_dir))
-    await draft.start()
-    engine = Engine.load(EngineConfig(model_dir=model_dir, dtype="bfloat16", num_blocks=2048,
-                                      draft_address=draft.address))
-    target = build_target_server(ServerConfig(port=0), engine, "default")
-    await target.start()
-    single, batch = [], []
+class InProcessMesh:
+    """Draft (with the head), target and routers as gRPC servers of this process."""
 
-    async def router_for(method: str, depth: int, nodes: int, policy: str = "fixed"):
+    def __init__(self, model_dir: Path, head: Path) -> None:
+        self.model_dir, self.head = model_dir, head
+        self.servers: list = []
+
+    async def start(self) -> None:
+        from services.draft.app import build_draft_server
+        from services.draft.config import DraftConfig
+        self.draft = build_draft_server(DraftConfig(server=ServerConfig(port=0), draft_model_dtype="bfloat16",
+                                                    eagle_head_path=self.head, eagle_target_dir=self.model_dir))
+        await self.draft.start()
+        engine = Engine.load(EngineConfig(model_dir=self.model_dir, dtype="bfloat16", num_blocks=2048,
+                                          draft_address=self.draft.address))
+        self.target = build_target_server(ServerConfig(port=0), engine, "default")
+        await self.target.start()
+
+    async def router(self, method: str, depth: int, nodes: int, policy: str = "fixed") -> str:
         router = build_router_server(ServerConfig(port=0), RouterConfig(
-            target_address=target.address, tokens={TOKEN_A: "bench"}, speculation_method=method,
+            target_address=self.target.address, tokens={TOKEN_A: "bench"}, speculation_method=method,
             speculation_depth=depth, speculation_nodes=nodes, speculation_policy=policy))
         await router.start()
-        return router
+        self.servers.append(router)
+        return router.address
 
-    for label in tqdm(plans, desc="single stream"):
-        method, depth, nodes = PLANS[label]
-        router = await router_for(method, depth, nodes)
-        async with AsyncClient(router.address, retry=NO_RETRIES) as client:
-            await collect(client, chat("Hello!", 4, 0.0, 0), AUTH_A)  # connects the draft stream
-            await asyncio.sleep(0.3)
-            for temperature in temperatures:
-                for i, prompt in enumerate(PROMPTS):
-                    start = time.perf_counter()
-                    ids, _, last = await collect(client, chat(prompt, tokens, temperature, i), AUTH_A)
-                    single.append(_row(label, temperature, ids, time.perf_counter() - start, last))
-        await router.stop(grace=1)
-    arms = {"off": ("off", "fixed"), "eagle adaptive": ("eagle", "adaptive")}
-    routers = {label: await router_for(method, 4, 0, policy) for label, (method, policy) in arms.items()}
-    async with contextlib.AsyncExitStack() as stack:
-        clients = {label: await stack.enter_async_context(AsyncClient(router.address, retry=NO_RETRIES))
-                   for label, router in routers.items()}
-        for client in clients.values():
-            await collect(client, chat("Hello!", 4, 0.0, 0), AUTH_A)  # connects the draft stream
-        await _concurrent_rounds(clients, list(arms), batch, tokens, temperatures, concurrency, rounds)
-    for router in routers.values():
-        await router.stop(grace=1)
-    await target.stop(grace=1)
-    await draft.stop(grace=1)
+    def pids(self) -> list[int]:
+        return [os.getpid()]
+
+    async def stop(self) -> None:
+        for server in [*self.servers, self.target, self.draft]:
+            await server.stop(grace=1)
+
+
+class ProcessMesh:
+    """Draft, target and every router as `specmesh serve` processes of their own, as deployed
+    (services/builders.py); only the clients run in this process."""
+
+    def __init__(self, model: str, head: Path, log_dir: Path) -> None:
+        self.env = {**os.environ, "SPECMESH_TOKENS": f"{TOKEN_A}=bench", "SPECMESH_METRICS_PORT": "0",
+                    "SPECMESH_MODEL": model, "SPECMESH_EAGLE_HEAD": str(head), "SPECMESH_DTYPE": "bfloat16"}
+        self.log_dir = log_dir
+        self.procs: list[subprocess.Popen] = []
+
+    def _serve(self, name: str, args: list[str], env: dict | None = None) -> int:
+        port = _free_port()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self.procs.append(subprocess.Popen(
+            [sys.executable, "-m", "services.cli", "serve", "--dev", *args, "--port", str(port)],
+            cwd=ROOT, env={**self.env, **(env or {})}, stdout=open(self.log_dir / f"{name}.log", "w"),
+            stderr=subprocess.STDOUT))
+        return port
+
+    async def start(self) -> None:
+        draft = self._serve("draft", ["draft"])
+        self.target = self._serve("target", ["target", "--draft-address", f"127.0.0.1:{draft}"])
+
+    async def router(self, method: str, depth: int, nodes: int, policy: str = "fixed") -> str:
+        port = self._serve(f"router-{method}-{depth}-{nodes}-{policy}", ["router"], {
+            "SPECMESH_TARGET_ADDRESS": f"127.0.0.1:{self.target}", "SPECMESH_SPECULATION_METHOD": method,
+            "SPECMESH_SPECULATION_DEPTH": str(depth), "SPECMESH_SPECULATION_NODES": str(nodes),
+            "SPECMESH_SPECULATION_POLICY": policy})
+        address = f"127.0.0.1:{port}"
+        deadline = time.monotonic() + 900
+        while True:  # the first router also waits for the target to load
+            if any(p.poll() is not None for p in self.procs):
+                raise RuntimeError(f"a specmesh service exited; see {self.log_dir}")
+            try:
+                async with AsyncClient(address, retry=NO_RETRIES) as client:
+                    await collect(client, chat("Hello!", 2, 0.0, 0), AUTH_A)
+                return address
+            except Exception:
+                if time.monotonic() > deadline:
+                    raise
+                await asyncio.sleep(2)
+
+    def pids(self) -> list[int]:
+        return [os.getpid(), *(p.pid for p in self.procs)]
+
+    async def stop(self) -> None:
+        for p in self.procs:
+            p.terminate()
+        for p in self.procs:
+            try:
+                p.wait(30)
+            except subprocess.TimeoutExpired:
+                p.kill()
+
+
+def _free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+async def run(mesh, tokens: int, temperatures: list[float], concurrency: int, plans: list[str],
+              rounds: int) -> tuple[list[Row], list[Row]]:
+    await mesh.start()
+    single, batch = [], []
+    try:
+        for label in tqdm(plans, desc="single stream"):
+            method, depth, nodes = PLANS[label]
+            address = await mesh.router(method, depth, nodes)
+            async with AsyncClient(address, retry=NO_RETRIES) as client:
+                await collect(client, chat("Hello!", 4, 0.0, 0), AUTH_A)  # connects the draft stream
+                await asyncio.sleep(0.3)
+                for temperature in temperatures:
+                    for i, prompt in enumerate(PROMPTS):
+                        start = time.perf_counter()
+                        ids, _, last = await collect(client, chat(prompt, tokens, temperature, i), AUTH_A)
+                        single.append(_row(label, temperature, ids, time.perf_counter() - start, last))
+        arms = {"off": ("off", "fixed"), "eagle adaptive": ("eagle", "adaptive")}
+        addresses = {label: await mesh.router(method, 4, 0, policy) for label, (method, policy) in arms.items()}
+        async with contextlib.AsyncExitStack() as stack:
+            clients = {label: await stack.enter_async_context(AsyncClient(address, retry=NO_RETRIES))
+                       for label, address in addresses.items()}
+            for client in clients.values():
+                await collect(client, chat("Hello!", 4, 0.0, 0), AUTH_A)  # connects the draft stream
+            await _concurrent_rounds(clients, list(arms), batch, tokens, temperatures, concurrency, rounds)
+    finally:
+        await mesh.stop()
     return single, batch
 
 
@@ -227,13 +307,18 @@ def main() -> None:
     parser.add_argument("--plans", nargs="*", default=list(PLANS), choices=list(PLANS),
                         help="single-stream plans (none: only the concurrent part)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the concurrent part (arms take turns)")
+    parser.add_argument("--processes", action="store_true",
+                        help="each service a process of its own, as deployed (default: all in this process)")
     args = parser.parse_args()
     model_dir = resolve_model_dir(args.model, Path(read_settings().model_cache).expanduser())
-    with ForeignCpu(lambda: [os.getpid()]) as cpu:
-        single, batch = asyncio.run(run(model_dir, args.head, args.tokens, args.temperatures,
-                                        args.concurrency, args.plans, args.rounds))
+    mesh = ProcessMesh(args.model, args.head.resolve(), ROOT / "benchmarks" / "results" / "logs" / "eagle_open_text") \
+        if args.processes else InProcessMesh(model_dir, args.head)
+    with ForeignCpu(mesh.pids) as cpu:
+        single, batch = asyncio.run(run(mesh, args.tokens, args.temperatures, args.concurrency, args.plans,
+                                        args.rounds))
         cost = head_cost(model_dir, args.head)
-    print(f"model={args.model} bf16, threads={torch.get_num_threads()}, concurrency={args.concurrency}")
+    print(f"model={args.model} bf16, threads={torch.get_num_threads()}, concurrency={args.concurrency}, "
+          f"services {'in processes of their own' if args.processes else 'in one process'}")
     report(single, batch, cpu.share(), cost, args.tokens)
 
 
