@@ -5,7 +5,7 @@
 Starts draft (with the head) + target + router gRPC servers on loopback (default model, bf16;
 in this process, or with --processes each a `specmesh serve` process of its own) and sends open-text chat requests (questions, stories, explanations, advice: none copies its
 prompt; none is in the head's training prompts) one at a time with speculation off, prompt
-lookup and the head, greedy and at T=0.8; then 16 at once with speculation off and the head
+lookup and the head, greedy and at T=0.8 (each prompt with every plan in turn); then 16 at once with speculation off and the head
 under the adaptive policy, in rounds where the two take turns (the spread across rounds is the
 noise floor). Reports tokens/s, τ (accepted + bonus tokens per verify pass) and
 accepted tokens per pass; the head's cost per draft token against a target decode step; and the
@@ -62,6 +62,7 @@ PROMPTS = (
 PLANS = {  # label -> (method, depth, nodes)
     "off": ("off", 1, 0),
     "prompt lookup d4": ("prompt_lookup", 4, 0),
+    "eagle d2": ("eagle", 2, 0),
     "eagle d4": ("eagle", 4, 0),
     "eagle d4 tree 12": ("eagle", 4, 12),
 }
@@ -192,17 +193,21 @@ async def run(mesh, tokens: int, temperatures: list[float], concurrency: int, pl
     await mesh.start()
     single, batch = [], []
     try:
-        for label in tqdm(plans, desc="single stream"):
-            method, depth, nodes = PLANS[label]
-            address = await mesh.router(method, depth, nodes)
-            async with AsyncClient(address, retry=NO_RETRIES) as client:
-                await collect(client, chat("Hello!", 4, 0.0, 0), AUTH_A)  # connects the draft stream
-                await asyncio.sleep(0.3)
-                for temperature in temperatures:
-                    for i, prompt in enumerate(PROMPTS):
-                        start = time.perf_counter()
-                        ids, _, last = await collect(client, chat(prompt, tokens, temperature, i), AUTH_A)
-                        single.append(_row(label, temperature, ids, time.perf_counter() - start, last))
+        async with contextlib.AsyncExitStack() as stack:
+            clients = {}
+            for label in plans:
+                method, depth, nodes = PLANS[label]
+                address = await mesh.router(method, depth, nodes)
+                clients[label] = await stack.enter_async_context(AsyncClient(address, retry=NO_RETRIES))
+                await collect(clients[label], chat("Hello!", 4, 0.0, 0), AUTH_A)  # connects the draft stream
+            # Every prompt with every plan in turn (the order rotated per prompt): the machine's
+            # drift over the run reaches every plan alike.
+            work = [(t, i) for t in temperatures for i in range(len(PROMPTS))]
+            for n, (temperature, i) in enumerate(tqdm(work, desc="single stream")):
+                for label in plans[n % len(plans):] + plans[:n % len(plans)]:
+                    start = time.perf_counter()
+                    ids, _, last = await collect(clients[label], chat(PROMPTS[i], tokens, temperature, i), AUTH_A)
+                    single.append(_row(label, temperature, ids, time.perf_counter() - start, last))
         arms = {"off": ("off", "fixed"), "eagle adaptive": ("eagle", "adaptive")}
         addresses = {label: await mesh.router(method, 4, 0, policy) for label, (method, policy) in arms.items()}
         async with contextlib.AsyncExitStack() as stack:
