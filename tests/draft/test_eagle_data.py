@@ -96,3 +96,13 @@ def test_training_precision_is_checked_and_auto_follows_the_cpu(tiny_llama_dir, 
         monkeypatch.setattr(linear, "native_bf16_cpu", lambda native=native: native)
         assert train._autocast(TrainConfig(model_dir=tiny_llama_dir, out=tmp_path / "h")) is native
     assert train._autocast(TrainConfig(model_dir=tiny_llama_dir, out=tmp_path / "h", train_precision="float32")) is False
+
+
+def test_a_draft_vocabulary_no_smaller_than_the_whole_is_the_whole(tiny_llama_dir, tmp_path):
+    """The tiny target's 384 tokens are under the default 16,384: the head scores all of them
+    (a near-uniform random model's likeliest tokens need not be among those it wrote)."""
+    from services.draft.eagle.checkpoint import load_head
+    from services.draft.eagle.target_parts import target_identity
+    from tests.eagle_head import train_tiny_head
+    result = train_tiny_head(tiny_llama_dir, tmp_path / "head.safetensors", num_prompts=4, max_new_tokens=4, epochs=1)
+    assert load_head(result.path, target_identity(tiny_llama_dir)).draft_vocab is None

@@ -24,7 +24,7 @@ from tests.eagle_head import tiny_train_config, train_tiny_head
 @pytest.fixture(scope="module")
 def trained(tiny_llama_dir, tmp_path_factory):
     out = tmp_path_factory.mktemp("head") / "head.safetensors"
-    return tiny_llama_dir, train_tiny_head(tiny_llama_dir, out)
+    return tiny_llama_dir, train_tiny_head(tiny_llama_dir, out, draft_vocab_size=256)  # of 384: a reduced vocabulary
 
 
 def test_training_loss_falls_and_the_saved_head_loads(trained):

@@ -58,7 +58,7 @@ class TrainConfig:
     loss_chunk_rows: int = 256  # rows whose full-vocabulary logits live at once
     chat_template: str = ""  # as the target's setting: "" = the model's own (Gemma 3's for the default model)
     rollout_dtype: str = "bfloat16"  # the engine's dtype for the continuations (as the target serves)
-    draft_vocab_size: int = 16384  # tokens the head scores (draft_vocab.py); 0 = the whole vocabulary
+    draft_vocab_size: int = 16384  # tokens the head scores (draft_vocab.py); 0 or >= the vocabulary: all of it
     # "auto": the loss's matmuls in bf16 (autocast; weights and optimizer stay float32) where the
     # CPU multiplies bf16 natively (4x faster for the default model's head), else float32
     train_precision: str = "auto"
@@ -210,8 +210,10 @@ def _data(config: TrainConfig, model, tokenizer, parts: TargetParts,
     with tqdm(total=len(prompts), desc="target rollouts", unit="prompt", disable=not progress) as bar:
         continuations = generate_continuations(config.model_dir, prompts, config.max_new_tokens, config.seed,
                                                config.sampled_share, config.temperature, config.rollout_dtype, bar)
+    # A reduced vocabulary only where it is smaller than the whole one: a small vocabulary (a tiny
+    # test model's 384 tokens) is scored whole, since its top tokens need not all be written.
     vocab = choose_draft_vocab(continuations, config.draft_vocab_size, parts.vocab_size) \
-        if config.draft_vocab_size else None
+        if 0 < config.draft_vocab_size < parts.vocab_size else None
     # Features as the serving target computes them: the model in the dtype it serves in.
     dtype = getattr(torch, config.rollout_dtype)
     recorder, recorder_parts = model, parts
