@@ -5,9 +5,10 @@ fresh mmap and gives it back with munmap on free, so the kernel faults in and ze
 again the next time. An engine step allocates such buffers every step: a sampled row's logits
 are 1 MB in float32, so 64 sampled rows make 67 MB for the float copy and as much for the
 softmax. Measured on a 2-core AMD EPYC: converting and softmaxing [64, 262144] bf16 logits took
-77 ms a step with fresh mappings and 12-15 ms with the heap reused (one thread, 20 steps). vLLM's CPU guide preloads tcmalloc for the same reason; this keeps
-glibc and raises its thresholds instead (with tcmalloc or jemalloc preloaded the call changes
-nothing). The price: the process keeps the peak of its large buffers resident.
+77 ms a step with fresh mappings and 12-15 ms with the heap reused (one thread, 20 steps).
+vLLM's CPU guide preloads tcmalloc for the same reason; this keeps glibc and raises its
+thresholds instead (with tcmalloc or jemalloc preloaded the call changes nothing). The price:
+the process keeps the peak of its large buffers resident.
 """
 
 from __future__ import annotations

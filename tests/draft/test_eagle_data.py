@@ -95,7 +95,8 @@ def test_training_precision_is_checked_and_auto_follows_the_cpu(tiny_llama_dir, 
     for native in (True, False):
         monkeypatch.setattr(linear, "native_bf16_cpu", lambda native=native: native)
         assert train._autocast(TrainConfig(model_dir=tiny_llama_dir, out=tmp_path / "h")) is native
-    assert train._autocast(TrainConfig(model_dir=tiny_llama_dir, out=tmp_path / "h", train_precision="float32")) is False
+    pinned = TrainConfig(model_dir=tiny_llama_dir, out=tmp_path / "h", train_precision="float32")
+    assert train._autocast(pinned) is False
 
 
 def test_a_draft_vocabulary_no_smaller_than_the_whole_is_the_whole(tiny_llama_dir, tmp_path):

@@ -61,6 +61,8 @@ _FORMS = ("Tell me a short story about {}.", "Write a poem about {}.", "Explain 
           "What would happen if {} disappeared?", "Give me a step-by-step guide related to {}.",
           "Write a fairy tale about {}.", "What is the most surprising thing about {}?",
           "Explain {} in simple words.")
+
+
 @dataclass
 class Rollout:
     """One prompt + continuation as the target sees it."""
@@ -124,8 +126,8 @@ def generate_continuations(model_dir: Path, prompts: list[list[int]], max_new_to
     from services.target.engine.engine import Engine
 
     blocks = max_num_seqs * (max(len(p) for p in prompts) + max_new_tokens) // 16 + 64
-    engine = Engine.load(EngineConfig(model_dir=Path(model_dir), dtype=dtype, num_blocks=blocks, max_num_seqs=max_num_seqs,
-                                      max_queued_requests=len(prompts)))
+    engine = Engine.load(EngineConfig(model_dir=Path(model_dir), dtype=dtype, num_blocks=blocks,
+                                      max_num_seqs=max_num_seqs, max_queued_requests=len(prompts)))
     engine.start()
     num_sampled = round(sampled_share * len(prompts))
     outputs: list[list[int]] = [[] for _ in prompts]

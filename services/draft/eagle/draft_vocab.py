@@ -29,7 +29,8 @@ def choose_draft_vocab(continuations: Sequence[Sequence[int]], size: int, vocab_
     counts = torch.zeros(vocab_size, dtype=torch.long)
     for tokens in continuations:
         if len(tokens):
-            counts.index_add_(0, torch.as_tensor(list(tokens), dtype=torch.long), torch.ones(len(tokens), dtype=torch.long))
+            ids = torch.as_tensor(list(tokens), dtype=torch.long)
+            counts.index_add_(0, ids, torch.ones_like(ids))
     seen = int((counts > 0).sum())
     order = torch.sort(counts, descending=True, stable=True).indices  # ties: the lower id first
     return torch.sort(order[:min(size, seen)]).values  # [V'] int64 ascending

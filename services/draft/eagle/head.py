@@ -174,7 +174,8 @@ _SMALL_QUERIES = 64  # query rows up to which attention is plain matmuls and sof
 
 @functools.lru_cache(maxsize=8)
 def _inverse_frequencies(head_dim: int, theta: float, device: torch.device) -> torch.Tensor:
-    return 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)  # [head_dim / 2]
+    """RoPE's [head_dim / 2] inverse frequencies (computed once per shape, not per head call)."""
+    return 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
 
 
 def _rope(positions: torch.Tensor, head_dim: int, theta: float,

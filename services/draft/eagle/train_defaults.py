@@ -13,7 +13,8 @@ DEFAULTS: dict[str, tuple[type, str]] = {
     "batch_size": (int, "rollouts per optimizer step (default 4)"),
     "lr": (float, "AdamW learning rate (default 1e-3)"),
     "rollout_dtype": (str, "dtype of the engine that writes the continuations, as the target serves (default bfloat16)"),
-    "draft_vocab_size": (int, "tokens the head scores, those the target writes most often in the rollouts (default 16384; 0 or at least the vocabulary's size = all)"),
+    "draft_vocab_size": (int, "tokens the head scores, those the target writes most often in the rollouts "
+                              "(default 16384; 0 or at least the vocabulary's size = all)"),
     "train_precision": (str, "auto, bfloat16 or float32: the loss's matmuls in bf16 where the CPU has native bf16 "
                                "(default auto)"),
     "ttt_steps": (int, "recursion steps trained on the head's own predictions, EAGLE-3 style (default 3)"),
