@@ -107,6 +107,29 @@ def paged_attention(meta: AttentionMetadata, layer: int, q: torch.Tensor, k: tor
     return kernels.attend(q, k_cache, v_cache, plan, scale, k_scale=k_scale, v_scale=v_scale)
 
 
+def paged_attention_rows(meta: AttentionMetadata, rows: torch.Tensor, rows_meta: AttentionMetadata | None,
+                         layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
+                         sliding_window: int | None) -> torch.Tensor:
+    """`paged_attention` for some rows only (services/target/model/output_rows.py): stores every row's
+    keys and values as it does, then attends only rows `rows` ([K] int64) of q, whose own metadata
+    is `rows_meta` (None where K = 0). -> [K, num_heads, head_dim]."""
+    pool = meta.kv_pool
+    k_cache, v_cache = pool.k_caches[layer], pool.v_caches[layer]
+    k_scale = pool.k_scales[layer] if pool.k_scales else None
+    v_scale = pool.v_scales[layer] if pool.v_scales else None
+    kernels = meta.kernels
+    kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    q = q.index_select(0, rows)  # [K, H, D]
+    if rows_meta is None:
+        return q
+    plan = rows_meta.plans.get(sliding_window)
+    if plan is None:
+        plan = rows_meta.plans[sliding_window] = kernels.plan(
+            q, k_cache, rows_meta.block_tables, rows_meta.context_lens, rows_meta.query_start_loc,
+            rows_meta.query_positions, sliding_window, None)
+    return kernels.attend(q, k_cache, v_cache, plan, scale, k_scale=k_scale, v_scale=v_scale)
+
+
 def _no_mask(*args: Any, **kwargs: Any) -> None:
     # Masking is done inside paged attention from the metadata.
     return None

@@ -27,11 +27,12 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from services.target.model.attention import AttentionMetadata, paged_attention
+from services.target.model.attention import AttentionMetadata, paged_attention, paged_attention_rows
 from services.target.kernels import cpu_linear, cpu_rowops
 from services.target.model.gguf_weights import GGUFLinear, tied_embedding_rows
 from services.target.model.linear import AVX512LinearBF16, direct_rows
 from services.target.model.output_layer import OutputLayer
+from services.target.model.output_rows import OutputRows
 
 _STATIC_ROPE = ("default", "linear")  # inv_freq fixed at load; dynamic kinds rescale per call
 
@@ -192,6 +193,12 @@ class Gemma3PagedForward:
                 _one_plus(layer.pre_feedforward_layernorm), direct_rows(getattr(fused, f"gate_up_{i}")),
                 direct_rows(mlp.down_proj), _one_plus(layer.post_feedforward_layernorm)))
 
+    @property
+    def takes_output_rows(self) -> bool:
+        """Whether a step's last layer may compute only its read rows (output_rows.py): on the
+        row-ops path, whose kernels compute each row alone."""
+        return self.row_ops
+
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> dict:
         """Per RoPE kind: (cos, sin) [T, 1, head_dim] in the activations' dtype (Gemma3RotaryEmbedding)."""
         out = {}
@@ -204,11 +211,13 @@ class Gemma3PagedForward:
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logit_rows: torch.Tensor,
                  meta: AttentionMetadata, feature_rows: torch.Tensor | None = None,
-                 vocab_subsets: dict[int, torch.Tensor] | None = None):
+                 vocab_subsets: dict[int, torch.Tensor] | None = None, read: OutputRows | None = None):
         """-> logits [R, vocab]; with `feature_rows` [F] also the features of those rows (the last
         layer's output after the final norm, [F, hidden]): (logits, features). `vocab_subsets`
         {logit row: allowed ids}: those rows' logits only over those ids, -inf elsewhere
-        (services/target/model/output_layer.py)."""
+        (services/target/model/output_layer.py). `read`: the rows whose last-layer output is read
+        (output_rows.py), taken by the row-ops path (`takes_output_rows`) where no features are asked
+        for; the exact torch path computes every row."""
         embed = self.embed
         if self.embed_rows is not None:  # the same bf16 values, read from the tied GGUF blocks
             h = self.embed_rows(input_ids)
@@ -217,7 +226,8 @@ class Gemma3PagedForward:
         h = h * embed.embed_scale.to(embed.weight.dtype)  # [T, hidden]
         rope = self._cos_sin(position_ids, h.dtype)
         if self.row_ops:
-            return self._call_row_ops(h, rope, logit_rows, meta, feature_rows, vocab_subsets)
+            return self._call_row_ops(h, rope, logit_rows, meta, feature_rows, vocab_subsets,
+                                      read if feature_rows is None else None)
         num_tokens, eps = h.shape[0], self.eps
         for layer in self.layers:
             cos, sin = rope[layer.rope]
@@ -244,19 +254,24 @@ class Gemma3PagedForward:
 
     def _call_row_ops(self, h: torch.Tensor, rope: dict, logit_rows: torch.Tensor,
                       meta: AttentionMetadata, feature_rows: torch.Tensor | None = None,
-                      vocab_subsets: dict[int, torch.Tensor] | None = None):
+                      vocab_subsets: dict[int, torch.Tensor] | None = None, read: OutputRows | None = None):
         """The loop of __call__ with each layer's norms, residual adds and q/k norm + RoPE fused
         into three C++ row ops: each residual add runs with the norm after it (the next layer's
         input norm, or the final norm, which is per row, so computing it on every row and
         selecting the logit rows after gives the same rows)."""
-        num_tokens, eps = h.shape[0], self.eps
+        eps = self.eps
         x = cpu_rowops.rms_norm(h, self.layers[0].input_norm, eps)
         for i, layer in enumerate(self.layers):
             cos, sin = rope[layer.rope]  # [T, 1, D]
             qkv = layer.qkv_proj(x)  # [T, q_size + 2 * kv_size]
             q, k, v = cpu_rowops.qk_norm_rope(qkv, layer.qk_norm, cos, sin, self.num_heads, self.num_kv_heads, eps)
-            a = paged_attention(meta, layer.index, q, k, v, self.scaling, layer.sliding_window)
-            a = layer.o_proj(a.reshape(num_tokens, -1))
+            if read is not None and i == len(self.layers) - 1:  # past the keys and values, only the rows read
+                a = paged_attention_rows(meta, read.rows, read.meta, layer.index, q, k, v, self.scaling,
+                                         layer.sliding_window)
+                h, logit_rows = h.index_select(0, read.rows), read.logit_rows
+            else:
+                a = paged_attention(meta, layer.index, q, k, v, self.scaling, layer.sliding_window)
+            a = layer.o_proj(a.flatten(1))  # [rows, H * D]
             h, x = cpu_rowops.add_rms_norm(h, a, layer.post_attention_norm, layer.pre_feedforward_norm, eps)
             gate_up = layer.gate_up_proj(x)  # [T, 2 * intermediate]
             if self.gelu_tanh:

@@ -36,10 +36,11 @@ import torch
 from torch import nn
 
 from services.target.kernels import cpu_rowops
-from services.target.model.attention import AttentionMetadata, paged_attention
+from services.target.model.attention import AttentionMetadata, paged_attention, paged_attention_rows
 from services.target.model.gemma3_forward import FUSED, _rotate_half, choose_row_ops
 from services.target.model.linear import direct_rows
 from services.target.model.output_layer import OutputLayer
+from services.target.model.output_rows import OutputRows
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at load
@@ -136,6 +137,12 @@ class LlamaPagedForward:
                              layer.post_attention_norm.float()) for layer in self.layers] if row_ops else []
         self.final_norm_f32 = self.final_norm.float() if row_ops else None
 
+    @property
+    def takes_output_rows(self) -> bool:
+        """Whether a step's last layer may compute only its read rows (output_rows.py): on the
+        row-ops path, whose kernels compute each row alone."""
+        return self.row_ops
+
     def _cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """(cos, sin) [T, 1, head_dim] in the activations' dtype (LlamaRotaryEmbedding)."""
         freqs = positions[:, None].float() * self.inv_freq.float()  # [T, head_dim / 2]
@@ -146,14 +153,17 @@ class LlamaPagedForward:
     @torch.inference_mode()
     def __call__(self, input_ids: torch.Tensor, position_ids: torch.Tensor, logit_rows: torch.Tensor,
                  meta: AttentionMetadata, feature_rows: torch.Tensor | None = None,
-                 vocab_subsets: dict[int, torch.Tensor] | None = None):
+                 vocab_subsets: dict[int, torch.Tensor] | None = None, read: OutputRows | None = None):
         """-> logits [R, vocab]; with `feature_rows` [F] also (logits, features [F, hidden] after the
-        final norm). `vocab_subsets` {logit row: allowed ids}: those rows over those ids only."""
+        final norm). `vocab_subsets` {logit row: allowed ids}: those rows over those ids only.
+        `read`: the rows whose last-layer output is read (output_rows.py), taken by the row-ops path
+        (`takes_output_rows`) where no features are asked for; the other paths compute every row."""
         embed = self.embed
         h = nn.functional.embedding(input_ids, embed.weight, embed.padding_idx)  # [T, hidden]
         cos, sin = self._cos_sin(position_ids, h.dtype)
         if self.row_ops:
-            return self._call_row_ops(h, cos, sin, logit_rows, meta, feature_rows, vocab_subsets)
+            return self._call_row_ops(h, cos, sin, logit_rows, meta, feature_rows, vocab_subsets,
+                                      read if feature_rows is None else None)
         num_tokens, eps, heads = h.shape[0], self.eps, self.num_heads
         for layer in self.layers:
             x = _rms_norm(h, layer.input_norm, eps)
@@ -177,19 +187,24 @@ class LlamaPagedForward:
 
     def _call_row_ops(self, h: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, logit_rows: torch.Tensor,
                       meta: AttentionMetadata, feature_rows: torch.Tensor | None = None,
-                      vocab_subsets: dict[int, torch.Tensor] | None = None):
+                      vocab_subsets: dict[int, torch.Tensor] | None = None, read: OutputRows | None = None):
         """The loop of __call__ through the C++ row ops: each residual add runs with the norm after
         it (the next layer's input norm, or the final norm, which is per row, so computing it on
         every row and selecting the logit rows after gives the same rows)."""
-        num_tokens, eps = h.shape[0], self.eps
+        eps = self.eps
         x = cpu_rowops.rms_norm(h, self.row_weights[0][0], eps, weight_after=True)
         for i, layer in enumerate(self.layers):
             _, qk_norm, post_attention_norm = self.row_weights[i]
             qkv = layer.qkv_proj(x)  # [T, q_size + 2 * kv_size]
             q, k, v = cpu_rowops.qk_norm_rope(qkv, qk_norm, cos, sin, self.num_heads, self.num_kv_heads, eps,
                                               weight_after=True)
-            a = paged_attention(meta, layer.index, q, k, v, self.scaling, layer.sliding_window)
-            a = layer.o_proj(a.reshape(num_tokens, -1))
+            if read is not None and i == len(self.layers) - 1:  # past the keys and values, only the rows read
+                a = paged_attention_rows(meta, read.rows, read.meta, layer.index, q, k, v, self.scaling,
+                                         layer.sliding_window)
+                h, logit_rows = h.index_select(0, read.rows), read.logit_rows
+            else:
+                a = paged_attention(meta, layer.index, q, k, v, self.scaling, layer.sliding_window)
+            a = layer.o_proj(a.flatten(1))  # [rows, H * D]
             h, x = cpu_rowops.add_rms_norm(h, a, None, post_attention_norm, eps, weight_after=True)
             gate_up = layer.gate_up_proj(x)  # [T, 2 * intermediate]
             if self.silu:

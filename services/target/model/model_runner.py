@@ -22,6 +22,7 @@ from services.target.model import lean_forward
 from services.target.kernels.select import get_kernels
 from services.target.model.linear import prepack_linears, resolve_weight_format
 from services.target.model.model_runner_inputs import StepInput
+from services.target.model.output_rows import OutputRows, output_rows
 from services.target.model.step_plan import BLOCKS, SLOTS, KVCopy, StepPlan, tree_mask
 
 log = logging.getLogger(__name__)
@@ -142,7 +143,11 @@ class ModelRunner:
                  ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         meta = self._metadata(plan.slots, plan.positions, plan.q_lens, plan.context_lens, plan.block_tables,
                               tree_mask(plan.q_lens, plan.parents, self.device))
-        return self._forward(plan.token_ids, plan.positions, plan.logit_rows, meta, feature_rows, vocab_subsets)
+        # Only the plan decides (not feature_rows, rank 0's alone): every tensor-parallel rank takes the same rows.
+        read = None
+        if not feature_rows and getattr(self.lean_forward, "takes_output_rows", False):
+            read = output_rows(plan, self._metadata, self.device)
+        return self._forward(plan.token_ids, plan.positions, plan.logit_rows, meta, feature_rows, vocab_subsets, read)
 
     @torch.inference_mode()
     def deferred_logits(self, row: int) -> torch.Tensor:
@@ -165,7 +170,7 @@ class ModelRunner:
 
     def _forward(self, ids: list[int], positions: list[int], logit_rows: list[int], meta: AttentionMetadata,
                  feature_rows: dict[str, range], vocab_subsets: dict[int, torch.Tensor] | None = None,
-                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 read: OutputRows | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         dev = self.device
         if self.lean_forward is not None:
             args = (torch.tensor(ids, dtype=torch.long, device=dev),
@@ -174,7 +179,7 @@ class ModelRunner:
             takes = self.takes_vocab_subsets or self.takes_argmax_rows
             subsets = vocab_subsets if vocab_subsets and takes else None
             if not feature_rows:
-                return self.lean_forward(*args, vocab_subsets=subsets).float(), {}  # [num_rows, vocab]
+                return self.lean_forward(*args, vocab_subsets=subsets, read=read).float(), {}  # [num_rows, vocab]
             rows = torch.tensor([r for span in feature_rows.values() for r in span], dtype=torch.long, device=dev)
             logits, features = self.lean_forward(*args, feature_rows=rows, vocab_subsets=subsets)  # features [F, hidden]
             split = features.split([len(span) for span in feature_rows.values()])
