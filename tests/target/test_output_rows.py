@@ -87,3 +87,24 @@ def test_rows_whose_features_are_asked_for_keep_every_row(tiny_gemma_dir):
     logits, features = runner.forward_with_features([StepInput.chunk("a", list(range(5, 29)), 0, True)],
                                                     feature_seqs=frozenset({"a"}))
     assert rows == [24] and logits.shape[0] == 1 and features["a"].shape[0] == 24
+
+
+def test_read_rows_that_are_not_a_sequences_last_keep_every_row():
+    from services.target.model.output_rows import output_rows
+    from services.target.model.step_plan import StepPlan
+
+    def plan(logit_rows, parents=None):  # two sequences of 3 and 2 rows
+        return StepPlan([1, 2, 3, 4, 5], [0, 1, 2, 0, 1], [0, 1, 2, 8, 9], logit_rows, [3, 2], [0, 0],
+                        [[0], [2]], parents)
+
+    def metadata(*args):
+        return args
+    read = output_rows(plan([2, 4]), metadata, "cpu")
+    assert read.rows.tolist() == [2, 4] and read.logit_rows.tolist() == [0, 1]
+    assert read.meta == ([2, 9], [2, 1], [1, 1], [2, 1], [[0], [2]], None)  # slots, positions, q_lens, contexts
+    assert output_rows(plan([1, 4]), metadata, "cpu") is None  # a's read row is not its last
+    assert output_rows(plan([4, 2]), metadata, "cpu") is None  # not ascending
+    assert output_rows(plan([0, 1, 2, 3, 4]), metadata, "cpu") is None  # every row read
+    assert output_rows(plan([2, 4], parents=[-1, 0, 1, -1, 0]), metadata, "cpu") is None  # a tree
+    nothing = output_rows(plan([]), metadata, "cpu")
+    assert nothing.rows.numel() == 0 and nothing.meta is None

@@ -36,25 +36,29 @@ def output_rows(plan: StepPlan, metadata: Callable[..., AttentionMetadata],
     """The read rows of `plan` and their metadata (`metadata`: ModelRunner._metadata's signature), or
     None where the last layer needs every row anyway: every row gives logits, a tree is verified,
     or a sequence's read rows are not the last of its rows in the step (its rows after them would
-    see keys only the other rows computed)."""
-    if plan.parents is not None or len(plan.logit_rows) == len(plan.token_ids):
+    see keys only the other rows computed). Logit rows ascending, as ModelRunner.plan lists them."""
+    logit_rows = plan.logit_rows
+    if plan.parents is not None or len(logit_rows) == len(plan.token_ids):
         return None
-    wanted = set(plan.logit_rows)
     rows, slots, positions, q_lens, context_lens, tables = [], [], [], [], [], []
-    start = 0
+    start = at = 0
     for s, n in enumerate(plan.q_lens):
-        k = sum(1 for r in range(start, start + n) if r in wanted)
-        if any(r not in wanted for r in range(start + n - k, start + n)):
-            return None  # read rows that are not a suffix
+        end, first = start + n, at
+        while at < len(logit_rows) and logit_rows[at] < end:
+            at += 1
+        k = at - first
         if k:
-            rows.extend(range(start + n - k, start + n))
-            slots.extend(plan.slots[start + n - k:start + n])
-            positions.extend(plan.positions[start + n - k:start + n])
+            if logit_rows[first] != end - k or logit_rows[at - 1] != end - 1:
+                return None  # read rows that are not the sequence's last
+            rows.extend(range(end - k, end))
+            slots.extend(plan.slots[end - k:end])
+            positions.extend(plan.positions[end - k:end])
             q_lens.append(k)
             context_lens.append(plan.context_lens[s] + n - k)
             tables.append(plan.block_tables[s])
-        start += n
-    index = {row: i for i, row in enumerate(rows)}
+        start = end
+    if at != len(logit_rows) or rows != logit_rows:
+        return None  # not ascending, or read rows the plan's logit rows do not list in that order
     meta = metadata(slots, positions, q_lens, context_lens, tables, None) if rows else None
     return OutputRows(torch.tensor(rows, dtype=torch.long, device=device), meta,
-                      torch.tensor([index[r] for r in plan.logit_rows], dtype=torch.long, device=device))
+                      torch.arange(len(rows), dtype=torch.long, device=device))
