@@ -8,9 +8,10 @@ matrix (2 FLOPs a weight) and attends to the keys it sees. This measures:
     no memory traffic, on one thread and on all of torch's threads (a tiny C++ probe built here);
   * the layer matrices of the model at the prefill's chunk size through specmesh's linear kernel
     (`bf16_linear`), as FLOP/s and a share of the peak;
-  * a whole in-process prefill of --tokens tokens (as benchmarks/engine_step.py runs it), and its
-    FLOPs: the layer matrices, attention's two products over the keys each row sees (sliding
-    windows counted as the model's config says) and the output layer of the last row.
+  * a whole in-process prefill of --tokens tokens (as benchmarks/engine_step.py runs it), and the
+    FLOPs it needs: the layer matrices, attention's two products over the keys each row sees
+    (sliding windows counted as the model's config says), the last layer only for its keys and
+    values and its last row, and the output layer of the last row.
 A system's cold-prefill time in compare.py can then be read against the same FLOP count.
 Needs AVX512-BF16.
 """
@@ -76,14 +77,21 @@ def layer_shapes(config) -> list[tuple[str, int, int]]:
             ("gate_up", 2 * inter, hidden), ("down", hidden, inter)]
 
 
-def prefill_flops(config, tokens: int, chunk: int) -> dict[str, float]:
+def prefill_flops(config, tokens: int) -> dict[str, float]:
+    """The FLOPs a prefill of `tokens` needs: every layer's matrices and attention for every row,
+    but the last layer's only for its keys and values and for the last row (the only one read:
+    services/target/model/output_rows.py), and the output layer for the last row."""
     head_dim = getattr(config, "head_dim", config.hidden_size // config.num_attention_heads)
-    linear = 2.0 * tokens * sum(n * k for _, n, k in layer_shapes(config)) * config.num_hidden_layers
-    types = getattr(config, "layer_types", None) or ["full_attention"] * config.num_hidden_layers
+    layer = sum(n * k for _, n, k in layer_shapes(config))
+    kv = 2 * config.num_key_value_heads * head_dim * config.hidden_size
+    layers = config.num_hidden_layers
+    linear = 2.0 * tokens * layer * (layers - 1) + 2.0 * tokens * kv + 2.0 * (layer - kv)
+    types = getattr(config, "layer_types", None) or ["full_attention"] * layers
     window = getattr(config, "sliding_window", None) or tokens
     attention = 0.0
-    for kind in types:
-        seen = sum(min(i + 1, window if kind == "sliding_attention" else tokens) for i in range(tokens))
+    for i, kind in enumerate(types):
+        span = window if kind == "sliding_attention" else tokens
+        seen = min(tokens, span) if i == layers - 1 else sum(min(j + 1, span) for j in range(tokens))
         attention += 2 * 2.0 * seen * head_dim * config.num_attention_heads  # q.k and p.v
     output = 2.0 * config.vocab_size * config.hidden_size  # the last row's logits
     return {"linear": linear, "attention": attention, "output": output}
@@ -127,7 +135,7 @@ def main() -> None:
             times.append(time.perf_counter() - start)
         t = statistics.median(times)
         flops = 2.0 * args.chunk * n * k
-        total_linear += t * config.num_hidden_layers * args.tokens / args.chunk
+        total_linear += t * (config.num_hidden_layers - 1) * args.tokens / args.chunk
         print(f"  {name:8s} [{args.chunk}, {k}] x [{n}, {k}]^T  {t * 1e3:6.2f} ms  {flops / t / 1e9:5.0f} GFLOP/s"
               f"  {flops / t / every:4.0%} of peak")
 
@@ -137,12 +145,12 @@ def main() -> None:
         prefill = statistics.median(engine.run_on_engine_thread(lambda: bench.timed_prefills(args.tokens, args.repeats)))
     finally:
         engine.shutdown()
-    counts = prefill_flops(config, args.tokens, args.chunk)
+    counts = prefill_flops(config, args.tokens)
     total = sum(counts.values())
     print(f"\nprefill of {args.tokens} tokens in chunks of {args.chunk}: {prefill:.3f} s (median of {args.repeats})")
     print("  FLOPs: " + ", ".join(f"{k} {v / 1e9:.0f} G" for k, v in counts.items()) + f"; total {total / 1e9:.0f} G")
     print(f"  {total / prefill / 1e9:.0f} GFLOP/s = {total / prefill / every:.0%} of peak;"
-          f" the layer matrices alone at the kernel's rate above: {total_linear:.3f} s")
+          f" all but the last layer's matrices at the kernel's rate above: {total_linear:.3f} s")
     print(f"  at the peak the whole prefill would take {total / every:.3f} s")
 
 
