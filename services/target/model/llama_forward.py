@@ -36,11 +36,11 @@ import torch
 from torch import nn
 
 from services.target.kernels import cpu_rowops
-from services.target.model.attention import AttentionMetadata, paged_attention, paged_attention_rows
+from services.target.model.attention import AttentionMetadata, paged_attention
 from services.target.model.gemma3_forward import FUSED, _rotate_half, choose_row_ops
 from services.target.model.linear import direct_rows
 from services.target.model.output_layer import OutputLayer
-from services.target.model.output_rows import OutputRows
+from services.target.model.output_rows import OutputRows, attend_rows
 
 ARCHITECTURES = ("LlamaForCausalLM", "Qwen2ForCausalLM", "Qwen3ForCausalLM", "MistralForCausalLM")
 _STATIC_ROPE = ("default", "linear", "llama3", "yarn")  # inv_freq fixed at load
@@ -198,12 +198,9 @@ class LlamaPagedForward:
             qkv = layer.qkv_proj(x)  # [T, q_size + 2 * kv_size]
             q, k, v = cpu_rowops.qk_norm_rope(qkv, qk_norm, cos, sin, self.num_heads, self.num_kv_heads, eps,
                                               weight_after=True)
-            if read is not None and i == len(self.layers) - 1:  # past the keys and values, only the rows read
-                a = paged_attention_rows(meta, read.rows, read.meta, layer.index, q, k, v, self.scaling,
-                                         layer.sliding_window)
-                h, logit_rows = h.index_select(0, read.rows), read.logit_rows
-            else:
-                a = paged_attention(meta, layer.index, q, k, v, self.scaling, layer.sliding_window)
+            last = read if i == len(self.layers) - 1 else None  # past its keys and values, only the rows read
+            a, h, logit_rows = attend_rows(meta, last, layer.index, q, k, v, self.scaling, layer.sliding_window,
+                                           h, logit_rows)
             a = layer.o_proj(a.flatten(1))  # [rows, H * D]
             h, x = cpu_rowops.add_rms_norm(h, a, None, post_attention_norm, eps, weight_after=True)
             gate_up = layer.gate_up_proj(x)  # [T, 2 * intermediate]

@@ -20,7 +20,7 @@ from typing import Callable
 
 import torch
 
-from services.target.model.attention import AttentionMetadata
+from services.target.model.attention import AttentionMetadata, paged_attention, paged_attention_rows
 from services.target.model.step_plan import StepPlan
 
 
@@ -62,3 +62,15 @@ def output_rows(plan: StepPlan, metadata: Callable[..., AttentionMetadata],
     meta = metadata(slots, positions, q_lens, context_lens, tables, None) if rows else None
     return OutputRows(torch.tensor(rows, dtype=torch.long, device=device), meta,
                       torch.arange(len(rows), dtype=torch.long, device=device))
+
+
+def attend_rows(meta: AttentionMetadata, read: OutputRows | None, layer: int, q: torch.Tensor, k: torch.Tensor,
+                v: torch.Tensor, scale: float, sliding_window: int | None, h: torch.Tensor, logit_rows: torch.Tensor,
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """A lean forward layer's paged attention: every row's (read None), or past the keys and values
+    only the read rows'. -> (attention [rows, H, D], h [rows, hidden] and logit rows of the rows that
+    go on)."""
+    if read is None:
+        return paged_attention(meta, layer, q, k, v, scale, sliding_window), h, logit_rows
+    a = paged_attention_rows(meta, read.rows, read.meta, layer, q, k, v, scale, sliding_window)
+    return a, h.index_select(0, read.rows), read.logit_rows
