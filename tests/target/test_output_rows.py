@@ -72,8 +72,8 @@ def test_the_last_layer_runs_only_the_rows_read_and_keeps_their_logits(model, re
     assert whole_rows == [24 + 12 + 7, 16 + 1 + 1, 1, 5]
     for g, e in zip(got, expected):
         # a read row's keys, values and every layer below are the same; its last attention is a
-        # decode row's call instead of its chunk's: equal bit for bit on the AVX512-BF16 EPYC (the
-        # default model's 2,000-token prefill too), bf16 rounding apart where a chunk's attention
+        # decode row's call instead of its chunk's: equal bit for bit on the AVX512-BF16 EPYC (a
+        # 1,300-token prefill of the default model too), bf16 rounding apart where a chunk's attention
         # goes to oneDNN's matmuls instead (CPUs with AMX)
         assert torch.equal(g.argmax(-1), e.argmax(-1))
         torch.testing.assert_close(g, e, atol=0.05, rtol=0.02)

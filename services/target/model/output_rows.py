@@ -5,7 +5,7 @@ logits are read. So the last layer needs every row's keys and values (stored in 
 steps to come) but its attention, output projection, MLP and norms only for those rows: none for
 a prefill chunk that is not its prompt's last, one for the last. On the default model (18 layers,
 the last a global-attention one) a 2,000-token prefill skips about 4.6% of its matrix work and a
-sixth of its global-attention work.
+third of its global-attention work (a tenth of all its attention).
 
 The lean forwards take it where their per-row kernels make a row's output independent of the other
 rows of the call (the C++ row ops and linear kernels: batch-invariant), so a read row's output is
