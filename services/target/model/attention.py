@@ -42,6 +42,11 @@ class KVPool:
                            for _ in range(num_layers)]) if fp8 else (lambda: None)
         return cls(k, v, scales(), scales())
 
+    def layer(self, index: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """(k_cache, v_cache, k_scale, v_scale) of one layer (scales None unless FP8)."""
+        return (self.k_caches[index], self.v_caches[index], self.k_scales[index] if self.k_scales else None,
+                self.v_scales[index] if self.v_scales else None)
+
     @property
     def num_bytes(self) -> int:
         tensors = [*self.k_caches, *self.v_caches, *(self.k_scales or []), *(self.v_scales or [])]
@@ -89,10 +94,7 @@ def paged_attention(meta: AttentionMetadata, layer: int, q: torch.Tensor, k: tor
     q: [num_tokens, num_heads, head_dim]; k, v: [num_tokens, num_kv_heads, head_dim], contiguous.
     Returns [num_tokens, num_heads, head_dim].
     """
-    pool = meta.kv_pool
-    k_cache, v_cache = pool.k_caches[layer], pool.v_caches[layer]
-    k_scale = pool.k_scales[layer] if pool.k_scales else None
-    v_scale = pool.v_scales[layer] if pool.v_scales else None
+    k_cache, v_cache, k_scale, v_scale = meta.kv_pool.layer(layer)
     kernels = meta.kernels
     plan = meta.plans.get(sliding_window)  # depends on the step and window, not the layer: once
     if plan is None:
@@ -113,10 +115,7 @@ def paged_attention_rows(meta: AttentionMetadata, rows: torch.Tensor, rows_meta:
     """`paged_attention` for some rows only (services/target/model/output_rows.py): stores every row's
     keys and values as it does, then attends only rows `rows` ([K] int64) of q, whose own metadata
     is `rows_meta` (None where K = 0). -> [K, num_heads, head_dim]."""
-    pool = meta.kv_pool
-    k_cache, v_cache = pool.k_caches[layer], pool.v_caches[layer]
-    k_scale = pool.k_scales[layer] if pool.k_scales else None
-    v_scale = pool.v_scales[layer] if pool.v_scales else None
+    k_cache, v_cache, k_scale, v_scale = meta.kv_pool.layer(layer)
     kernels = meta.kernels
     kernels.store_kv(k, v, k_cache, v_cache, meta.slot_mapping, k_scale=k_scale, v_scale=v_scale)
     q = q.index_select(0, rows)  # [K, H, D]

@@ -28,7 +28,10 @@ from services.target.model.step_plan import StepPlan
 class OutputRows:
     rows: torch.Tensor  # [K] int64: the step's rows whose last-layer output is read, ascending
     meta: AttentionMetadata | None  # their attention over the pool (each sequence's context up to its first such row); None if K = 0
-    logit_rows: torch.Tensor  # [R] int64: the plan's logit rows as indices into `rows`
+
+    @property
+    def logit_rows(self) -> torch.Tensor:  # [K] int64: the read rows are the plan's logit rows, in order
+        return torch.arange(self.rows.numel(), dtype=torch.long, device=self.rows.device)
 
 
 def output_rows(plan: StepPlan, metadata: Callable[..., AttentionMetadata],
@@ -60,8 +63,7 @@ def output_rows(plan: StepPlan, metadata: Callable[..., AttentionMetadata],
     if at != len(logit_rows) or rows != logit_rows:
         return None  # not ascending, or read rows the plan's logit rows do not list in that order
     meta = metadata(slots, positions, q_lens, context_lens, tables, None) if rows else None
-    return OutputRows(torch.tensor(rows, dtype=torch.long, device=device), meta,
-                      torch.arange(len(rows), dtype=torch.long, device=device))
+    return OutputRows(torch.tensor(rows, dtype=torch.long, device=device), meta)
 
 
 def attend_rows(meta: AttentionMetadata, read: OutputRows | None, layer: int, q: torch.Tensor, k: torch.Tensor,
