@@ -8,7 +8,8 @@ services/target/model/output_layer.py, services/target/engine/argmax_rows.py).
   finite entries are the whole row's bit for bit.
 - In a forward and through the mesh: rows marked ARGMAX_ONLY take the screen, their argmax is the
   whole row's; greedy output is token-identical with the screen on and off, and rows that ask
-  for log-probabilities never take it.
+  for log-probabilities never take it. A greedy draft tree's verify rows take it too, and the
+  output stays the target's alone.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ from services.target.kernels import argmax_screen, cpu_gguf_linear, cpu_linear
 from services.target.engine.block_manager import BlockManager, PrefixMatch
 from services.target.model.model_runner_inputs import StepInput
 from services.target.model.output_layer import ARGMAX_ONLY, screen_max_rows
-from tests.mesh import collect, request, start_mesh
+from tests.mesh import collect, request, start_draft, start_mesh
 from tests.target.test_gguf_weights import gguf_gemma_dir  # noqa: F401 (fixture)
 
 pytestmark = pytest.mark.skipif(argmax_screen.unavailable_reason(32) is not None,
@@ -166,7 +167,7 @@ def test_rows_marked_argmax_only_take_the_screen_in_a_forward(tiny_gemma_dir, gg
     h[1] = 1.0
     assert torch.equal(output(h, {0: ARGMAX_ONLY}), output(h)) and output.screen.rows == 3
     # As many marked rows as the screen takes in one step (12 where its int8 pass runs on AMX-INT8
-    # tiles, else 4), then one more: all of them whole.
+    # tiles, else 8), then one more: all of them whole.
     n = screen_max_rows() + 1
     whole = _decode_rows(_runner(model_dir, weights), None, n)
     runner = _runner(model_dir, weights)
@@ -178,15 +179,23 @@ def test_rows_marked_argmax_only_take_the_screen_in_a_forward(tiny_gemma_dir, gg
     assert runner.lean_forward.output.screen.rows == 0 and torch.equal(many, whole)
 
 
-async def _greedy(model_dir, logprobs=False):
-    mesh = await start_mesh(model_dir, dtype="bfloat16", weights="bf16-avx512")
+PROMPTS = ("the cat sat on the mat. the cat", "one two three", "a b a b a b")
+
+
+async def _greedy(model_dir, logprobs=False, speculation=None):
+    draft = await start_draft() if speculation else None  # prompt lookup runs in the draft service
+    mesh = await start_mesh(model_dir, speculation, dtype="bfloat16", weights="bf16-avx512",
+                            draft_address=draft.address if draft else "")
     try:
-        outs = [await collect(mesh.router_stub, request(p, 24, logprobs=logprobs))
-                for p in ("the cat sat on the mat. the cat", "one two three", "a b a b a b")]
+        outs = [await collect(mesh.router_stub, request(p, 24, logprobs=logprobs)) for p in PROMPTS]
         screen = mesh.engine.runner.lean_forward.output.screen
+        if speculation:
+            assert sum(o[2].usage.proposed_tokens for o in outs) > 0, "no draft was verified"
         return [o[0] for o in outs], None if screen is None else screen.rows
     finally:
         await mesh.stop()
+        if draft:
+            await draft.stop(grace=0.5)
 
 
 async def test_greedy_output_is_identical_with_the_screen_on_and_off(tiny_gemma_dir, monkeypatch):
@@ -200,3 +209,22 @@ async def test_greedy_output_is_identical_with_the_screen_on_and_off(tiny_gemma_
 async def test_rows_that_ask_for_logprobs_never_take_the_screen(tiny_gemma_dir):
     _, rows = await _greedy(tiny_gemma_dir, logprobs=True)
     assert rows == 0
+
+
+async def test_a_greedy_draft_trees_verify_rows_take_the_screen(tiny_gemma_dir, monkeypatch):
+    """One request at a time, so a plain decode step screens one row: a call of 2+ rows is a verify
+    pass (root + draft nodes). The answers equal speculation off, screen included."""
+    calls = []
+    screen_call = argmax_screen.ArgmaxScreen.__call__
+
+    def counted(self, h):
+        calls.append(h.shape[0])
+        return screen_call(self, h)
+
+    monkeypatch.setattr(argmax_screen.ArgmaxScreen, "__call__", counted)
+    lookup, _ = await _greedy(tiny_gemma_dir, speculation={"speculation_method": "prompt_lookup",
+                                                           "speculation_depth": 4})
+    assert any(rows > 1 for rows in calls)
+    assert max(calls) <= screen_max_rows()
+    off, _ = await _greedy(tiny_gemma_dir)
+    assert lookup == off

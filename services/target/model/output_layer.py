@@ -34,10 +34,11 @@ from torch import nn
 from services.target.kernels import argmax_screen, cpu_linear
 
 ARGMAX_ONLY = "argmax-only"  # a vocab_subsets value: the row's only reader is its argmax
-# Above this many screened rows a step, the whole layer is as fast as the screen (measured on the
-# default model: docs/kernels.md); they go through it whole. With the int8 pass on AMX-INT8 tiles,
-# SCREEN_MAX_ROWS_AMX.
-SCREEN_MAX_ROWS = 4
+# Above this many screened rows a step, the whole layer is about as fast as the screen (measured on
+# the default model: docs/kernels.md; `python -m benchmarks.argmax_screen`); they go through it
+# whole. 8 covers a depth-4 chain's verify pass (5 rows) and small greedy batches. With the int8
+# pass on AMX-INT8 tiles, SCREEN_MAX_ROWS_AMX.
+SCREEN_MAX_ROWS = 8
 SCREEN_MAX_ROWS_AMX = 12
 
 
