@@ -133,8 +133,9 @@ class HeadDrafter:
             if step + 1 < depth:
                 ids = torch.tensor([t[-1] for t in tokens], device=self.device)[:, None]  # [b, 1]
                 visible = torch.cat([visible, visible.new_ones(b, 1)], dim=1)  # the new row sees itself
+                mask = None if b == 1 else visible[:, None, None]  # one sequence sees every key it has
                 out, nk, nv = self.head(self.parts.embed(ids).to(self.dtype), feature[:, None],
-                                        (ends + step)[:, None], k, v, visible[:, None, None])  # out [b, 1, hidden]
+                                        (ends + step)[:, None], k, v, mask)  # out [b, 1, hidden]
                 k, v = torch.cat([k, nk], dim=-2), torch.cat([v, nv], dim=-2)
                 feature = self.parts.final_norm(out[:, 0])
         return [DraftTree.chain(sid, t, d) for sid, t, d in zip(sequence_ids, tokens, distributions)]

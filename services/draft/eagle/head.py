@@ -106,13 +106,14 @@ class FeatureHead(nn.Module):
         q, k, v = self._qkv(self.attn_norm(x), positions)  # [heads, n, head_dim] each
         keys = k if past_k is None else torch.cat([past_k, k], dim=-2)  # [heads, s + n, head_dim]
         values = v if past_v is None else torch.cat([past_v, v], dim=-2)
-        if mask is None:
+        one_row = mask is None and q.shape[-2] == 1  # a lone new row sees every key: nothing to mask
+        if mask is None and not one_row:
             n, s = q.shape[1], keys.shape[1] - q.shape[1]
             mask = torch.ones(n, s + n, dtype=torch.bool, device=q.device)
             mask[:, s:] = torch.tril(mask[:, s:])
         if q.shape[-2] <= _SMALL_QUERIES:  # drafting: a few rows, where SDPA's CPU kernel costs ~0.3 ms a call
             scores = (q.float() @ keys.float().transpose(-1, -2)) / math.sqrt(self.config.head_dim)  # [.., n, s + n]
-            probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1)
+            probs = torch.softmax(scores if one_row else scores.masked_fill(~mask, float("-inf")), dim=-1)
             a = (probs @ values.float()).to(q.dtype)  # [heads, n, head_dim]
         else:
             a = nn.functional.scaled_dot_product_attention(q, keys, values, attn_mask=mask)  # [heads, n, head_dim]
@@ -178,13 +179,32 @@ def _inverse_frequencies(head_dim: int, theta: float, device: torch.device) -> t
     return 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device, dtype=torch.float32) / head_dim)
 
 
+_ROPE_TABLE_MIN = 4096  # positions a table holds at first; doubled past it
+
+
+@functools.lru_cache(maxsize=16)
+def _rope_table(head_dim: int, theta: float, device: torch.device, dtype: torch.dtype,
+                size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos, sin [size, head_dim] of positions 0 .. size - 1: each angle the same float32 product
+    (position x inverse frequency) a per-call computation makes, so the same values."""
+    angles = torch.arange(size, device=device, dtype=torch.float32)[:, None] * _inverse_frequencies(head_dim, theta, device)
+    emb = torch.cat([angles, angles], dim=-1)  # [size, head_dim]
+    return emb.cos().to(dtype), emb.sin().to(dtype)
+
+
 def _rope(positions: torch.Tensor, head_dim: int, theta: float,
           dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-    """positions [..., n] -> cos, sin [..., 1, n, head_dim]."""
-    inv = _inverse_frequencies(head_dim, theta, positions.device)
-    angles = positions.float()[..., None] * inv  # [..., n, head_dim / 2]
-    emb = torch.cat([angles, angles], dim=-1)[..., None, :, :]  # [..., 1, n, head_dim]
-    return emb.cos().to(dtype), emb.sin().to(dtype)
+    """positions [..., n] -> cos, sin [..., 1, n, head_dim], looked up in a table (a draft step
+    rotates one or a few rows: the table saves the half-dozen small ops a step would run)."""
+    size = _ROPE_TABLE_MIN
+    if positions.numel():
+        smallest, largest = (int(x) for x in torch.aminmax(positions))
+        if smallest < 0:
+            raise ValueError(f"RoPE positions must be >= 0, got {smallest}")
+        while size <= largest:
+            size *= 2
+    cos, sin = _rope_table(head_dim, theta, positions.device, dtype, size)
+    return cos[positions][..., None, :, :], sin[positions][..., None, :, :]
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
