@@ -306,3 +306,31 @@ def test_the_draft_service_checks_features_and_drafts_from_them(drafter):
     with pytest.raises(RequestError) as info:
         without_head.propose(draft_service_pb2.ProposeRequest(sequences=[_eagle_sequence("b", [1, 2])]))
     assert info.value.code == grpc.StatusCode.FAILED_PRECONDITION and "feature head" in str(info.value)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_from_the_table_equals_the_per_call_computation(dtype):
+    """The cached table (grown past its first size) gives the bits a per-call computation gives."""
+    from services.draft.eagle import head as head_module
+    positions = torch.tensor([[0, 1, 7, 300], [4095, 4096, 9000, 12]])  # [2, 4]: 9000 grows the table
+    cos, sin = head_module._rope(positions, 64, 10000.0, dtype)
+    inv = head_module._inverse_frequencies(64, 10000.0, positions.device)
+    angles = positions.float()[..., None] * inv  # [2, 4, 32]
+    emb = torch.cat([angles, angles], dim=-1)[..., None, :, :]  # [2, 1, 4, 64]
+    assert torch.equal(cos, emb.cos().to(dtype)) and torch.equal(sin, emb.sin().to(dtype))
+    with pytest.raises(ValueError, match=">= 0"):
+        head_module._rope(torch.tensor([3, -1]), 64, 10000.0, dtype)
+
+
+def test_a_lone_row_without_a_mask_attends_as_with_every_key_visible(drafter):
+    """A chain step of one sequence passes no mask: the same output as an all-visible mask."""
+    head, hidden = drafter.head, drafter.head.config.hidden_size
+    gen = torch.Generator().manual_seed(3)
+    ctx = _context(drafter, [1, 40, 41, 42, 43])
+    embeds, feature = torch.randn(1, 1, hidden, generator=gen), torch.randn(1, 1, hidden, generator=gen)
+    positions = torch.tensor([[ctx.end]])
+    k, v = ctx.k[None], ctx.v[None]  # [1, heads, s, head_dim]
+    masked = head(embeds, feature, positions, k, v, torch.ones(1, 1, 1, k.shape[2] + 1, dtype=torch.bool))
+    unmasked = head(embeds, feature, positions, k, v, None)
+    for a, b in zip(masked, unmasked):
+        assert torch.equal(a, b)
