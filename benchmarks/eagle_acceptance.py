@@ -11,6 +11,14 @@ lookup's chains at the same positions and their combinations.
 A pass in serving starts only where the previous one ended; scoring every position weighs all
 positions equally, which is what the mean over many passes tends to. Use it to compare heads
 on the same answers; the served figure is eagle_open_text.py's.
+
+`--sampled T --draft-temperatures 0.6 0.8 1.0` also scores sampled drafting at every position of
+answers sampled at T (seeded):
+the first draft token's acceptance probability sum_i min(p_i, q_i) (speculative sampling's),
+p the target's distribution at temperature T (from its own feature at that position), q the
+head's sparse distribution (its top `--max-top-k` tokens) at each draft temperature. Any q is
+lossless (the verify pass draws what q leaves to it from the residual); the draft temperature
+that maximises this sum accepts the most.
 """
 
 from __future__ import annotations
@@ -36,8 +44,9 @@ from services.draft.state import SequenceState  # noqa: E402
 from services.settings import read_settings  # noqa: E402
 
 
-def held_out_answers(model_dir: Path, tokens: int) -> tuple[list[list[int]], list]:
-    """The held-out prompts as chat turns, and their rollouts (greedy answers with bf16 features)."""
+def held_out_answers(model_dir: Path, tokens: int, temperature: float = 0.0) -> tuple[list[list[int]], list]:
+    """The held-out prompts as chat turns, and their rollouts (answers with bf16 features): greedy,
+    or sampled at `temperature` (seeded)."""
     import tempfile
     from transformers import AutoTokenizer
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
@@ -45,7 +54,8 @@ def held_out_answers(model_dir: Path, tokens: int) -> tuple[list[list[int]], lis
         f.write("\n".join(PROMPTS) + "\n")
         f.flush()
         prompts = build_prompts(tokenizer, len(PROMPTS), 0, Path(f.name))
-    answers = generate_continuations(model_dir, prompts, tokens, 0, sampled_share=0.0, max_num_seqs=len(prompts))
+    answers = generate_continuations(model_dir, prompts, tokens, 0, sampled_share=1.0 if temperature > 0 else 0.0,
+                                     temperature=temperature or 0.8, max_num_seqs=len(prompts))
     model = load_causal_lm(model_dir, torch.bfloat16, "cpu")[0].eval()
     return prompts, record_rollouts(model, TargetParts.from_model(model, model_dir), prompts, answers)
 
@@ -83,6 +93,28 @@ def score(head: Path, model_dir: Path, prompts: list[list[int]], rollouts: list,
             "first_token_hit": first / passes, "lookup_matched": matched / passes}
 
 
+@torch.inference_mode()
+def sampled_acceptance(head: Path, model_dir: Path, prompts: list[list[int]], rollouts: list, temperature: float,
+                       draft_temperatures: list[float], max_top_k: int) -> dict[float, float]:
+    """Mean first-draft-token acceptance probability per draft temperature (see the docstring)."""
+    from services.draft.proposers.draft_model import sparse_distribution
+    drafter = EagleProposer.load(head, model_dir, torch.bfloat16).drafter
+    totals, positions = dict.fromkeys(draft_temperatures, 0.0), 0
+    for prompt, rollout in zip(prompts, rollouts, strict=True):
+        ids = rollout.token_ids.tolist()
+        ctx = HeadContext()
+        drafter.feed(ctx, ids[1:len(prompt)], rollout.features[:len(prompt) - 1])
+        for j in range(len(prompt) - 1, len(ids) - 2):
+            drafter.feed(ctx, [ids[j + 1]], rollout.features[j:j + 1])  # ctx.last predicts t_{j+2}
+            p = torch.softmax(drafter.parts.features_to_logits(rollout.features[j + 1]) / temperature, -1)  # [vocab]
+            logits = drafter.output(ctx.last)  # [V'] draft logits
+            for t in draft_temperatures:
+                index, q = sparse_distribution(logits, DraftSampling(t), max_top_k)  # [k], [k]
+                totals[t] += float(torch.minimum(p[drafter.output.token_ids(index)], q).sum())
+            positions += 1
+    return {t: total / positions for t, total in totals.items()}
+
+
 def _run(chain: list[int], truth: list[int]) -> int:
     """Draft tokens a greedy verify accepts: the leading run equal to what the target wrote."""
     run = 0
@@ -97,18 +129,29 @@ def main() -> None:
     parser.add_argument("--head", type=Path, nargs="+", required=True)
     parser.add_argument("--tokens", type=int, default=128, help="greedy answer length per prompt")
     parser.add_argument("--depth", type=int, default=4)
+    parser.add_argument("--sampled", type=float, default=0.0, help="target temperature of the sampled scoring (0: off)")
+    parser.add_argument("--draft-temperatures", type=float, nargs="+", default=[0.6, 0.7, 0.8, 0.9, 1.0])
+    parser.add_argument("--max-top-k", type=int, default=16, help="tokens of a sampled node's q (the proposer's)")
     args = parser.parse_args()
     model_dir = resolve_model_dir(args.model, Path(read_settings().model_cache).expanduser())
     started = time.perf_counter()
     prompts, rollouts = held_out_answers(model_dir, args.tokens)
     print(f"{len(prompts)} held-out prompts, {sum(len(r.token_ids) - p for r, p in zip(rollouts, map(len, prompts)))} "
           f"answer tokens ({time.perf_counter() - started:.0f} s)")
+    sampled_rollouts = held_out_answers(model_dir, args.tokens, args.sampled)[1] if args.sampled > 0 else None
     for head in args.head:
         result = score(head, model_dir, prompts, rollouts, args.depth)
         print(f"{head}: depth {args.depth}, {result['passes']} positions; first draft token right "
               f"{100 * result['first_token_hit']:.1f}%; prompt lookup matched at {100 * result['lookup_matched']:.1f}%")
         for name, accepted in result["accepted_per_pass"].items():
             print(f"  {name:<18} {accepted:.2f} accepted per pass (τ {1 + accepted:.2f})")
+        if args.sampled > 0:
+            alphas = sampled_acceptance(head, model_dir, prompts, sampled_rollouts, args.sampled,
+                                        args.draft_temperatures, args.max_top_k)
+            print(f"  on answers sampled at T={args.sampled}, q = the head's top {args.max_top_k}: first draft "
+                  f"token's acceptance probability by draft temperature")
+            for t, alpha in alphas.items():
+                print(f"    draft T={t:<5} {alpha:.3f}")
 
 
 if __name__ == "__main__":

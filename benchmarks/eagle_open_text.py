@@ -80,14 +80,9 @@ class Row:
 
 
 def chat(prompt: str, max_tokens: int, temperature: float, seed: int) -> router_service_pb2.GenerateRequest:
-    # Greedy answers are the same tokens under every plan (lossless), so they need no min_tokens, and
-    # without it their rows take the argmax screen as a user's greedy request's do (min_tokens
-    # masks end-of-sequence, and a masked row keeps its whole logits). Sampled answers differ per
-    # plan: min_tokens keeps their lengths equal.
-    sampling = common_pb2.SamplingParams(max_tokens=max_tokens)
+    sampling = common_pb2.SamplingParams(max_tokens=max_tokens, min_tokens=max_tokens)  # equal lengths
     if temperature:
         sampling.temperature, sampling.seed, sampling.has_seed = temperature, seed, True
-        sampling.min_tokens = max_tokens
     return router_service_pb2.GenerateRequest(messages=[common_pb2.ChatMessage(role="user", content=prompt)],
                                               sampling=sampling)
 

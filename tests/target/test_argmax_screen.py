@@ -9,7 +9,8 @@ services/target/model/output_layer.py, services/target/engine/argmax_rows.py).
 - In a forward and through the mesh: rows marked ARGMAX_ONLY take the screen, their argmax is the
   whole row's; greedy output is token-identical with the screen on and off, and rows that ask
   for log-probabilities never take it. A greedy draft tree's verify rows take it too, and the
-  output stays the target's alone.
+  output stays the target's alone. Rows under min_tokens take it with end-of-sequence banned: a
+  row whose screened argmax is a banned token is computed whole.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 from services.target.kernels import argmax_screen, cpu_gguf_linear, cpu_linear
 from services.target.engine.block_manager import BlockManager, PrefixMatch
 from services.target.model.model_runner_inputs import StepInput
-from services.target.model.output_layer import ARGMAX_ONLY, screen_max_rows
+from services.target.model.output_layer import ARGMAX_ONLY, ArgmaxOnly, screen_max_rows
 from tests.mesh import collect, request, start_draft, start_mesh
 from tests.target.test_gguf_weights import gguf_gemma_dir  # noqa: F401 (fixture)
 
@@ -182,12 +183,29 @@ def test_rows_marked_argmax_only_take_the_screen_in_a_forward(tiny_gemma_dir, gg
 PROMPTS = ("the cat sat on the mat. the cat", "one two three", "a b a b a b")
 
 
-async def _greedy(model_dir, logprobs=False, speculation=None):
+@pytest.mark.parametrize("weights", _weights())
+def test_a_row_whose_screened_argmax_is_banned_is_computed_whole(tiny_gemma_dir, gguf_gemma_dir, weights):
+    model_dir = gguf_gemma_dir if weights == "gguf" else tiny_gemma_dir
+    whole = _decode_rows(_runner(model_dir, weights), None)
+    winners = whole.argmax(dim=1).tolist()
+    runner = _runner(model_dir, weights)
+    marked = {0: ArgmaxOnly((winners[0],)), 2: ArgmaxOnly((winners[2] + 1, 0)), 3: ARGMAX_ONLY}
+    got = _decode_rows(runner, marked)
+    assert runner.lean_forward.output.screen.rows == 3  # all three went through the screen
+    assert torch.equal(got[0], whole[0])  # its argmax is banned: the whole row, for the mask to act on
+    for row in (2, 3):  # the argmax is not banned: screened rows, the same argmax
+        finite = torch.isfinite(got[row])
+        assert finite.sum() < got.shape[1] and torch.equal(got[row][finite], whole[row][finite])
+        assert int(got[row].argmax()) == winners[row]
+
+
+async def _greedy(model_dir, logprobs=False, speculation=None, min_tokens=0):
     draft = await start_draft() if speculation else None  # prompt lookup runs in the draft service
     mesh = await start_mesh(model_dir, speculation, dtype="bfloat16", weights="bf16-avx512",
                             draft_address=draft.address if draft else "")
     try:
-        outs = [await collect(mesh.router_stub, request(p, 24, logprobs=logprobs)) for p in PROMPTS]
+        outs = [await collect(mesh.router_stub, request(p, 24, logprobs=logprobs, min_tokens=min_tokens))
+                for p in PROMPTS]
         screen = mesh.engine.runner.lean_forward.output.screen
         if speculation:
             assert sum(o[2].usage.proposed_tokens for o in outs) > 0, "no draft was verified"
@@ -228,3 +246,24 @@ async def test_a_greedy_draft_trees_verify_rows_take_the_screen(tiny_gemma_dir, 
     assert max(calls) <= screen_max_rows()
     off, _ = await _greedy(tiny_gemma_dir)
     assert lookup == off
+
+
+async def test_min_tokens_rows_take_the_screen_and_keep_their_tokens(tiny_gemma_dir, monkeypatch):
+    on, on_rows = await _greedy(tiny_gemma_dir, min_tokens=24)
+    monkeypatch.setenv("SPECMESH_ARGMAX_SCREEN", "0")
+    off, _ = await _greedy(tiny_gemma_dir, min_tokens=24)
+    assert on_rows and on_rows > 0
+    assert on == off and all(len(ids) == 24 for ids in on)
+
+
+def test_only_a_processor_that_masks_lets_its_rows_take_the_screen():
+    from services.common.sampling_params import SamplingConfig
+    from services.target.model.logits_processors import LogitsProcessor
+
+    def masks(**config):
+        return LogitsProcessor.for_request(SamplingConfig(max_tokens=8, **config), frozenset({1, 106}), 4).masks_only
+
+    assert masks(min_tokens=4) == (1, 106)  # end-of-sequence, banned while too few tokens were generated
+    for changes in ({"logit_bias": ((5, 2.0),)}, {"repetition_penalty": 1.2}, {"presence_penalty": 0.5},
+                    {"frequency_penalty": 0.5}):
+        assert masks(min_tokens=4, **changes) is None, changes

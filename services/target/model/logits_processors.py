@@ -59,6 +59,16 @@ class LogitsProcessor:
         """A processor when the request asks for penalties, bias or min_tokens; else None."""
         return cls(config, eos_token_ids, num_prompt_tokens) if config.processes_logits else None
 
+    @property
+    def masks_only(self) -> tuple[int, ...] | None:
+        """The tokens this processor may set to -inf, when that is all it ever does (min_tokens
+        alone: end-of-sequence while too few tokens were generated); None when it changes
+        logits otherwise (bias, penalties). A greedy row under such a processor still reads only
+        an argmax (services/target/engine/argmax_rows.py)."""
+        if self.config.logit_bias or self.penalizes:
+            return None
+        return tuple(self.eos_ids) if self.config.min_tokens else ()
+
     def apply(self, logits: torch.Tensor, token_ids: list[int],
               extras: Sequence[Sequence[int]] | None = None) -> torch.Tensor:
         """logits: [n, vocab] raw rows of this sequence -> [n, vocab] float32 processed rows.

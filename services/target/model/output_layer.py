@@ -14,7 +14,10 @@ when the walk reaches that row (a draft leaf behind grammar-restricted rows: str
 vocab_subsets.py). A leaf the walk does not reach then costs no pass over the whole vocabulary.
 
 A row given as {row: ARGMAX_ONLY} is read by nothing but a greedy argmax (the engine marks
-such rows: services/target/engine/argmax_rows.py). Where the argmax screen runs (services/target/
+such rows: services/target/engine/argmax_rows.py); {row: ArgmaxOnly(banned)} by a greedy argmax
+after the `banned` tokens are set to -inf (min_tokens holding back end-of-sequence): masking
+tokens only lowers them, so the screened row's argmax stays the masked row's unless it is a banned
+token, and such a row is computed whole instead. Where the argmax screen runs (services/target/
 kernels/argmax_screen.py: the layer is specmesh's bf16 or GGUF kernel, the CPU has AVX512-VNNI,
 no final soft-cap), up to `screen_max_rows()` of them a step get exact logits at every token that can
 be their argmax and -inf elsewhere: the same argmax, ties included, from an int8 pass over the
@@ -28,12 +31,21 @@ the same position gets the same logits with and without speculation.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 from torch import nn
 
 from services.target.kernels import argmax_screen, cpu_linear
 
-ARGMAX_ONLY = "argmax-only"  # a vocab_subsets value: the row's only reader is its argmax
+@dataclass(frozen=True)
+class ArgmaxOnly:
+    """A vocab_subsets value: the row's only reader is its argmax, after `banned` are set to -inf."""
+
+    banned: tuple[int, ...] = ()
+
+
+ARGMAX_ONLY = ArgmaxOnly()
 # Above this many screened rows a step, the whole layer is about as fast as the screen (measured on
 # the default model: docs/kernels.md; `python -m benchmarks.argmax_screen`); they go through it
 # whole. 8 covers a depth-4 chain's verify pass (5 rows) and small greedy batches. With the int8
@@ -69,21 +81,23 @@ class OutputLayer:
     def takes_subsets(self) -> bool:
         return self.weight_rows is not None
 
-    def __call__(self, h: torch.Tensor, vocab_subsets: dict[int, torch.Tensor | str | None] | None = None,
+    def __call__(self, h: torch.Tensor, vocab_subsets: dict[int, torch.Tensor | ArgmaxOnly | None] | None = None,
                  ) -> torch.Tensor:
-        """h: [R, hidden] normed rows; vocab_subsets: {row: allowed ids [k], None: deferred, or
-        ARGMAX_ONLY} -> logits [R, vocab]."""
+        """h: [R, hidden] normed rows; vocab_subsets: {row: allowed ids [k], None: deferred, or an
+        ArgmaxOnly marker} -> logits [R, vocab]."""
         self._deferred = {}
-        screened = [r for r, ids in vocab_subsets.items() if isinstance(ids, str)] if vocab_subsets else []
+        screened = [r for r, ids in vocab_subsets.items() if isinstance(ids, ArgmaxOnly)] if vocab_subsets else []
         if screened and (len(screened) > screen_max_rows() or self.screen is None
                          or not bool(torch.isfinite(h[screened]).all())):
             screened = []  # whole rows (a non-finite input keeps the whole layer's NaN / inf handling)
-        subsets = {r: ids for r, ids in vocab_subsets.items() if not isinstance(ids, str)} \
+        subsets = {r: ids for r, ids in vocab_subsets.items() if not isinstance(ids, ArgmaxOnly)} \
             if vocab_subsets and self.weight_rows is not None else {}
         screened_logits = self.screen(h.index_select(0, torch.tensor(screened, dtype=torch.long, device=h.device))) \
             if screened else None  # [len(screened), vocab], or None: the screen left them whole
         if screened_logits is None:
             screened = []
+        else:
+            screened, screened_logits = _without_banned_winners(screened, screened_logits, vocab_subsets)
         if not subsets and not screened:
             return self._cap(self.lm_head(h))
         if not subsets and len(screened) == h.shape[0]:  # every row screened (single-stream decode)
@@ -133,6 +147,19 @@ class OutputLayer:
         if self.softcap is not None:
             logits = torch.tanh(logits / self.softcap) * self.softcap
         return logits
+
+
+def _without_banned_winners(screened: list[int], logits: torch.Tensor, vocab_subsets: dict,
+                            ) -> tuple[list[int], torch.Tensor | None]:
+    """The screened rows (and their logits [len(screened), vocab]) whose argmax is none of the
+    tokens their marker bans; the others are left to the whole layer (None: none is left)."""
+    if not any(vocab_subsets[r].banned for r in screened):
+        return screened, logits
+    winners = logits.argmax(dim=-1).tolist()  # first index of the max, as the whole row's
+    keep = [i for i, (r, token) in enumerate(zip(screened, winners)) if token not in vocab_subsets[r].banned]
+    if len(keep) == len(screened):
+        return screened, logits
+    return [screened[i] for i in keep], (logits[keep] if keep else None)
 
 
 def _screen(lm_head: nn.Module, weight_rows, softcap: float | None):
