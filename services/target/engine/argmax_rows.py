@@ -6,10 +6,10 @@ A row qualifies when its sequence samples greedily this step (no samples of an n
 drawn from the same row) and no one reads its distribution: no log-probabilities, no penalties or
 bias (a logits processor that only masks, min_tokens, is fine: its banned tokens go with the
 marker, and a row whose screened argmax is one of them is computed whole), no grammar mask and no
-confidence sums. That holds for
-a plain decode row and for every row of a greedy draft tree's verify pass alike: greedy
-acceptance reads each node's argmax and nothing else (Speculator.accept), so a depth-4 chain's
-five rows take the screen too. Anything else keeps its whole row.
+confidence sums. That holds for a plain decode row and for every row of a greedy draft tree's
+verify pass alike: greedy acceptance reads each node's argmax and nothing else
+(Speculator.accept), so a depth-4 chain's five rows take the screen too. Anything else keeps its
+whole row.
 """
 
 from __future__ import annotations
@@ -19,7 +19,7 @@ from services.target.model.output_layer import ARGMAX_ONLY, ArgmaxOnly
 
 
 def argmax_rows(batch: list[ScheduledSeq], inputs: list, trees: dict) -> dict[int, ArgmaxOnly]:
-    """{logit row: ARGMAX_ONLY} for the step's rows whose only reader is the greedy argmax;
+    """{logit row: ArgmaxOnly marker} for the step's rows whose only reader is the greedy argmax;
     inputs[i] is batch[i]'s StepInput (its num_logits rows follow the previous inputs': one for a
     plain row, root + draft nodes for a sequence verifying its tree in `trees`)."""
     rows, offset = {}, 0

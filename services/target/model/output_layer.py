@@ -38,6 +38,7 @@ from torch import nn
 
 from services.target.kernels import argmax_screen, cpu_linear
 
+
 @dataclass(frozen=True)
 class ArgmaxOnly:
     """A vocab_subsets value: the row's only reader is its argmax, after `banned` are set to -inf."""
