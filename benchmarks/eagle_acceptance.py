@@ -13,12 +13,11 @@ positions equally, which is what the mean over many passes tends to. Use it to c
 on the same answers; the served figure is eagle_open_text.py's.
 
 `--sampled T --draft-temperatures 0.6 0.8 1.0` also scores sampled drafting at every position of
-answers sampled at T (seeded):
-the first draft token's acceptance probability sum_i min(p_i, q_i) (speculative sampling's),
-p the target's distribution at temperature T (from its own feature at that position), q the
-head's sparse distribution (its top `--max-top-k` tokens) at each draft temperature. Any q is
-lossless (the verify pass draws what q leaves to it from the residual); the draft temperature
-that maximises this sum accepts the most.
+answers sampled at T (seeded): the first draft token's acceptance probability sum_i min(p_i, q_i)
+(speculative sampling's), p the target's distribution at temperature T (from its own feature at
+that position), q the head's sparse distribution (its top `--max-top-k` tokens) at each draft
+temperature. Any q is lossless (the verify pass draws what q leaves to it from the residual); the
+draft temperature that maximises this sum accepts the most.
 """
 
 from __future__ import annotations
