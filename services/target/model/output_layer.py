@@ -37,6 +37,7 @@ import torch
 from torch import nn
 
 from services.target.kernels import argmax_screen, cpu_linear
+from services.target.model.sampler import row_argmax
 
 
 @dataclass(frozen=True)
@@ -156,7 +157,7 @@ def _without_banned_winners(screened: list[int], logits: torch.Tensor, vocab_sub
     tokens their marker bans; the others are left to the whole layer (None: none is left)."""
     if not any(vocab_subsets[r].banned for r in screened):
         return screened, logits
-    winners = logits.argmax(dim=-1).tolist()  # first index of the max, as the whole row's
+    winners = row_argmax(logits).tolist()  # first index of the max, as the whole row's (the sampler's C++ pass)
     keep = [i for i, (r, token) in enumerate(zip(screened, winners)) if token not in vocab_subsets[r].banned]
     if len(keep) == len(screened):
         return screened, logits
