@@ -126,6 +126,20 @@ def test_the_screen_is_off_where_asked(monkeypatch):
     assert "multiple of 32" in argmax_screen.unavailable_reason(48)
 
 
+def test_the_screen_keeps_no_autograd_graph_of_the_weights_it_reads(tiny_gemma_dir):
+    """A screen built from a parameter that requires grad (as any nn.Module's does) once kept every
+    chunk's autograd graph: ~8 GB resident in each target process of the default model."""
+    weight = torch.nn.Parameter(_hard_weights(300, 64, 3))
+    screen = argmax_screen.ArgmaxScreen(lambda ids: weight.index_select(0, ids), 300, 64)
+    parts = screen.weights
+    for t in (parts.quants, parts.scales, parts.weight_err, parts.weight_norm):
+        assert not t.requires_grad and t.grad_fn is None
+    # And a served model's parameters are frozen when it loads, so nothing derived from them does.
+    runner = _runner(tiny_gemma_dir, "bf16-avx512")
+    assert runner.lean_forward.output.screen.weights.weight_err.grad_fn is None
+    assert not any(p.requires_grad for p in runner.model.parameters())
+
+
 def _runner(model_dir, weights):
     from tests.target.test_gemma3_forward import _runner as format_runner
     runner = format_runner(model_dir, torch.bfloat16, weights)

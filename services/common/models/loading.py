@@ -42,7 +42,9 @@ def load_causal_lm(
     device: str | torch.device = "cpu",
     attn_implementation: str | None = None,
 ) -> tuple[PreTrainedModel, PreTrainedTokenizerBase]:
-    """Load the causal LM and tokenizer in `model_dir`, in eval mode on `device`.
+    """Load the causal LM and tokenizer in `model_dir`, in eval mode on `device`, its parameters
+    frozen: what serving derives from them outside inference mode (a quantized copy, packed
+    panels) then keeps no autograd graph (one such graph held ~8 GB per target process).
 
     Raises FileNotFoundError when the directory, its config, weights or tokenizer files
     are missing, and ValueError when its config is not a causal LM.
@@ -53,6 +55,7 @@ def load_causal_lm(
         model_dir, dtype=dtype, attn_implementation=attn_implementation, local_files_only=True
     )
     model.to(device).eval()
+    model.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
     return model, tokenizer
 

@@ -82,6 +82,7 @@ class ScreenWeights:
         return sum(t.numel() * t.element_size() for t in (self.quants, self.scales, self.weight_err, self.weight_norm))
 
 
+@torch.no_grad()  # weight_rows may read parameters that require grad: keep no graph per chunk
 def quantize_weights(weight_rows: Callable[[torch.Tensor], torch.Tensor], out_features: int, in_features: int,
                      chunk: int = 16384, block: int = BLOCK) -> ScreenWeights:
     """The screen's copy of a layer whose rows `weight_rows(ids)` gives as bf16 [len(ids), K], one
