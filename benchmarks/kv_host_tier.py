@@ -4,7 +4,8 @@
    restored from the host tier (its TTFT, and the tier's own restore time) or recomputed.
 2. Multi-turn chat: conversations of several turns, each turn appending to its history, arriving
    as a Poisson process, on a device pool holding about a quarter of the working set; TTFT P50
-   and P99 with the host tier and without it, and whether the outputs are the same.
+   and P99 with the host tier and without it, and whether the outputs are the same. By default the
+   rate is --load (0.6) of what the side with the tier serves at saturation, measured first.
 3. Cross-replica (with --shared-url): replica A computes a prefix and writes it to the shared
    tier in Redis; replica B's TTFT for that prefix, loaded from there (prefetch included),
    against B's TTFT for a prefix of the same length it recomputes; load cost per block.
@@ -17,6 +18,7 @@
 from __future__ import annotations
 
 import argparse
+import math
 import random
 import uuid
 import statistics
@@ -155,7 +157,7 @@ def arrival_schedule(turns: list[int], rate: float, think: float, seed: int = 1,
     rng = random.Random(seed)
     starts, t = [], 0.0
     for _ in turns:
-        t += rng.expovariate(rate)
+        t += rng.expovariate(rate) if math.isfinite(rate) else 0.0  # inf: all at once
         starts.append(t)
     pauses = [[rng.expovariate(1.0 / think) if think > 0 else 0.0 for _ in range(n)] for n in turns]
     for conv in pauses:
@@ -163,17 +165,33 @@ def arrival_schedule(turns: list[int], rate: float, think: float, seed: int = 1,
     return starts, pauses
 
 
-def calibrated_rate(engine: Engine, convs, share: float = 0.5) -> float:
-    """Conversations per second whose first turns alone (a first turn has no history for any tier
-    to hold) keep `share` of this machine busy: `share` over the median time of three first
-    turns' prefill, each alone on `engine`. Fixed rates tuned on one machine overload a slower
-    one with first turns, whose queue then sets both sides' tails."""
-    warm_up(engine)
-    seconds = [run(engine, conv[0] + conv[1], 1)[0] for conv in convs[:3]]
-    rate = share / statistics.median(seconds)
-    print(f"   calibrated rate: first turn alone {statistics.median(seconds) * 1000:.0f} ms (median of 3) -> "
-          f"{rate:.3f} conversations/s")
-    return rate
+def side_config(model_dir: Path, args, num_blocks: int, host_bytes: int) -> EngineConfig:
+    """One side's engine: the same pool, seats and token budget on both, the tier or none."""
+    return EngineConfig(model_dir=model_dir, dtype=args.dtype, block_size=args.block_size, num_blocks=num_blocks,
+                        max_batched_tokens=512, max_num_seqs=16, kv_host_bytes=host_bytes)
+
+
+def calibrated_rate(config: EngineConfig, convs, max_tokens: int, load: float) -> float:
+    """Conversations per second at `load` of what the host-tier side completes at saturation: every
+    conversation arriving at once (all turns, on an engine configured as that side's), the count over
+    the time until the last answer. The rate the comparison runs at is then one the side with the tier
+    serves without a standing queue, while the side without it, which recomputes each history, may
+    not: the capacity the tier adds is what the comparison shows. (A rate from first turns alone, or a
+    fixed rate, left the tier side saturated on slower machines, and both sides' tails were then queue.)"""
+    engine = Engine.load(config)
+    engine.start()
+    try:
+        warm_up(engine)
+        start = time.perf_counter()
+        ttfts, _, _ = multi_turn(engine, convs, max_tokens, rate=math.inf)
+        seconds = time.perf_counter() - start
+    finally:
+        engine.shutdown()
+    capacity = len(convs) / seconds
+    print(f"   calibrated rate: the host-tier side served {len(convs)} conversations arriving at once in "
+          f"{seconds:.1f} s ({capacity:.3f} conversations/s at saturation; TTFT there "
+          f"{ttft_summary(list(ttfts.values())).strip()}) -> {load:.0%} of it: {load * capacity:.3f} conversations/s")
+    return load * capacity
 
 
 def multi_turn(engine: Engine, convs, max_tokens: int, rate: float, think: float = 0.0, seed: int = 1):
@@ -226,8 +244,10 @@ def main() -> None:
     parser.add_argument("--max-tokens", type=int, default=24)
     parser.add_argument("--system-facts", type=int, default=40, help="background facts in each conversation's "
                         "system message (40: ~450 tokens, 70% of a 6-turn conversation's final history)")
-    parser.add_argument("--rate", default="2.0", help="conversations arriving per second, or 'auto': as many "
-                        "as keep half of this machine busy with first turns alone (calibrated_rate)")
+    parser.add_argument("--rate", default="auto", help="conversations arriving per second, or 'auto': --load "
+                        "times what the host-tier side serves at saturation, measured first (calibrated_rate)")
+    parser.add_argument("--load", type=float, default=0.6, help="with --rate auto: the share of the host-tier "
+                        "side's measured capacity offered to both sides")
     parser.add_argument("--think", type=float, default=0.0, help="mean seconds between an answer and the "
                         "conversation's next turn (exponential; 0: the next turn at once, as an agent loop)")
     parser.add_argument("--dtype", default="bfloat16", choices=("bfloat16", "float32"),
@@ -268,11 +288,6 @@ def measure(args, cpu: ForeignCpu) -> None:
         return
     probe = Engine.load(EngineConfig(model_dir=model_dir, dtype=args.dtype, num_blocks=256))
     convs = conversation_prompts(probe.tokenizer, args.conversations, args.turns, args.system_facts)
-    if args.rate == "auto":
-        probe.start()
-        args.rate = calibrated_rate(probe, convs)
-    else:
-        args.rate = float(args.rate)
     probe.shutdown()
     # Working set: every conversation's final history (system, user turns, answers at most max_tokens).
     working = sum(sum(len(p) for p in conv) + args.turns * args.max_tokens for conv in convs)
@@ -280,14 +295,19 @@ def measure(args, cpu: ForeignCpu) -> None:
     num_blocks = max(working // args.block_size // 4, 2 * longest // args.block_size + 8)
     print(f"\n2. multi-turn: {args.conversations} conversations x {args.turns} turns, working set {working} "
           f"tokens, device pool {num_blocks} blocks of {args.block_size} "
-          f"({num_blocks * args.block_size / working:.0%} of it), {args.rate:.3g}/s Poisson arrivals, think time "
-          f"{args.think:g} s mean, {args.dtype}")
+          f"({num_blocks * args.block_size / working:.0%} of it), think time {args.think:g} s mean, {args.dtype}")
+    if args.rate == "auto":
+        start = time.monotonic()
+        args.rate = calibrated_rate(side_config(model_dir, args, num_blocks, 1 << 30), convs, args.max_tokens,
+                                    args.load)
+        print(f"   {foreign_since(cpu, start)}")
+    else:
+        args.rate = float(args.rate)
+    print(f"   both sides: {args.rate:.3g}/s Poisson arrivals")
     results, queues = {}, {}
     sides = [("host tier", 1 << 30), ("no host tier", 0)]
     for label, host_bytes in (sides[::-1] if args.without_first else sides):
-        engine = Engine.load(EngineConfig(model_dir=model_dir, dtype=args.dtype, block_size=args.block_size,
-                                          num_blocks=num_blocks, max_batched_tokens=512, max_num_seqs=16,
-                                          kv_host_bytes=host_bytes))
+        engine = Engine.load(side_config(model_dir, args, num_blocks, host_bytes))
         engine.start()
         try:
             warm_up(engine)

@@ -97,15 +97,16 @@ def test_the_multi_turn_schedule_is_seeded_and_thinks_only_between_turns():
 
 
 def test_the_multi_turn_benchmark_runs_both_sides_at_a_calibrated_rate(tiny_gemma_dir, capsys):
-    """`kv_host_tier --rate auto` on a tiny model: the calibration measures first turns on a
-    started engine (it once waited forever on one never started), then both sides run."""
+    """`kv_host_tier --rate auto` on a tiny model: the calibration serves every conversation at once on
+    a started engine with the tier (it once waited forever on one never started), then both sides run
+    at the share of that capacity asked for."""
     import argparse
     import threading
 
     from benchmarks.kv_host_tier import measure
     from services.bench.foreign_cpu import ForeignCpu
     args = argparse.Namespace(model=str(tiny_gemma_dir), prefix_tokens=64, block_size=16, conversations=3, turns=2,
-                              max_tokens=3, system_facts=3, rate="auto", think=0.0, dtype="float32", skip_costs=True,
+                              max_tokens=3, system_facts=3, rate="auto", load=0.6, think=0.0, dtype="float32", skip_costs=True,
                               skip_multi_turn=False, shared_url="", without_first=False)
     errors = []
 
