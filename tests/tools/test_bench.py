@@ -4,6 +4,7 @@ tiny-model mesh that accounts for every request and writes the report and plots.
 from __future__ import annotations
 
 import json
+import math
 
 import pytest
 
@@ -94,6 +95,7 @@ def test_the_multi_turn_schedule_is_seeded_and_thinks_only_between_turns():
     assert starts[0] < starts[1] and [len(p) for p in pauses] == [3, 2]
     assert all(conv[0] == 0.0 for conv in pauses) and all(p > 0 for conv in pauses for p in conv[1:])
     assert arrival_schedule([3, 2], rate=2.0, think=0.0, seed=1) == (starts, [[0.0] * 3, [0.0] * 2])
+    assert arrival_schedule([3, 2], rate=math.inf, think=0.0)[0] == [0.0, 0.0]  # the calibration: all at once
 
 
 def test_the_multi_turn_benchmark_runs_both_sides_at_a_calibrated_rate(tiny_gemma_dir, capsys):
@@ -106,8 +108,8 @@ def test_the_multi_turn_benchmark_runs_both_sides_at_a_calibrated_rate(tiny_gemm
     from benchmarks.kv_host_tier import measure
     from services.bench.foreign_cpu import ForeignCpu
     args = argparse.Namespace(model=str(tiny_gemma_dir), prefix_tokens=64, block_size=16, conversations=3, turns=2,
-                              max_tokens=3, system_facts=3, rate="auto", load=0.6, think=0.0, dtype="float32", skip_costs=True,
-                              skip_multi_turn=False, shared_url="", without_first=False)
+                              max_tokens=3, system_facts=3, rate="auto", load=0.6, think=0.0, dtype="float32",
+                              skip_costs=True, skip_multi_turn=False, shared_url="", without_first=False)
     errors = []
 
     def benchmark(cpu):
@@ -123,4 +125,5 @@ def test_the_multi_turn_benchmark_runs_both_sides_at_a_calibrated_rate(tiny_gemm
     assert not errors, errors
     out = capsys.readouterr().out
     assert "calibrated rate" in out and isinstance(args.rate, float) and args.rate > 0
+    assert "arriving at once" in out and "60% of it" in out
     assert "TTFT without / with the host tier" in out and "of 6 turns" in out
