@@ -55,7 +55,7 @@ from specmesh.proto.v1 import common_pb2, router_service_pb2  # noqa: E402
 LENGTHS = [14, 40, 90, 180, 300, 500, 750, 1100, 1508]
 PAUSE_S = 1.5  # vLLM's worker busy-polls ~1 s after a request
 PORTS = {"target": 52051, "draft": 52052, "router-off": 52061, "router-5": 52065, "router-10": 52070,
-         "target-generic": 52053, "router-generic": 52062}
+         "target-variant": 52053, "router-variant": 52062}
 VLLM_PORT = 52080
 LLAMACPP_PORT = 52090
 LLAMACPP_VERSION = "0.3.36"  # llama-cpp-python, whose sdist vendors the llama.cpp sources (setup_llamacpp.sh)
@@ -213,23 +213,38 @@ async def prefill(client, prompt: str) -> tuple[float, float]:
 
 
 # ---------------------------------------------------------------- servers
-def start_specmesh(model: str, log_dir: Path, weights: str = "auto", generic: bool = False) -> list[subprocess.Popen]:
-    """The mesh (draft, target, one router per speculation setting); with `generic`, also a
-    second target running transformers' own modules (SPECMESH_FORWARD=generic) behind its own
-    router, to measure the lean forward against the path other models take."""
+GENERIC = "transformers' modules:SPECMESH_FORWARD=generic"  # --generic: the lean forward against the generic path
+
+
+def parse_variant(text: str) -> tuple[str, dict[str, str]]:
+    """'LABEL:K=V,K=V' -> (LABEL, {K: V}): a second specmesh target's name in the report and the
+    environment it differs by (the mesh's settings, e.g. SPECMESH_KV_DTYPE=float32)."""
+    label, sep, assignments = text.partition(":")
+    items = [item for item in assignments.split(",") if item]
+    if not label or not sep or not items or any("=" not in item for item in items):
+        raise ValueError(f"--variant wants LABEL:NAME=VALUE[,NAME=VALUE...], got {text!r}")
+    return label, dict(item.split("=", 1) for item in items)
+
+
+def start_specmesh(model: str, log_dir: Path, weights: str = "auto",
+                   variant: dict[str, str] | None = None) -> list[subprocess.Popen]:
+    """The mesh (draft, target, one router per speculation setting); with `variant` (environment
+    settings), also a second target with those settings behind its own router, measured beside
+    the first in every round at depth 0: an A/B of one setting against the anchors' run (the
+    generic path, `--generic`, or an earlier default)."""
     env = {**os.environ, "SPECMESH_TOKENS": f"{DEV_TOKEN}=bench", "SPECMESH_METRICS_PORT": "0",
            "SPECMESH_WEIGHTS": weights,
            "SPECMESH_MODEL": model}
     cmd = [sys.executable, "-m", "services.cli", "serve", "--dev"]  # plaintext on loopback
-    generic_procs = []
-    if generic:
-        generic_procs = [
-            subprocess.Popen([*cmd, "target", "--port", str(PORTS["target-generic"])], cwd=ROOT,
-                             env={**env, "SPECMESH_FORWARD": "generic"},
-                             stdout=open(log_dir / "target-generic.log", "w"), stderr=subprocess.STDOUT),
-            subprocess.Popen([*cmd, "router", "--port", str(PORTS["router-generic"]), "--target-address",
-                              f"127.0.0.1:{PORTS['target-generic']}", "--speculation-method", "off"],
-                             cwd=ROOT, env=env, stdout=open(log_dir / "router-generic.log", "w"),
+    variant_procs = []
+    if variant:
+        variant_procs = [
+            subprocess.Popen([*cmd, "target", "--port", str(PORTS["target-variant"])], cwd=ROOT,
+                             env={**env, **variant},
+                             stdout=open(log_dir / "target-variant.log", "w"), stderr=subprocess.STDOUT),
+            subprocess.Popen([*cmd, "router", "--port", str(PORTS["router-variant"]), "--target-address",
+                              f"127.0.0.1:{PORTS['target-variant']}", "--speculation-method", "off"],
+                             cwd=ROOT, env=env, stdout=open(log_dir / "router-variant.log", "w"),
                              stderr=subprocess.STDOUT)]
     procs = [subprocess.Popen([*cmd, "draft", "--port", str(PORTS["draft"])], cwd=ROOT, env=env,
                               stdout=open(log_dir / "draft.log", "w"), stderr=subprocess.STDOUT),
@@ -243,7 +258,7 @@ def start_specmesh(model: str, log_dir: Path, weights: str = "auto", generic: bo
              "--speculation-method", method, "--speculation-depth", str(depth),
              "--speculation-policy", "fixed"], cwd=ROOT, env=env,  # the depth compared, every step
             stdout=open(log_dir / f"{name}.log", "w"), stderr=subprocess.STDOUT))
-    return procs + generic_procs
+    return procs + variant_procs
 
 
 def start_vllm(venv: Path, model_dir: Path, depth: int, log_dir: Path, extra_args: tuple[str, ...] = (),
@@ -374,7 +389,8 @@ async def run(args, llamacpp: Path | None = None) -> dict:
     res: dict[str, dict[str, list[float]]] = {}
     foreign: dict[str, dict[str, list[float]]] = {}  # metric -> system -> each measurement's foreign CPU share
 
-    procs = start_specmesh(args.model, log_dir, args.specmesh_weights, args.generic)
+    variant_label, variant_env = parse_variant(args.variant) if args.variant else (None, None)
+    procs = start_specmesh(args.model, log_dir, args.specmesh_weights, variant_env)
     vllm_proc = llama_proc = None
     # The systems under test: this process (HF runs in it, and the clients), the mesh's
     # services, the vLLM server, the llama-server up now; every other process's CPU is foreign.
@@ -403,13 +419,13 @@ async def run(args, llamacpp: Path | None = None) -> dict:
     hf = HF(model_dir) if "hf" not in args.skip else None
     cpu.__enter__()
     try:
-        for name in ("router-off", "router-5", "router-10") + (("router-generic",) if args.generic else ()):
+        for name in ("router-off", "router-5", "router-10") + (("router-variant",) if variant_env else ()):
             await wait_grpc(f"127.0.0.1:{PORTS[name]}", procs)
         mesh = {d: Specmesh(PORTS[f"router-{d}" if d else "router-off"]) for d in (0, 5, 10)}
-        generic = Specmesh(PORTS["router-generic"]) if args.generic else None
+        variant = Specmesh(PORTS["router-variant"]) if variant_env else None
         phases = [0] if "speculation" in args.skip else [0, 5, 10]
-        anchor = "vllm" not in args.skip  # vLLM runs in every phase, HF, generic and llama.cpp at depth 0
-        total = args.rounds * (1 + anchor + (hf is not None) + args.generic + len(llama)
+        anchor = "vllm" not in args.skip  # vLLM runs in every phase, HF, the variant and llama.cpp at depth 0
+        total = args.rounds * (1 + anchor + (hf is not None) + (variant is not None) + len(llama)
                                + (len(phases) - 1) * (1 + anchor))
         bar = tqdm(total=total, desc="measurements")
         for depth in phases:
@@ -420,7 +436,7 @@ async def run(args, llamacpp: Path | None = None) -> dict:
             vllm = VLLM(VLLM_PORT, "gemma") if vllm_proc else None
             try:
                 systems = [("vLLM", vllm), ("specmesh", mesh[depth])] + (
-                    [("HF", hf), ("generic", generic), *llama.items()] if depth == 0 else [])
+                    [("HF", hf), ("variant", variant), *llama.items()] if depth == 0 else [])
                 for _, client in systems:  # one unmeasured request each: first-call setup is not serving
                     if client is not None and not isinstance(client, LlamaCpp):  # (llama.cpp: at its start)
                         await client.generate(prompts[0], 8)
@@ -462,7 +478,10 @@ async def run(args, llamacpp: Path | None = None) -> dict:
     finally:
         cpu.__exit__(None, None, None)
         stop(procs)
-    return summarize(res, foreign)
+    result = summarize(res, foreign)
+    if variant_label:
+        result["_variant"] = variant_label
+    return result
 
 
 def summarize(res: dict[str, dict[str, list[float]]], foreign: dict | None = None) -> dict:
@@ -520,17 +539,18 @@ def speed_ratio(m: dict, other: str, higher: bool) -> float | str | None:
 
 
 def table(result: dict) -> str:
-    generic = any("generic" in result.get(key, {}) for key, _, _ in ROWS)
+    variant = any("variant" in result.get(key, {}) for key, _, _ in ROWS)
+    variant_label = result.get("_variant", "variant")
     llama = [x for x in LLAMACPP_GGUF if any(x in result.get(key, {}) for key, _, _ in ROWS)]
     shown = ["vLLM", "specmesh", "HF", *llama]  # the foreign CPU column, in this order
     lines = ["| | vLLM | specmesh (through the mesh) | per round | HF `generate` |"
              + "".join(f" {x} (specmesh / it) |" for x in llama)
              + f" foreign CPU (median: {' / '.join(shown)}) |"
-             + (" specmesh, transformers' modules (lean / generic) |" if generic else ""),
-             "|---|---|---|---|---|---|" + "---|" * len(llama) + ("---|" if generic else "")]
+             + (f" specmesh, {variant_label} (specmesh / it) |" if variant else ""),
+             "|---|---|---|---|---|---|" + "---|" * len(llama) + ("---|" if variant else "")]
     for key, label, higher in ROWS:
         m = result.get(key, {})
-        v, s, h, g = m.get("vLLM"), m.get("specmesh"), m.get("HF"), m.get("generic")
+        v, s, h, g = m.get("vLLM"), m.get("specmesh"), m.get("HF"), m.get("variant")
         fmt = (lambda x: "—" if x is None else (f"{x:.1f}" if higher else f"{x:.3f}"))
         ratio = speed_ratio(m, "vLLM", higher)
         ratio = ("" if ratio is None else " (void: foreign CPU)" if ratio == "void"
@@ -545,10 +565,10 @@ def table(result: dict) -> str:
             r = speed_ratio(m, x, higher)
             anchors += f" {fmt(m.get(x))}" + ("" if r is None else " (void: foreign CPU)" if r == "void"
                                               else f" ({r:.2f}x)") + " |"
-        gain = speed_ratio(m, "generic", higher)
+        gain = speed_ratio(m, "variant", higher)
         gain = "" if gain is None else " (void: foreign CPU)" if gain == "void" else f" ({gain:.2f}x)"
         lines.append(f"| {label} | {fmt(v)} | {fmt(s)}{ratio} | {band} | {fmt(h)} |{anchors} {share} |"
-                     + (f" {fmt(g)}{gain} |" if generic else ""))
+                     + (f" {fmt(g)}{gain} |" if variant else ""))
     return "\n".join(lines)
 
 
@@ -611,9 +631,11 @@ def main() -> None:
                         help="specmesh's linear layers (SPECMESH_WEIGHTS); gguf: the default model's own GGUF "
                              "blocks (the logits of bf16-avx512, fewer bytes a token); int8 trades accuracy for "
                              "speed (README: greedy agreement and log-prob gap), vLLM and HF stay bf16")
-    parser.add_argument("--generic", action="store_true",
-                        help="also run specmesh with transformers' own modules (--forward generic) to measure "
-                             "the lean forward's gain")
+    parser.add_argument("--variant", default="",
+                        help="LABEL:NAME=VALUE[,...]: also run a second specmesh target with these settings "
+                             "(e.g. 'float32 KV:SPECMESH_KV_DTYPE=float32'), side by side in every round")
+    parser.add_argument("--generic", action="store_const", dest="variant", const=GENERIC,
+                        help="the variant with transformers' own modules (--forward generic): the lean forward's gain")
     parser.add_argument("--vllm-venv", default=os.environ.get("SPECMESH_VLLM_VENV",
                                                              "~/.cache/specmesh/vllm-venv"))
     parser.add_argument("--llamacpp-dir", default=os.environ.get("SPECMESH_LLAMACPP_DIR", "~/.cache/specmesh/llamacpp"),

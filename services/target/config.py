@@ -95,14 +95,30 @@ class EngineConfig:
 
     @property
     def torch_kv_dtype(self) -> torch.dtype:
-        """"auto": the model dtype, except float32 for 16-bit models on a CPU that does not
-        multiply bf16 natively, where attention computes in float32 (bf16 values are exact in
-        float32, so no kv entry is converted per layer per step). With native bf16 a bf16 model
-        keeps a bf16 cache (its keys and values are bf16 already: nothing is rounded) and attends
-        with bf16 matmuls (services/target/kernels/paged_attention_cpu.py)."""
+        """"auto": the model dtype, except float32 for 16-bit models on a CPU where their attention
+        would multiply bf16 in torch without native bf16 (bf16 values are exact in float32, so no
+        kv entry is converted per layer per step). A bf16 model keeps a bf16 cache (its keys and
+        values are bf16 already: nothing is rounded) where the CPU multiplies bf16 natively (bf16
+        matmuls, services/target/kernels/paged_attention_cpu.py) and where specmesh's C++ kernels
+        attend its decode rows and small trees in the pool (`cpp_attention_expected`: AVX2 CPUs
+        included; a float32 pool there left decode rows to per-sequence gathers and torch's
+        float32 SDPA, 1.2x slower single-stream steps and 1.6x slower 18-row steps on an AVX2 EPYC,
+        `benchmarks/engine_step.py --kv-dtype`)."""
         if self.kv_dtype != "auto":
             return _KV_DTYPES[self.kv_dtype]
         if torch.device(self.device).type == "cpu" and self.dtype in ("bfloat16", "float16"):
             from services.target.model.linear import native_bf16_cpu
-            return torch.bfloat16 if self.dtype == "bfloat16" and native_bf16_cpu() else torch.float32
+            bf16 = self.dtype == "bfloat16" and (native_bf16_cpu() or self.cpp_attention_expected)
+            return torch.bfloat16 if bf16 else torch.float32
         return self.torch_dtype
+
+    @property
+    def cpp_attention_expected(self) -> bool:
+        """Whether a bf16 model's attention will run in specmesh's C++ kernels here, as far as the
+        configuration tells: its C++ row ops run on specmesh's linear kernels (`weights` auto,
+        bf16-avx512 or gguf, on a CPU where the kernel module builds) under a lean forward
+        (`forward` auto; an architecture without one, services/target/model/lean_forward.py, then
+        attends in torch over the same pool)."""
+        from services.target.kernels import cpu_linear
+        return (torch.device(self.device).type == "cpu" and self.weights in ("auto", "bf16-avx512", "gguf")
+                and self.forward == "auto" and cpu_linear.available())

@@ -212,13 +212,23 @@ def test_cpu_long_chunk_in_a_window_layer_is_cut_into_pieces_that_read_only_thei
                                atol=1e-5, rtol=1e-5)
 
 
-def test_auto_kv_dtype_is_bf16_for_bf16_models_where_the_cpu_multiplies_bf16(tmp_path):
-    """A bf16 model's keys and values are bf16 already: with native bf16 the cache keeps them as
-    they are (half the bytes of float32) and attention takes the bf16 path; elsewhere float32."""
+@pytest.mark.parametrize("native, kernels", [(True, True), (True, False), (False, True), (False, False)])
+def test_auto_kv_dtype_is_bf16_for_bf16_models_where_bf16_attention_is_fast(tmp_path, monkeypatch, native, kernels):
+    """A bf16 model's keys and values are bf16 already: where the CPU multiplies bf16 natively, or
+    where specmesh's C++ kernels attend its decode rows in the pool (AVX2 CPUs too), the cache keeps
+    them as they are (half the bytes of float32); elsewhere float32. Settings that keep attention
+    out of C++ (torch's weight formats, the generic forward) keep float32 without native bf16."""
     from services.target.config import EngineConfig
-    from services.target.model.linear import native_bf16_cpu
-    config = EngineConfig(model_dir=tmp_path, dtype="bfloat16")
-    assert config.torch_kv_dtype == (torch.bfloat16 if native_bf16_cpu() else torch.float32)
+    from services.target.kernels import cpu_linear
+    from services.target.model import linear
+    monkeypatch.setattr(linear, "native_bf16_cpu", lambda: native)
+    monkeypatch.setattr(cpu_linear, "available", lambda: kernels)
+    bf16_pool = torch.bfloat16 if native or kernels else torch.float32
+    assert EngineConfig(model_dir=tmp_path, dtype="bfloat16").torch_kv_dtype == bf16_pool
+    assert EngineConfig(model_dir=tmp_path, dtype="bfloat16", weights="bf16-avx512").torch_kv_dtype == bf16_pool
+    torch_attention = torch.bfloat16 if native else torch.float32
+    assert EngineConfig(model_dir=tmp_path, dtype="bfloat16", weights="fp16").torch_kv_dtype == torch_attention
+    assert EngineConfig(model_dir=tmp_path, dtype="bfloat16", forward="generic").torch_kv_dtype == torch_attention
     assert EngineConfig(model_dir=tmp_path, dtype="float16").torch_kv_dtype == torch.float32
     assert EngineConfig(model_dir=tmp_path, dtype="float32").torch_kv_dtype == torch.float32
     assert EngineConfig(model_dir=tmp_path, dtype="bfloat16", kv_dtype="float32").torch_kv_dtype == torch.float32

@@ -40,3 +40,24 @@ def test_plot_writes_a_png_of_the_rounds(tmp_path):
     path = compare.plot(_result(RUNS), tmp_path / "ratios.png")
     assert path is not None and path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     assert compare.plot(_result({}), tmp_path / "none.png") is None  # nothing measured, no plot
+
+
+def test_a_variant_target_is_its_own_column_with_specmesh_over_its_speed():
+    """`--variant LABEL:NAME=VALUE` (and `--generic`, one such variant) runs a second specmesh target
+    with those settings; the report names it by its label and gives specmesh's speed over its own."""
+    assert compare.parse_variant("float32 KV:SPECMESH_KV_DTYPE=float32") == ("float32 KV", {"SPECMESH_KV_DTYPE": "float32"})
+    assert compare.parse_variant(compare.GENERIC)[1] == {"SPECMESH_FORWARD": "generic"}
+    assert compare.parse_variant("ab:A=1,B=x=y") == ("ab", {"A": "1", "B": "x=y"})
+    for bad in ("no-colon", "label:", ":A=1", "label:A"):
+        with pytest.raises(ValueError, match="LABEL:NAME=VALUE"):
+            compare.parse_variant(bad)
+    result = _result({"single": {"vLLM": [40.0], "specmesh": [60.0], "variant": [50.0]},
+                      "cold_ttft": {"vLLM": [1.0], "specmesh": [1.0], "variant": [2.0]}})
+    result["_variant"] = "float32 KV"
+    lines = compare.table(result).splitlines()
+    assert lines[0].endswith("specmesh, float32 KV (specmesh / it) |")
+    single = next(line for line in lines if line.startswith("| single-stream"))
+    assert single.endswith("50.0 (1.20x) |")
+    cold = next(line for line in lines if line.startswith("| cold prefill"))
+    assert cold.endswith("2.000 (2.00x) |")
+    assert "float32 KV" not in compare.table(_result(RUNS))  # no variant measured: no column
