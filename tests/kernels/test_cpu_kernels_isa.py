@@ -61,6 +61,21 @@ def test_the_avx2_build_refuses_the_vdpbf16ps_paths_with_a_clear_error():
 
 
 @needs_avx2_build
+def test_the_argmax_screen_runs_on_the_avx2_build(monkeypatch):
+    """Its int8 pass multiplies with VPMADDUBSW there (cpu_argmax_screen_avx2.h), so greedy rows read
+    half the output layer's bytes on AVX2 CPUs too; only AMX tiles are refused."""
+    from services.target.kernels import argmax_screen
+    monkeypatch.delenv("SPECMESH_ARGMAX_SCREEN", raising=False)
+    assert argmax_screen.unavailable_reason(640) is None
+    w = argmax_screen.quantize_weights(lambda ids: torch.ones(len(ids), 64, dtype=torch.bfloat16), 16, 64, block=64)
+    x = torch.ones(1, 64, dtype=torch.bfloat16)
+    upper, best, columns = argmax_screen.bounds(x, w, amx=False)
+    assert torch.allclose(upper, torch.full((1, 16), 64.0), atol=1e-2) and torch.equal(columns, torch.arange(16))
+    with pytest.raises(RuntimeError, match="AMX-INT8.*AVX2 build"):
+        argmax_screen.bounds(x, w, amx=True)
+
+
+@needs_avx2_build
 @pytest.mark.parametrize("n", [1, 7, 8, 9, 15, 17])  # tails of the 8-lane loops: no 16-bit masked loads on AVX2
 def test_the_avx2_tails_read_and_write_only_their_lanes(n):
     g = torch.Generator().manual_seed(n)

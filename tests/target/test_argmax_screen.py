@@ -281,3 +281,25 @@ def test_only_a_processor_that_masks_lets_its_rows_take_the_screen():
     for changes in ({"logit_bias": ((5, 2.0),)}, {"repetition_penalty": 1.2}, {"presence_penalty": 0.5},
                     {"frequency_penalty": 0.5}):
         assert masks(min_tokens=4, **changes) is None, changes
+
+
+def test_products_of_the_largest_quants_are_summed_without_saturating():
+    """Every weight and every row value quantized to +-127 (one magnitude per block), signs agreeing on
+    some columns and opposed on others: the largest int8 products there are, where a pairwise int16
+    sum that saturated (AVX2's VPMADDUBSW with q + 128 unsigned would) leaves the approximate logit
+    far below the exact one and the upper bound below it."""
+    n, k = 64, 128
+    gen = torch.Generator().manual_seed(5)
+    signs = torch.where(torch.rand(n, k, generator=gen) < 0.5, -1.0, 1.0)
+    x = torch.where(torch.rand(1, k, generator=gen) < 0.5, -1.0, 1.0)
+    signs[:8] = x  # columns that agree with the row everywhere: logit k
+    signs[8:16] = -x  # and that oppose it everywhere: -k
+    w = (signs * 0.5).to(torch.bfloat16)
+    screen = argmax_screen.ArgmaxScreen(lambda ids: w[ids], n, k)
+    x = x.to(torch.bfloat16)
+    whole = cpu_linear.bf16_linear(x, cpu_linear.pack(w), n).float()  # [1, n]
+    upper, best, union = argmax_screen.bounds(x, screen.weights)
+    assert whole[0, 0] == k * 0.5 and whole[0, 8] == -k * 0.5
+    assert (upper >= whole).all() and (best <= whole.amax(dim=1)).all()
+    assert torch.allclose(upper, whole, rtol=1e-3, atol=1e-2)  # exact quants: the bound is float32 slack only
+    assert torch.equal(union, torch.arange(8))  # the 8 tied maxima, nothing else

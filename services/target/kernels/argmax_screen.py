@@ -7,8 +7,9 @@ block of 64 k, 32 where the hidden size is no multiple of 64: 175 MB) and runs, 
 of a step:
 
 1. an int8 pass over the whole vocabulary (cpu_argmax_screen.cpp, VPDPBUSD: 64 products an
-   instruction against VDPBF16PS's 32, half the bytes) that gives every logit an approximate value a
-   and a proven bound E with |exact - a| <= E;
+   instruction against VDPBF16PS's 32, half the bytes; on AVX2 CPUs VPMADDUBSW + VPMADDWD, the same
+   exact integer sums, half the bytes of the bf16 layer the widen + FMA loop streams) that gives
+   every logit an approximate value a and a proven bound E with |exact - a| <= E;
 2. the tokens whose upper bound a + E reaches the best lower bound of the row (less a margin of
    2^-6 of its size: two logits that far apart never round to the same bf16 value, so a token
    outside cannot tie the argmax either): on the default model a median of 25 of 262,144, a few
@@ -58,10 +59,13 @@ def unavailable_reason(in_features: int) -> str | None:
     """None if the screen runs for an output layer of `in_features` here, else why not."""
     if os.environ.get("SPECMESH_ARGMAX_SCREEN", "1") == "0":
         return "SPECMESH_ARGMAX_SCREEN=0"
-    if not cpu_linear.bf16_dot_instruction():
-        return "the CPU lacks AVX512-BF16 (the layer's own kernel the screen's exact tokens go through)"
-    if "avx512_vnni" not in cpu_flags():
-        return "the CPU lacks AVX512-VNNI (avx512_vnni in /proc/cpuinfo), which the int8 pass multiplies with"
+    if not cpu_linear.available():
+        return f"specmesh's kernels do not run here ({cpu_linear.unavailable_reason()})"
+    if cpu_kernels.isa() == "avx512":  # the AVX2 build multiplies with VPMADDUBSW (cpu_argmax_screen_avx2.h)
+        if not cpu_linear.bf16_dot_instruction():
+            return "the CPU lacks AVX512-BF16 (the layer's own kernel the screen's exact tokens go through)"
+        if "avx512_vnni" not in cpu_flags():
+            return "the CPU lacks AVX512-VNNI (avx512_vnni in /proc/cpuinfo), which the int8 pass multiplies with"
     if in_features % BLOCK:
         return f"the hidden size {in_features} is not a multiple of {BLOCK}"
     return None

@@ -24,6 +24,13 @@
 // work from a few rows on (a load, a subtraction, a conversion, a multiply and an FMA per 16
 // columns, row and block), with the tile store and reload per block: hence B = 64 (half the blocks
 // of B = 32, for the loop too) and the row totals kept in registers.
+//
+// The AVX2 build (cpu_argmax_screen_avx2.h) has no VPDPBUSD: it multiplies |p| (unsigned) by q with
+// p's sign (VPSIGNB; q from the stored q + 128 by flipping its top bit) with VPMADDUBSW, whose int16
+// pair sums cannot saturate (2 * 127 * 127 < 2^15), and VPMADDWD against ones gives each column's
+// sum of 4 products in int32: the same exact integers as sum((q + 128) p) - 128 sum(p), then the same
+// float32 epilogue, op for op, 8 columns a vector. The bound is the same: it holds for any exact
+// integer sums followed by that epilogue.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -39,13 +46,9 @@
 #include <limits>
 #include <vector>
 
-#if defined(SPECMESH_ISA_AVX512)
-
 namespace {
 
-constexpr int64_t kCols = 16;  // columns per group: one vector of int32 sums
-
-#define SPECMESH_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c")))
+constexpr int64_t kCols = 16;  // columns per group: one AVX-512 vector of int32 sums, two AVX2 ones
 
 struct Screen {
   const uint8_t* quants;
@@ -70,6 +73,16 @@ struct Extremes {
   float* upper;
   int64_t M;
 };
+
+}  // namespace
+
+#if defined(SPECMESH_ISA_AVX2)
+#include "cpu_argmax_screen_avx2.h"  // loop_groups: the int8 pass, 8 columns a vector
+#else  // SPECMESH_ISA_AVX512
+
+namespace {
+
+#define SPECMESH_VNNI_TARGET __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512vnni,f16c")))
 
 // One group's approximate logits `total` of one row -> its upper bounds (into upper) and the
 // group's largest upper and lower bound for the row (into ext). Both passes end here.
@@ -208,6 +221,32 @@ SPECMESH_AMX_INT8_TARGET void tile_groups(const Screen& s, const Rows& r, const 
   _tile_release();
 }
 
+// The int8 pass without tiles, every row and group (the VPDPBUSD loop).
+void loop_groups(const Screen& s, const Rows& r, int64_t M, int64_t G, float* up, const Extremes& ext) {
+  // Groups a pass: more independent sum chains where few rows give each weight load little work
+  // (one row: 8 groups against 2, 4.4 -> 3.9 ms over the default model's layer on the
+  // AVX512-BF16 EPYC; two rows: 4); from 3 rows, 2 (more would spill the sums' registers).
+  const int64_t width = M == 1 ? 8 : M == 2 ? 4 : 2;
+  at::parallel_for(0, (G + width - 1) / width, 64 / width, [&](int64_t begin, int64_t end) {
+    for (int64_t u = begin; u < end; ++u) {
+      const int64_t g0 = u * width, groups = std::min(width, G - g0);
+      if (groups == 8) group_rows<8, 1>(s, r, 0, g0, up, ext);  // width 8: one row
+      else if (groups == 4) group_rows<4, 2>(s, r, 0, g0, up, ext);  // width 4: two rows
+      else
+        for (int64_t g = g0; g < g0 + groups; g += 2) {
+          if (g + 1 < g0 + groups) groups_rows<2>(s, r, M, g, up, ext);
+          else groups_rows<1>(s, r, M, g, up, ext);
+        }
+    }
+  });
+}
+
+}  // namespace
+
+#endif  // SPECMESH_ISA_AVX512
+
+namespace {
+
 // The columns (ascending) where some row's upper bound reaches its threshold: only in the groups
 // whose largest upper bound (ext) reaches it for some row, a few of the vocabulary's.
 std::vector<int64_t> chosen_columns(const float* upper, const Extremes& ext, const float* threshold, int64_t M,
@@ -235,8 +274,6 @@ std::vector<int64_t> chosen_columns(const float* upper, const Extremes& ext, con
 }
 
 }  // namespace
-
-#endif  // SPECMESH_ISA_AVX512
 
 // p [M, K] int8, t / corr [M, K / B] (float32 / int32), alpha / beta [M] float32; quants, scales,
 // weight_err / weight_norm [N] as above -> (upper [M, N] float32, best lower bound [M] float32, the
@@ -273,9 +310,6 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_screen(
   at::Tensor upper = at::empty({M, N}, p.options().dtype(at::kFloat));
   at::Tensor best = at::empty({M}, p.options().dtype(at::kFloat));
   at::Tensor columns = at::empty({0}, p.options().dtype(at::kLong));
-#if defined(SPECMESH_ISA_AVX2)
-  TORCH_CHECK(false, "argmax_screen needs AVX512-VNNI; this is the AVX2 build of the module");
-#else
   if (M == 0 || N == 0) return {upper, best.fill_(-std::numeric_limits<float>::infinity()), columns};
   const Screen s{quants.data_ptr<uint8_t>(), reinterpret_cast<const uint16_t*>(scales.data_ptr<at::Half>()),
                  weight_err.data_ptr<float>(), weight_norm.data_ptr<float>(), K / 4, blocks, K / blocks / 4, N};
@@ -285,6 +319,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_screen(
   const Extremes ext{lower.data(), highest.data(), M};
   float* up = upper.data_ptr<float>();
   if (amx) {
+#if defined(SPECMESH_ISA_AVX2)
+    TORCH_CHECK(false, "argmax_screen: amx needs AMX-INT8 tiles; this is the AVX2 build of the module");
+#else
     TORCH_CHECK(amx_ready(), "argmax_screen: the OS did not grant this process the AMX tile registers");
     // p, t and corr padded with zero rows to whole tiles (a tile reads 16 rows; padding sums are dropped)
     const int64_t M_pad = (M + kTileRows - 1) / kTileRows * kTileRows;
@@ -298,23 +335,9 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_screen(
     at::parallel_for(0, G, 64, [&](int64_t begin, int64_t end) {
       tile_groups(s, padded, p_pad.data(), M, begin, end, up, ext);
     });
+#endif
   } else {
-    // Groups a pass: more independent sum chains where few rows give each weight load little work
-    // (one row: 8 groups against 2, 4.4 -> 3.9 ms over the default model's layer on the
-    // AVX512-BF16 EPYC; two rows: 4); from 3 rows, 2 (more would spill the sums' registers).
-    const int64_t width = M == 1 ? 8 : M == 2 ? 4 : 2;
-    at::parallel_for(0, (G + width - 1) / width, 64 / width, [&](int64_t begin, int64_t end) {
-      for (int64_t u = begin; u < end; ++u) {
-        const int64_t g0 = u * width, groups = std::min(width, G - g0);
-        if (groups == 8) group_rows<8, 1>(s, r, 0, g0, up, ext);  // width 8: one row
-        else if (groups == 4) group_rows<4, 2>(s, r, 0, g0, up, ext);  // width 4: two rows
-        else
-          for (int64_t g = g0; g < g0 + groups; g += 2) {
-            if (g + 1 < g0 + groups) groups_rows<2>(s, r, M, g, up, ext);
-            else groups_rows<1>(s, r, M, g, up, ext);
-          }
-      }
-    });
+    loop_groups(s, r, M, G, up, ext);
   }
   float* bp = best.data_ptr<float>();
   std::vector<float> threshold(M);
@@ -331,6 +354,5 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> argmax_screen(
   const std::vector<int64_t> chosen = chosen_columns(up, ext, threshold.data(), M, N);
   columns = at::empty({static_cast<int64_t>(chosen.size())}, p.options().dtype(at::kLong));
   std::copy(chosen.begin(), chosen.end(), columns.data_ptr<int64_t>());
-#endif
   return {upper, best, columns};
 }
