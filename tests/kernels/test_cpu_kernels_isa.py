@@ -67,6 +67,8 @@ def test_the_argmax_screen_runs_on_the_avx2_build(monkeypatch):
     from services.target.kernels import argmax_screen
     monkeypatch.delenv("SPECMESH_ARGMAX_SCREEN", raising=False)
     assert argmax_screen.unavailable_reason(640) is None
+    from services.target.model import output_layer
+    assert output_layer.screen_max_rows() == output_layer.SCREEN_MAX_ROWS_AVX2  # the widened whole layer is slower
     w = argmax_screen.quantize_weights(lambda ids: torch.ones(len(ids), 64, dtype=torch.bfloat16), 16, 64, block=64)
     x = torch.ones(1, 64, dtype=torch.bfloat16)
     upper, best, columns = argmax_screen.bounds(x, w, amx=False)

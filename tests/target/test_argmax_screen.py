@@ -182,7 +182,7 @@ def test_rows_marked_argmax_only_take_the_screen_in_a_forward(tiny_gemma_dir, gg
     h[1] = 1.0
     assert torch.equal(output(h, {0: ARGMAX_ONLY}), output(h)) and output.screen.rows == 3
     # As many marked rows as the screen takes in one step (12 where its int8 pass runs on AMX-INT8
-    # tiles, else 8), then one more: all of them whole.
+    # tiles, 18 on the AVX2 build, else 8), then one more: all of them whole.
     n = screen_max_rows() + 1
     whole = _decode_rows(_runner(model_dir, weights), None, n)
     runner = _runner(model_dir, weights)

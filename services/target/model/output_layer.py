@@ -36,7 +36,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from services.target.kernels import argmax_screen, cpu_linear
+from services.target.kernels import argmax_screen, cpu_kernels, cpu_linear
 from services.target.model.sampler import row_argmax
 
 
@@ -51,13 +51,18 @@ ARGMAX_ONLY = ArgmaxOnly()
 # Above this many screened rows a step, the whole layer is about as fast as the screen (measured on
 # the default model: docs/kernels.md; `python -m benchmarks.argmax_screen`); they go through it
 # whole. 8 covers a depth-4 chain's verify pass (5 rows) and small greedy batches. With the int8
-# pass on AMX-INT8 tiles, SCREEN_MAX_ROWS_AMX.
+# pass on AMX-INT8 tiles, SCREEN_MAX_ROWS_AMX. On the AVX2 build the whole layer widens every bf16
+# weight and the screen stayed ahead at every row count measured (2-core AVX2 EPYC, 2026-12-06: 18
+# rows 36.8 ms against 50.7, one row 5.5 against 7.8), so SCREEN_MAX_ROWS_AVX2 (the rows measured).
 SCREEN_MAX_ROWS = 8
 SCREEN_MAX_ROWS_AMX = 12
+SCREEN_MAX_ROWS_AVX2 = 18
 
 
 def screen_max_rows() -> int:
-    return SCREEN_MAX_ROWS_AMX if argmax_screen.amx_int8() else SCREEN_MAX_ROWS
+    if argmax_screen.amx_int8():
+        return SCREEN_MAX_ROWS_AMX
+    return SCREEN_MAX_ROWS_AVX2 if cpu_kernels.isa() == "avx2" else SCREEN_MAX_ROWS
 
 
 class OutputLayer:
