@@ -238,7 +238,8 @@ def test_bf16_matmuls_go_through_float32_where_the_cpu_only_emulates_bf16(monkey
     """On an x86 CPU without AVX512-BF16 or AMX torch's bf16 matmuls are emulated (3x slower than
     float32 for a prefill chunk's attention): the torch path multiplies float32 copies of the bf16
     operands (the same exact products, float32 sums, one rounding to bf16), where bf16 is native
-    it keeps bf16. Both routes give the bf16 attention within one rounding of each other."""
+    it keeps bf16. Both routes give the bf16 attention within one rounding of each other. (Plans of
+    FLOAT32_ROUTE_ROWS rows or more go further there: the float32 path, next test.)"""
     from services.target.kernels import cpu_kernels, paged_attention_cpu as module
 
     for flags, emulated in ((frozenset({"avx2", "fma", "f16c", "avx512f"}), True),
@@ -266,3 +267,27 @@ def test_bf16_matmuls_go_through_float32_where_the_cpu_only_emulates_bf16(monkey
         assert any(routed) is emulated  # the 48-row chunk's scores went through float32 only then
     assert outs[0].dtype == outs[1].dtype == torch.bfloat16
     assert_close(outs[0], outs[1], torch.bfloat16, "float32 route against bf16 matmuls")
+
+
+def test_long_plans_over_a_bf16_pool_attend_as_over_a_float32_pool_where_bf16_is_emulated(monkeypatch):
+    """Where torch's bf16 matmuls are emulated (AVX2 CPUs, whose bf16 models keep a bf16 pool where
+    the C++ kernels attend decode rows), prefill chunks and large trees attend in float32 over the
+    widened pool: bit for bit what a float32 pool of the same (bf16) values gives. Shorter plans
+    keep the bf16 path's precision (scores and probabilities rounded to bf16)."""
+    from services.target.kernels import paged_attention_cpu as module
+    g = torch.Generator().manual_seed(11)
+    batch = make_batch([SeqSpec(64, 48), SeqSpec(30, 1), SeqSpec(40, 20), SeqSpec(9, 9)], 4, 2, 16, 8,
+                       torch.bfloat16, g)
+    args = batch.args(0.25, None)
+    float_pool = {**args, "k_cache": args["k_cache"].float(), "v_cache": args["v_cache"].float()}
+    monkeypatch.setattr(module, "emulated_bf16_matmul", lambda: True)
+    got = paged_attention_cpu(**args)
+    expected = paged_attention_cpu(**float_pool)
+    assert got.dtype == expected.dtype == torch.bfloat16
+    starts = batch.query_start_loc.tolist()
+    long_rows = [r for s, e in zip(starts, starts[1:]) if e - s >= module.FLOAT32_ROUTE_ROWS for r in range(s, e)]
+    assert len(long_rows) == 68  # the 48- and 20-row chunks
+    assert torch.equal(got[long_rows], expected[long_rows])
+    monkeypatch.setattr(module, "emulated_bf16_matmul", lambda: False)
+    native = paged_attention_cpu(**args)  # bf16 matmuls: not the float32 pool's bits
+    assert not torch.equal(native[long_rows], expected[long_rows])
