@@ -21,12 +21,16 @@ pytestmark = pytest.mark.skipif(not cpu_linear.available(), reason=f"{cpu_linear
 # the default model's, tiny ones, Qwen2.5-0.5B's (GQA 7, D 64) and Qwen3-0.6B's (GQA 2, D 128)
 @pytest.mark.parametrize("heads,head_dim", [((4, 1), 256), ((4, 2), 16), ((3, 3), 32), ((14, 2), 64), ((16, 8), 128)])
 @pytest.mark.parametrize("window", [None, 6])
-def test_decode_rows_in_cpp_match_the_bf16_torch_path_and_leave_other_rows_alone(heads, head_dim, window):
+def test_decode_rows_in_cpp_match_the_bf16_torch_path_and_leave_other_rows_alone(heads, head_dim, window,
+                                                                                 monkeypatch):
     """Decode rows (lone and grouped), a draft tree's and a short chunk's masked rows over shuffled
     blocks, with NaN/inf in every slot no row may see: the eager bf16 attention within bf16
     rounding. The 40-row chunk is not theirs: it attends in the C++ chunk kernel where the CPU has
-    AVX512-BF16, else in torch's matmuls around the C++ masked softmax (within bf16 rounding of
-    the torch path either way)."""
+    AVX512-BF16, else in torch's bf16 matmuls around the C++ masked softmax (within bf16 rounding of
+    the torch path either way). Both sides keep the bf16 torch path where bf16 matmuls are emulated
+    too (there long plans attend in float32 instead: test_paged_attention_cpu.py)."""
+    from services.target.kernels import paged_attention_cpu
+    monkeypatch.setattr(paged_attention_cpu, "emulated_bf16_matmul", lambda: False)
     g = torch.Generator().manual_seed(head_dim + (window or 0))
     seqs = [SeqSpec(40, 1), SeqSpec(3, 1), SeqSpec(25, 1), SeqSpec(7, 4), SeqSpec(31, 1),
             SeqSpec(0, 1), SeqSpec(12, 3, chain_tree(3)), SeqSpec(200, 1), SeqSpec(5, 40)]
