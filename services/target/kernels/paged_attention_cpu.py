@@ -232,8 +232,6 @@ def paged_attention_cpu_planned(
     cpu_decode_attention.cpp), and on AVX512-BF16 CPUs its prefill chunks in another
     (cpu_chunk_attention.cpp): the bf16 path's precision, its float32 sums in another order,
     instead of per group / per sequence torch calls."""
-    num_tokens, num_heads, head_dim = query.shape
-    nkv = k_cache.shape[2]
     if query.dtype == torch.bfloat16 and k_cache.dtype == torch.bfloat16:
         return _attention_bf16(query, k_cache, v_cache, plan, scale, cpp_attention)
     out = torch.zeros_like(query)
@@ -245,7 +243,8 @@ def paged_attention_cpu_planned(
     for i, p in enumerate(plan):
         if i in grouped:
             continue
-        out[p.q_start:p.q_start + p.q_len] = _plan_float32(qf, k_cache, v_cache, k_scale, v_scale, p, scale).to(query.dtype)
+        o = _plan_float32(qf, k_cache, v_cache, k_scale, v_scale, p, scale)  # [q_len, num_heads, head_dim]
+        out[p.q_start:p.q_start + p.q_len] = o.to(query.dtype)
     return out
 
 
