@@ -8,6 +8,8 @@ README.md + DESIGN text:
   * prefill:  a --prefill-tokens prompt in chunks of --chunk tokens, as the scheduler cuts it;
   * decode1:  one sequence (--context tokens of context), one token per step;
   * decode18: 18 sequences of 20 .. 1,380 tokens of context, one token each per step.
+Decode rows compute their whole logits, or with --greedy only what their argmax needs (the
+argmax screen, as the engine runs plain greedy rows).
 Medians of --repeats prefills and --steps decode steps. Machines here are shared and noisy:
 compare two variants within one run, or interleave runs, and read a spread of ~10% as noise.
 """
@@ -26,6 +28,7 @@ from services.common.models.loading import resolve_model_dir
 from services.target.config import EngineConfig
 from services.target.engine.engine import Engine
 from services.target.model.model_runner_inputs import StepInput
+from services.target.model.output_layer import ARGMAX_ONLY
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -40,8 +43,9 @@ def corpus_ids(tokenizer, n: int) -> list[int]:
 
 
 class StepBench:
-    def __init__(self, engine: Engine, ids: list[int], chunk: int) -> None:
+    def __init__(self, engine: Engine, ids: list[int], chunk: int, greedy: bool = False) -> None:
         self.runner, self.blocks, self.ids, self.chunk = engine.runner, engine.runner.blocks, ids, chunk
+        self.greedy = greedy and engine.runner.takes_argmax_rows  # decode rows through the argmax screen
 
     def prefill(self, seq_id: str, tokens: list[int]) -> None:
         self.blocks.reserve(seq_id, len(tokens))
@@ -70,8 +74,10 @@ class StepBench:
                 self.blocks.reserve(seq[0], seq[1] + 1)
                 inputs.append(StepInput.chunk(seq[0], [self.ids[seq[1] % len(self.ids)]], seq[1], True))
                 seq[1] += 1
+            # greedy: every row read by an argmax alone, as the engine marks plain greedy rows
+            subsets = {row: ARGMAX_ONLY for row in range(len(inputs))} if self.greedy else None
             start = time.perf_counter()
-            self.runner.forward(inputs)
+            self.runner.forward(inputs, vocab_subsets=subsets)
             times.append(time.perf_counter() - start)
         for seq_id, _ in seqs:
             self.blocks.release(seq_id)
@@ -82,7 +88,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--weights", default="auto", choices=["auto", "none", "bf16", "bf16-avx512", "fp16", "int8"],
+    parser.add_argument("--weights", default="auto", choices=["auto", "none", "bf16", "bf16-avx512", "gguf", "fp16", "int8"],
                         help="how the linear layers are stored (services/target/model/linear.py)")
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                         help="the KV pool, and so attention's precision (services/target/config.py)")
@@ -91,13 +97,16 @@ def main() -> None:
     parser.add_argument("--context", type=int, default=200, help="decode1's context")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--steps", type=int, default=40)
+    parser.add_argument("--greedy", action="store_true",
+                        help="decode rows read by their argmax alone (the argmax screen, as plain greedy requests)")
     parser.add_argument("--profile", nargs="*", default=[], choices=["prefill", "decode1", "decode18"])
     args = parser.parse_args()
     model_dir = resolve_model_dir(args.model, Path(read_settings().model_cache).expanduser())
     engine = Engine.load(EngineConfig(model_dir=model_dir, dtype=args.dtype, num_blocks=2048,
                                       weights=args.weights, kv_dtype=args.kv_dtype))
     # decode18's longest context is 1,380 tokens, plus its steps
-    bench = StepBench(engine, corpus_ids(engine.tokenizer, max(args.prefill_tokens, 1400 + args.steps)), args.chunk)
+    bench = StepBench(engine, corpus_ids(engine.tokenizer, max(args.prefill_tokens, 1400 + args.steps)), args.chunk,
+                      args.greedy)
     runs = {
         "prefill": lambda n: bench.timed_prefills(args.prefill_tokens, n),
         "decode1": lambda n: bench.decode_steps([args.context], n),
@@ -120,7 +129,7 @@ def main() -> None:
         tables = {kind: engine.run_on_engine_thread(profile, kind) for kind in args.profile}
     finally:
         engine.shutdown()
-    print(f"\nmodel={args.model} dtype={args.dtype} weights={args.weights} kv={args.kv_dtype} threads={torch.get_num_threads()} "
+    print(f"\nmodel={args.model} dtype={args.dtype} weights={args.weights} kv={args.kv_dtype} greedy={bench.greedy} threads={torch.get_num_threads()} "
           f"prefill={args.prefill_tokens} tokens in chunks of {args.chunk}, decode1 context={args.context}")
     for kind, times in result.items():
         print(f"{kind:>9}: median {statistics.median(times) * 1000:8.1f} ms   min {min(times) * 1000:8.1f} ms"
