@@ -81,3 +81,16 @@ def test_rows_are_the_embedding_rows(type_name: str) -> None:
     packed = cpu_gguf_linear.pack(cpu_gguf_linear.decode_blocks(raw, type_name))
     ids = torch.tensor([0, 39, 17, 17, 5])
     assert torch.equal(cpu_gguf_linear.rows(packed, ids), _today(raw, type_name)[ids])
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_four_bit_blocks_pack_two_quants_a_byte(type_name: str) -> None:
+    """Q4_K's q (all in [0, 15]) are stored as nibbles, half the bytes of the int8 layout, and read
+    back as the same q; the other types keep a byte a weight."""
+    parts = cpu_gguf_linear.decode_blocks(_blocks(type_name, 48, 256, seed=3), type_name)
+    packed = cpu_gguf_linear.pack(parts)
+    four_bit = type_name == "Q4_K"
+    assert packed.nibbles == four_bit
+    assert packed.quants.shape == (3, 128, 16 if four_bit else 32)
+    assert torch.equal(packed.int8_quants().view(3, 128, 16, 2).permute(0, 2, 1, 3).reshape(48, 256),
+                       torch.from_numpy(parts.q))

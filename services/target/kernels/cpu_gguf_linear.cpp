@@ -15,6 +15,10 @@
 //     column c's (k = 2kk, 2kk + 1) pair sits at 2c, 2c + 1, so the first 16 bytes widen to the
 //     float32 lanes of columns 0-7 and the next 16 to those of columns 8-15, already in the
 //     order VCVTNE2PS2BF16 then VDPBF16PS want.
+//   or, where every q is in [0, 15] (Q4_K), quants [G, K / 2, 16] uint8 nibbles: byte i holds the
+//     int8 layout's byte i (low nibble) and byte 16 + i (high nibble), half the bytes. (Q5_0's and
+//     Q6_K's 5 and 6 bits as nibbles plus bit planes measured slower than a byte a weight: their
+//     expansion, not memory, then bounds a decode row.)
 //   scales [G, K / SB, 16] float32, and offsets (same shape, or empty): S and D per column and
 //     sub-block of SB k.
 // Decode rows (M <= 3) expand each group's weights in registers for every row at once; more rows
@@ -43,7 +47,7 @@ namespace {
 constexpr int64_t kGroup = 16;  // output columns per group: one float32 vector of sums
 
 struct Weights {
-  const int8_t* quants;
+  const int8_t* quants;  // int8 [G, K2, 32], or (NIB) uint8 nibbles [G, K2, 16]
   const float* scales;
   const float* offsets;  // nullptr: symmetric (D = 0)
   int64_t K2, sub_pairs, subs;  // k pairs, k pairs per sub-block, sub-blocks per column
@@ -70,11 +74,19 @@ inline SubScales sub_scales(const Weights& w, int64_t g, int64_t sb) {
 }
 
 // The 16 columns' bf16 (2kk, 2kk + 1) pairs of group g: round_bf16(S * q - D), as bf16_linear's panel holds them.
-template <bool OFFSETS>
+template <bool OFFSETS, bool NIB>
 SPECMESH_DOT_TARGET inline __m512bh expand(const Weights& w, int64_t g, int64_t kk, const SubScales& s) {
-  const int8_t* q = w.quants + (g * w.K2 + kk) * 2 * kGroup;
-  __m512 lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))), s.s_lo);
-  __m512 hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))), s.s_hi);
+  __m512 lo, hi;
+  if (NIB) {  // the same q from one 16-byte load: low nibbles columns 0-7, high nibbles 8-15
+    const int8_t* q = w.quants + (g * w.K2 + kk) * kGroup;
+    const __m512i x = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)));
+    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_and_si512(x, _mm512_set1_epi32(0x0F))), s.s_lo);
+    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_srli_epi32(x, 4)), s.s_hi);
+  } else {
+    const int8_t* q = w.quants + (g * w.K2 + kk) * 2 * kGroup;
+    lo = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q)))), s.s_lo);
+    hi = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + 16)))), s.s_hi);
+  }
   if (OFFSETS) {
     lo = _mm512_sub_ps(lo, s.d_lo);
     hi = _mm512_sub_ps(hi, s.d_hi);
@@ -84,7 +96,7 @@ SPECMESH_DOT_TARGET inline __m512bh expand(const Weights& w, int64_t g, int64_t 
 
 // Decode rows: MB rows of x ([MB, 2*K2] bf16, row stride ldx) against groups g0 .. g0 + NG, the
 // weights expanded in registers once per k pair for all rows. Sums -> out[p * lgroup + m * 16].
-template <int NG, int MB, bool OFFSETS>
+template <int NG, int MB, bool OFFSETS, bool NIB>
 SPECMESH_DOT_TARGET void register_tile(const uint16_t* x, int64_t ldx, const Weights& w, int64_t g0, float* out,
                                        int64_t lgroup) {
   __m512 acc[NG][MB];
@@ -95,7 +107,7 @@ SPECMESH_DOT_TARGET void register_tile(const uint16_t* x, int64_t ldx, const Wei
     for (int p = 0; p < NG; ++p) s[p] = sub_scales(w, g0 + p, sb);
     for (int64_t kk = sb * w.sub_pairs; kk < (sb + 1) * w.sub_pairs; ++kk) {
       __m512bh wv[NG];
-      for (int p = 0; p < NG; ++p) wv[p] = expand<OFFSETS>(w, g0 + p, kk, s[p]);
+      for (int p = 0; p < NG; ++p) wv[p] = expand<OFFSETS, NIB>(w, g0 + p, kk, s[p]);
       for (int m = 0; m < MB; ++m) {
         int32_t pair;  // x[m, 2kk], x[m, 2kk + 1]
         std::memcpy(&pair, x + m * ldx + 2 * kk, sizeof(pair));
@@ -109,12 +121,12 @@ SPECMESH_DOT_TARGET void register_tile(const uint16_t* x, int64_t ldx, const Wei
 }
 
 // Groups g0, g0 + 1 expanded to bf16 pairs: panel[kk * 2 + h] = group g0 + h's pairs at kk.
-template <bool OFFSETS>
+template <bool OFFSETS, bool NIB>
 SPECMESH_DOT_TARGET void expand_panel(const Weights& w, int64_t g0, int64_t groups, __m512bh* panel) {
   for (int64_t h = 0; h < groups; ++h)
     for (int64_t sb = 0; sb < w.subs; ++sb) {
       const SubScales s = sub_scales(w, g0 + h, sb);
-      for (int64_t kk = sb * w.sub_pairs; kk < (sb + 1) * w.sub_pairs; ++kk) panel[kk * 2 + h] = expand<OFFSETS>(w, g0 + h, kk, s);
+      for (int64_t kk = sb * w.sub_pairs; kk < (sb + 1) * w.sub_pairs; ++kk) panel[kk * 2 + h] = expand<OFFSETS, NIB>(w, g0 + h, kk, s);
     }
 }
 
@@ -164,7 +176,7 @@ inline void write_group(const float* buf, int64_t rows, int64_t g, int64_t N, ui
 
 // AMX: x [M_pad, 2*K2] (rows padded to whole tiles); each pair of groups expanded to a bf16 panel,
 // then the AMX loop over it, as bf16_linear's AMX path over the packed panel.
-template <bool OFFSETS>
+template <bool OFFSETS, bool NIB>
 void run_amx(const uint16_t* x, int64_t M_pad, int64_t M, const Weights& w, int64_t G, int64_t N, uint16_t* y) {
   const int64_t m_chunk = specmesh_amx::kRowChunk;
   at::parallel_for(0, (G + 1) / 2, 2, [&](int64_t begin, int64_t end) {
@@ -174,7 +186,7 @@ void run_amx(const uint16_t* x, int64_t M_pad, int64_t M, const Weights& w, int6
     for (int64_t u = begin; u < end; ++u) {
       const int64_t g0 = u * 2, groups = std::min<int64_t>(2, G - g0);
       if (groups == 1) std::fill(panel.begin(), panel.end(), (__m512bh)_mm512_setzero_si512());
-      expand_panel<OFFSETS>(w, g0, groups, panel.data());
+      expand_panel<OFFSETS, NIB>(w, g0, groups, panel.data());
       for (int64_t m0 = 0; m0 < M_pad; m0 += m_chunk) {
         const int64_t rows_pad = std::min(m_chunk, M_pad - m0), rows = std::min(rows_pad, M - m0);
         specmesh_amx::panel_rows(x + m0 * 2 * w.K2, 2 * w.K2, rows_pad, reinterpret_cast<const uint16_t*>(panel.data()),
@@ -186,7 +198,7 @@ void run_amx(const uint16_t* x, int64_t M_pad, int64_t M, const Weights& w, int6
   });
 }
 
-template <bool OFFSETS>
+template <bool OFFSETS, bool NIB>
 void run(const uint16_t* x, int64_t M, const Weights& w, int64_t G, int64_t N, uint16_t* y) {
   const int64_t ldx = 2 * w.K2;
   if (M <= 3) {  // decode: 4 groups (64 columns) per pass keep loads and sum chains in flight
@@ -198,15 +210,15 @@ void run(const uint16_t* x, int64_t M, const Weights& w, int64_t G, int64_t N, u
         const int64_t g0 = u * kNG, groups = std::min(kNG, G - g0);
         for (int64_t p = 0; p < groups;) {
           if (groups - p == kNG) {
-            if (M == 1) register_tile<4, 1, OFFSETS>(x, ldx, w, g0, buf, lgroup);
-            else if (M == 2) register_tile<4, 2, OFFSETS>(x, ldx, w, g0, buf, lgroup);
-            else register_tile<4, 3, OFFSETS>(x, ldx, w, g0, buf, lgroup);
+            if (M == 1) register_tile<4, 1, OFFSETS, NIB>(x, ldx, w, g0, buf, lgroup);
+            else if (M == 2) register_tile<4, 2, OFFSETS, NIB>(x, ldx, w, g0, buf, lgroup);
+            else register_tile<4, 3, OFFSETS, NIB>(x, ldx, w, g0, buf, lgroup);
             p = kNG;
           } else {
             float* b = buf + p * lgroup;
-            if (M == 1) register_tile<1, 1, OFFSETS>(x, ldx, w, g0 + p, b, lgroup);
-            else if (M == 2) register_tile<1, 2, OFFSETS>(x, ldx, w, g0 + p, b, lgroup);
-            else register_tile<1, 3, OFFSETS>(x, ldx, w, g0 + p, b, lgroup);
+            if (M == 1) register_tile<1, 1, OFFSETS, NIB>(x, ldx, w, g0 + p, b, lgroup);
+            else if (M == 2) register_tile<1, 2, OFFSETS, NIB>(x, ldx, w, g0 + p, b, lgroup);
+            else register_tile<1, 3, OFFSETS, NIB>(x, ldx, w, g0 + p, b, lgroup);
             ++p;
           }
         }
@@ -222,7 +234,7 @@ void run(const uint16_t* x, int64_t M, const Weights& w, int64_t G, int64_t N, u
     std::vector<float> block(2 * std::min(m_chunk, M) * kGroup);
     for (int64_t u = begin; u < end; ++u) {
       const int64_t g0 = u * 2, groups = std::min<int64_t>(2, G - g0);
-      expand_panel<OFFSETS>(w, g0, groups, panel.data());
+      expand_panel<OFFSETS, NIB>(w, g0, groups, panel.data());
       for (int64_t m0 = 0; m0 < M; m0 += m_chunk) {
         const int64_t rows = std::min(m_chunk, M - m0), lgroup = rows * kGroup;
         if (groups == 2) panel_rows<2>(x + m0 * ldx, ldx, rows, panel.data(), w.K2, block.data(), lgroup);
@@ -237,16 +249,18 @@ void run(const uint16_t* x, int64_t M, const Weights& w, int64_t G, int64_t N, u
 
 #endif  // SPECMESH_ISA_AVX512
 
-// x: [M, K] bf16; quants [ceil(N/16), K/2, 32] int8; scales [ceil(N/16), K/SB, 16] f32; offsets the
+// x: [M, K] bf16; quants [ceil(N/16), K/2, 32] int8 (or [.., 16] uint8 nibbles); scales [ceil(N/16), K/SB, 16] f32; offsets the
 // same or empty -> [M, N] bf16, equal to bf16_linear(x, pack(round_bf16(S * q - D)), N, dot=True), or with
 // amx (the caller checks amx_ready() and K % 32 == 0) to bf16_linear_amx of the same.
 at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& quants, const at::Tensor& scales,
                        const at::Tensor& offsets, int64_t N, bool amx) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "gguf_linear: x must be bf16 [M, K]");
   const int64_t M = x_in.size(0), K = x_in.size(1), G = (N + 15) / 16;
-  TORCH_CHECK(quants.dim() == 3 && quants.scalar_type() == at::kChar && quants.size(0) == G
-                  && quants.size(1) * 2 == K && quants.size(2) == 32 && quants.is_contiguous(),
-              "gguf_linear: quants [ceil(N/16), K/2, 32] int8 expected, got ", quants.sizes(), " for N=", N, ", K=", K);
+  const bool nib = quants.dim() == 3 && quants.scalar_type() == at::kByte && quants.size(2) == 16;
+  TORCH_CHECK(quants.dim() == 3 && (nib || (quants.scalar_type() == at::kChar && quants.size(2) == 32))
+                  && quants.size(0) == G && quants.size(1) * 2 == K && quants.is_contiguous(),
+              "gguf_linear: quants [ceil(N/16), K/2, 32] int8 or [ceil(N/16), K/2, 16] uint8 nibbles expected, got ",
+              quants.sizes(), " for N=", N, ", K=", K);
   TORCH_CHECK(scales.dim() == 3 && scales.scalar_type() == at::kFloat && scales.size(0) == G && scales.size(2) == 16
                   && scales.size(1) > 0 && K % scales.size(1) == 0 && (K / scales.size(1)) % 2 == 0
                   && scales.is_contiguous(),
@@ -262,7 +276,7 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& quants, const a
   if (M == 0 || N == 0) return out;
   at::Tensor x = x_in.contiguous();
   const int64_t subs = scales.size(1);
-  const Weights w{quants.data_ptr<int8_t>(), scales.data_ptr<float>(),
+  const Weights w{static_cast<const int8_t*>(quants.data_ptr()), scales.data_ptr<float>(),
                   has_offsets ? offsets.data_ptr<float>() : nullptr, K / 2, K / subs / 2, subs};
   const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   uint16_t* yp = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
@@ -271,12 +285,12 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& quants, const a
     const int64_t M_pad = (M + specmesh_amx::kTileRows - 1) / specmesh_amx::kTileRows * specmesh_amx::kTileRows;
     if (M_pad != M) x = at::constant_pad_nd(x, {0, 0, 0, M_pad - M});
     const uint16_t* xpad = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    if (has_offsets) run_amx<true>(xpad, M_pad, M, w, G, N, yp);
-    else run_amx<false>(xpad, M_pad, M, w, G, N, yp);
+    if (has_offsets) nib ? run_amx<true, true>(xpad, M_pad, M, w, G, N, yp) : run_amx<true, false>(xpad, M_pad, M, w, G, N, yp);
+    else nib ? run_amx<false, true>(xpad, M_pad, M, w, G, N, yp) : run_amx<false, false>(xpad, M_pad, M, w, G, N, yp);
   } else if (has_offsets) {
-    run<true>(xp, M, w, G, N, yp);
+    nib ? run<true, true>(xp, M, w, G, N, yp) : run<true, false>(xp, M, w, G, N, yp);
   } else {
-    run<false>(xp, M, w, G, N, yp);
+    nib ? run<false, true>(xp, M, w, G, N, yp) : run<false, false>(xp, M, w, G, N, yp);
   }
 #endif
   return out;

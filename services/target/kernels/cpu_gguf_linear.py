@@ -10,7 +10,8 @@ conversion to bf16 produces (services/common/models/prepare.py): so the outputs 
 `cpu_linear.bf16_linear(x, pack(dequantized bf16 weight), N, dot=True)` bit for bit.
 
 The kernel needs AVX512-BF16 (`available()`); the layout stores q as one int8 per weight, so a
-tensor takes ~1.1 bytes a weight (Q8_0's own size; Q5_0, Q4_K and Q6_K pack tighter in the file).
+tensor takes ~1.1 bytes a weight (Q8_0's own size; Q5_0 and Q6_K pack tighter in the file), except
+where every q is in [0, 15] (Q4_K): two a byte, ~0.75 bytes a weight with the float32 scales and offsets.
 """
 
 from __future__ import annotations
@@ -129,12 +130,24 @@ def concat(parts: list[Decoded]) -> Decoded:
 @dataclass
 class Packed:
     """The kernel's layout of one weight [N, K] (cpu_gguf_linear.cpp)."""
-    quants: torch.Tensor  # [ceil(N / 16), K / 2, 32] int8
+    quants: torch.Tensor  # [ceil(N / 16), K / 2, 32] int8, or [.., 16] uint8 nibbles (`nibbles`)
     scales: torch.Tensor  # [ceil(N / 16), K / sub_block, 16] f32
     offsets: torch.Tensor  # same, or empty: none
     out_features: int
     in_features: int
     sub_block: int
+
+    @property
+    def nibbles(self) -> bool:
+        """Two q a byte: byte i of a [g, kk] row holds the int8 layout's bytes i (low) and 16 + i (high)."""
+        return self.quants.dtype == torch.uint8
+
+    def int8_quants(self) -> torch.Tensor:
+        """The quants in the int8 layout [ceil(N / 16), K / 2, 32], whichever layout is stored."""
+        if not self.nibbles:
+            return self.quants
+        q = self.quants.to(torch.int16)
+        return torch.cat([q & 0x0F, q >> 4], dim=2).to(torch.int8)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.quants, self.scales, self.offsets))
@@ -152,6 +165,9 @@ def pack(parts: Decoded) -> Packed:
         return torch.nn.functional.pad(t, (0, 0, 0, pad)).view(groups, GROUP, -1)
 
     quants = grouped(parts.q).view(groups, GROUP, k // 2, 2).permute(0, 2, 1, 3).reshape(groups, k // 2, 2 * GROUP)
+    if parts.q.size and int(parts.q.min()) >= 0 and int(parts.q.max()) <= 15:  # Q4_K: nibbles, half the bytes
+        q = quants.to(torch.uint8)
+        quants = q[:, :, :GROUP] | (q[:, :, GROUP:] << 4)  # [G, K / 2, 16]
     scales = grouped(parts.scales).permute(0, 2, 1).contiguous()
     offsets = (grouped(parts.offsets).permute(0, 2, 1).contiguous() if parts.offsets is not None
                else torch.empty(0, dtype=torch.float32))
@@ -170,9 +186,10 @@ def gguf_linear(x: torch.Tensor, w: Packed) -> torch.Tensor:
 
 def rows(w: Packed, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` [T] of the weight [N, K] as bf16 [T, K] (an embedding lookup in the tied table)."""
-    groups, pairs = w.quants.shape[0], w.quants.shape[1]
+    quants = w.int8_quants()
+    groups, pairs = quants.shape[0], quants.shape[1]
     g, c = ids // GROUP, ids % GROUP
-    q = w.quants.view(groups, pairs, GROUP, 2)[g, :, c, :].reshape(ids.shape[0], -1).float()  # [T, K]
+    q = quants.view(groups, pairs, GROUP, 2)[g, :, c, :].reshape(ids.shape[0], -1).float()  # [T, K]
     out = q * w.scales[g, :, c].repeat_interleave(w.sub_block, dim=1)
     if w.offsets.numel():
         out = out - w.offsets[g, :, c].repeat_interleave(w.sub_block, dim=1)
