@@ -88,7 +88,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
-    parser.add_argument("--weights", default="auto", choices=["auto", "none", "bf16", "bf16-avx512", "gguf", "fp16", "int8"],
+    parser.add_argument("--weights", default="auto",
+                        choices=["auto", "none", "bf16", "bf16-avx512", "gguf", "fp16", "int8"],
                         help="how the linear layers are stored (services/target/model/linear.py)")
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                         help="the KV pool, and so attention's precision (services/target/config.py)")
@@ -129,7 +130,8 @@ def main() -> None:
         tables = {kind: engine.run_on_engine_thread(profile, kind) for kind in args.profile}
     finally:
         engine.shutdown()
-    print(f"\nmodel={args.model} dtype={args.dtype} weights={args.weights} kv={args.kv_dtype} greedy={bench.greedy} threads={torch.get_num_threads()} "
+    print(f"\nmodel={args.model} dtype={args.dtype} weights={args.weights} kv={args.kv_dtype} greedy={bench.greedy} "
+          f"threads={torch.get_num_threads()} "
           f"prefill={args.prefill_tokens} tokens in chunks of {args.chunk}, decode1 context={args.context}")
     for kind, times in result.items():
         print(f"{kind:>9}: median {statistics.median(times) * 1000:8.1f} ms   min {min(times) * 1000:8.1f} ms"

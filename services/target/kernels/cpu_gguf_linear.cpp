@@ -249,9 +249,9 @@ void run(const uint16_t* x, int64_t M, const Weights& w, int64_t G, int64_t N, u
 
 #endif  // SPECMESH_ISA_AVX512
 
-// x: [M, K] bf16; quants [ceil(N/16), K/2, 32] int8 (or [.., 16] uint8 nibbles); scales [ceil(N/16), K/SB, 16] f32; offsets the
-// same or empty -> [M, N] bf16, equal to bf16_linear(x, pack(round_bf16(S * q - D)), N, dot=True), or with
-// amx (the caller checks amx_ready() and K % 32 == 0) to bf16_linear_amx of the same.
+// x: [M, K] bf16; quants [ceil(N/16), K/2, 32] int8 (or [.., 16] uint8 nibbles); scales [ceil(N/16), K/SB, 16]
+// f32; offsets the same or empty -> [M, N] bf16, equal to bf16_linear(x, pack(round_bf16(S * q - D)), N,
+// dot=True), or with amx (the caller checks amx_ready() and K % 32 == 0) to bf16_linear_amx of the same.
 at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& quants, const at::Tensor& scales,
                        const at::Tensor& offsets, int64_t N, bool amx) {
   TORCH_CHECK(x_in.dim() == 2 && x_in.scalar_type() == at::kBFloat16, "gguf_linear: x must be bf16 [M, K]");
@@ -285,8 +285,10 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& quants, const a
     const int64_t M_pad = (M + specmesh_amx::kTileRows - 1) / specmesh_amx::kTileRows * specmesh_amx::kTileRows;
     if (M_pad != M) x = at::constant_pad_nd(x, {0, 0, 0, M_pad - M});
     const uint16_t* xpad = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
-    if (has_offsets) nib ? run_amx<true, true>(xpad, M_pad, M, w, G, N, yp) : run_amx<true, false>(xpad, M_pad, M, w, G, N, yp);
-    else nib ? run_amx<false, true>(xpad, M_pad, M, w, G, N, yp) : run_amx<false, false>(xpad, M_pad, M, w, G, N, yp);
+    if (has_offsets)
+      nib ? run_amx<true, true>(xpad, M_pad, M, w, G, N, yp) : run_amx<true, false>(xpad, M_pad, M, w, G, N, yp);
+    else
+      nib ? run_amx<false, true>(xpad, M_pad, M, w, G, N, yp) : run_amx<false, false>(xpad, M_pad, M, w, G, N, yp);
   } else if (has_offsets) {
     nib ? run<true, true>(xp, M, w, G, N, yp) : run<true, false>(xp, M, w, G, N, yp);
   } else {
