@@ -230,8 +230,10 @@ void loop_groups(const Screen& s, const Rows& r, int64_t M, int64_t G, float* up
   at::parallel_for(0, (G + width - 1) / width, 64 / width, [&](int64_t begin, int64_t end) {
     for (int64_t u = begin; u < end; ++u) {
       const int64_t g0 = u * width, groups = std::min(width, G - g0);
-      if (groups == 8) group_rows<8, 1>(s, r, 0, g0, up, ext);  // width 8: one row
-      else if (groups == 4) group_rows<4, 2>(s, r, 0, g0, up, ext);  // width 4: two rows
+      // The wide tiles only for the row count they are built for: a one-row pass's last unit of 4
+      // groups (G % 8 == 4) taking the two-row tile read and wrote a second row that is not there.
+      if (width == 8 && groups == 8) group_rows<8, 1>(s, r, 0, g0, up, ext);
+      else if (width == 4 && groups == 4) group_rows<4, 2>(s, r, 0, g0, up, ext);
       else
         for (int64_t g = g0; g < g0 + groups; g += 2) {
           if (g + 1 < g0 + groups) groups_rows<2>(s, r, M, g, up, ext);
