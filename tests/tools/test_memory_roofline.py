@@ -20,7 +20,7 @@ def test_each_system_gets_its_bytes_a_token_and_a_share_of_the_read(tmp_path, mo
     memory_roofline.main()
     out = capsys.readouterr().out
     assert "median 20.0 GB/s (min 10.0, max 30.0" in out
-    assert "| compare-x | specmesh (gguf) | 60.0 | 306 | 18.4 | 92% |" in out  # 60 x 306 MB over 20 GB/s
+    assert "| compare-x | specmesh (gguf) | 60.0 | 294 | 17.6 | 88% |" in out  # 60 x 294 MB over 20 GB/s
     assert "| compare-x | vLLM | 50.0 | 536 | 26.8 | 134% |" in out
     assert "| compare-x | llama.cpp Q4_K_M | 70.0 | 0 | 0.0 | 0% |" in out  # its file's 1,000 bytes
     assert "llama.cpp BF16" not in out  # no figure: no row
