@@ -144,10 +144,7 @@ class Packed:
 
     def int8_quants(self) -> torch.Tensor:
         """The quants in the int8 layout [ceil(N / 16), K / 2, 32], whichever layout is stored."""
-        if not self.nibbles:
-            return self.quants
-        q = self.quants.to(torch.int16)
-        return torch.cat([q & 0x0F, q >> 4], dim=2).to(torch.int8)
+        return _int8_layout(self.quants)
 
     def nbytes(self) -> int:
         return sum(t.numel() * t.element_size() for t in (self.quants, self.scales, self.offsets))
@@ -184,12 +181,20 @@ def gguf_linear(x: torch.Tensor, w: Packed) -> torch.Tensor:
     return module().gguf_linear(x, w.quants, w.scales, w.offsets, w.out_features, amx)
 
 
+def _int8_layout(quants: torch.Tensor) -> torch.Tensor:
+    """[..., 32] int8 quants as stored, or [..., 16] uint8 nibbles unpacked to them."""
+    if quants.dtype != torch.uint8:
+        return quants
+    q = quants.to(torch.int16)
+    return torch.cat([q & 0x0F, q >> 4], dim=-1).to(torch.int8)
+
+
 def rows(w: Packed, ids: torch.Tensor) -> torch.Tensor:
     """Rows `ids` [T] of the weight [N, K] as bf16 [T, K] (an embedding lookup in the tied table)."""
-    quants = w.int8_quants()
-    groups, pairs = quants.shape[0], quants.shape[1]
     g, c = ids // GROUP, ids % GROUP
-    q = quants.view(groups, pairs, GROUP, 2)[g, :, c, :].reshape(ids.shape[0], -1).float()  # [T, K]
+    picked = _int8_layout(w.quants[g])  # [T, K / 2, 32]: only the rows' groups unpacked
+    t, pairs = picked.shape[0], picked.shape[1]
+    q = picked.view(t, pairs, GROUP, 2)[torch.arange(t), :, c, :].reshape(t, -1).float()  # [T, K]
     out = q * w.scales[g, :, c].repeat_interleave(w.sub_block, dim=1)
     if w.offsets.numel():
         out = out - w.offsets[g, :, c].repeat_interleave(w.sub_block, dim=1)
