@@ -31,6 +31,8 @@ class EngineConfig:
     block_size: int = _TARGET.block_size
     num_blocks: int = _TARGET.num_blocks
     kv_host_bytes: int = _TARGET.kv_host_bytes  # host tier bound (services/target/engine/host_tier.py); 0 = off
+    # Features of cached prefix blocks for feature-head sequences (speculation/prefix_features.py); 0 = none.
+    feature_cache_bytes: int = _TARGET.feature_cache_bytes
     preemption_mode: str = _TARGET.preemption_mode  # swap or recompute preempted sequences (engine/scheduler.py)
     # Host-tier copies of long prefixes' later blocks in FP8 (services/target/engine/kv_precision.py).
     kv_cold_precision: str = _TARGET.kv_cold_precision

@@ -67,6 +67,11 @@ class TargetSettings(SettingsGroup):
                                "evicted prefix blocks kept in host memory and restored instead of "
                                "recomputed, and preempted sequences' KV swapped out and back (see preemption_mode); "
                                "0 = none")
+    feature_cache_bytes: int = Field(64 << 20, ge=0, description="bytes of the feature head's inputs (the "
+                                     "target's last-layer features) kept for cached prefix blocks, so a request "
+                                     "drafting with the head reuses a cached prefix and its head still sees the "
+                                     "whole context; such a request recomputes cached blocks whose features are "
+                                     "gone; 0 = none kept (a head's context then starts after the cached prefix)")
     preemption_mode: PreemptionMode = Field(
         "auto", description="what a sequence preempted for lack of KV blocks keeps: auto = its KV is swapped "
         "out to the host tier and back where the copies are measured cheaper than recomputing it, swap = "

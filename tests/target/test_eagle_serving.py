@@ -15,6 +15,7 @@ from __future__ import annotations
 import asyncio
 from collections import Counter
 
+import grpc
 import pytest
 import torch
 
@@ -24,10 +25,12 @@ from services.draft.config import DraftConfig
 from services.draft.eagle.drafter import HeadDrafter
 from services.draft.eagle.proposer import EagleProposer
 from services.draft.service import SERVICE_NAME, DraftService, add_to_server
-from specmesh.proto.v1 import common_pb2
+from services.router.app import build_router_server
+from services.router.config import RouterConfig
+from specmesh.proto.v1 import common_pb2, router_service_pb2_grpc
 from tests.e2e.test_structured_outputs import chi2_bound, chi2_homogeneity
 from tests.eagle_head import train_tiny_head
-from tests.mesh import collect, request, start_mesh
+from tests.mesh import TOKEN_A, collect, request, start_mesh
 
 EAGLE = common_pb2.SPECULATION_METHOD_EAGLE
 PROMPTS = ["Once upon a time", "The quick brown fox", "def fibonacci(n):", "Hello"]
@@ -99,8 +102,9 @@ class ForgetsEverything(DraftService):
 
 
 async def _run(model_dir, head_path, prompts, max_tokens, plan=None, proposer=None, drafter=None,
-               service_class=DraftService, seeds=(None,), prefix_caching=True, **sampling):
-    """[(token ids, usage)] per (prompt, seed); plan None = the target alone."""
+               service_class=DraftService, seeds=(None,), prefix_caching=True, engine=None, **sampling):
+    """[(token ids, usage)] per (prompt, seed); plan None = the target alone; `engine`: more
+    EngineConfig fields."""
     draft = service = None
     if plan is not None:
         config = DraftConfig(server=ServerConfig(port=0), draft_model_dtype="float32")
@@ -116,7 +120,7 @@ async def _run(model_dir, head_path, prompts, max_tokens, plan=None, proposer=No
     speculation = None if plan is None else {"speculation_method": "eagle", "speculation_depth": plan[0],
                                              "speculation_nodes": plan[1]}
     mesh = await start_mesh(model_dir, speculation=speculation, draft_address=draft.address if draft else "",
-                            max_batched_tokens=256, enable_prefix_caching=prefix_caching)
+                            max_batched_tokens=256, enable_prefix_caching=prefix_caching, **(engine or {}))
     try:
         out = []
         for prompt in prompts:
@@ -182,12 +186,78 @@ def test_a_draft_that_loses_every_sequence_falls_back_and_recovers(tiny_llama_di
     assert samples[0][1].verify_passes >= 3  # it speculated again after the loss
 
 
+LONG_PROMPT = " ".join(PROMPTS * 2)  # several blocks of 4 tokens (tests/mesh.py's block size)
+
+
+@pytest.mark.parametrize("kept", [True, False], ids=["features kept", "none kept"])
+def test_a_cached_prompt_sends_the_features_of_its_cached_blocks(tiny_llama_dir, head_path, kept):
+    """The same prompt twice: the second request reuses the first's cached blocks and its head
+    context still starts at position 0, with the features the first request's blocks computed.
+    With no features kept (feature_cache_bytes 0) it reuses the blocks and its context starts
+    after them (what every cached prompt got before)."""
+    samples, proposer = asyncio.run(_run(tiny_llama_dir, head_path, [LONG_PROMPT, LONG_PROMPT], 8, (3, 0),
+                                         proposer=RecordsFeatures,
+                                         engine=None if kept else {"feature_cache_bytes": 0}))
+    assert samples[0][0] == samples[1][0]
+    cached = samples[1][1].cached_prompt_tokens
+    assert samples[0][1].cached_prompt_tokens == 0 and cached >= 8
+    first, second = proposer.by_sequence.values()  # in the order the requests ran
+    assert sorted(first) == list(range(len(first)))
+    if not kept:
+        assert min(second) == cached
+        return
+    assert sorted(second) == list(range(len(second))) and len(second) > cached
+    torch.testing.assert_close(torch.stack([second[p] for p in range(cached)]),
+                               torch.stack([first[p] for p in range(cached)]), rtol=0, atol=0)  # the same bf16 rows
+
+
+def test_a_head_sequence_recomputes_cached_blocks_whose_features_are_gone(tiny_llama_dir, head_path):
+    """A prompt first served without the head (no features computed) is recomputed for the head
+    request, which then sends the features of its whole prompt; a plain request after it still
+    reuses every cached block."""
+    async def run():
+        draft_config = DraftConfig(server=ServerConfig(port=0), draft_model_dtype="float32")
+        proposer = RecordsFeatures(EagleProposer.load(head_path, tiny_llama_dir).drafter)
+        service = DraftService(draft_config, eagle=proposer)
+        draft = GrpcServer(draft_config.server, lambda server: add_to_server(server, service), [SERVICE_NAME])
+        await draft.start()
+        mesh = await start_mesh(tiny_llama_dir, speculation={"speculation_method": "eagle", "speculation_depth": 3},
+                                draft_address=draft.address, max_batched_tokens=256)
+        for _ in range(250):  # the fixed policy's first head request speculates from its first step
+            if mesh.engine.speculator.client.connected:
+                break
+            await asyncio.sleep(0.02)
+        plain_router = build_router_server(ServerConfig(port=0), RouterConfig(  # speculation off
+            target_address=mesh.target.address, tokens={TOKEN_A: "tenant-a"}, max_tokens_limit=256,
+            speculation_method="off", speculation_policy="fixed"))
+        await plain_router.start()
+        channel = grpc.aio.insecure_channel(plain_router.address)
+        plain = router_service_pb2_grpc.RouterServiceStub(channel)
+        try:
+            out = [await collect(plain, request(LONG_PROMPT, 8))]  # no head: no features
+            out.append(await collect(mesh.router_stub, request(LONG_PROMPT, 8)))  # the head
+            out.append(await collect(plain, request(LONG_PROMPT, 8)))
+            return out, proposer
+        finally:
+            await channel.close()
+            await plain_router.stop(grace=0.5)
+            await mesh.stop()
+            await draft.stop(grace=0.5)
+
+    (off, head, again), proposer = asyncio.run(run())
+    assert off[0] == head[0] == again[0]
+    assert head[2].usage.cached_prompt_tokens == 0  # no block had features: all recomputed
+    assert again[2].usage.cached_prompt_tokens >= 8
+    (received,) = proposer.by_sequence.values()
+    assert sorted(received) == list(range(len(received)))
+
+
 CHI_SAMPLES = 360
-# Without prefix caching: the chi-square runs send one prompt 60 times at once, and a sequence whose
-# prompt was cached gets no features for the cached positions (none are computed), so its head
-# context starts after them and it drafts from a few positions only: with caching 1 of 179 draft
-# tokens was accepted here (2026-12-06), too few for the checks below to see the drafts; without, 46 of 155.
-CHI_SAMPLING = {"temperature": 0.8, "top_k": 2, "prefix_caching": False}
+# One prompt 60 times at once, with prefix caching: every sequence but the first reuses the cached
+# prompt blocks and gets their kept features (speculation/prefix_features.py). Before those were
+# kept, its head context started after the cached blocks and 1 of 179 draft tokens was accepted here
+# (2026-12-06), too few for the checks below to see the drafts; with them 298 of 919 (2026-12-06).
+CHI_SAMPLING = {"temperature": 0.8, "top_k": 2}
 
 
 def _outcomes(samples) -> Counter:

@@ -88,6 +88,21 @@ class PrefixMatch:
     num_restored_tokens: int = 0  # as admitted (`admit`): of num_tokens, those restored from the host tier
     num_shared_tokens: int = 0  # of num_restored_tokens, those the shared tier had loaded there
 
+    @property
+    def all_hashes(self) -> tuple[int, ...]:
+        """The matched blocks' chained hashes in order: the pool's, then the host tier's."""
+        return self.hashes + tuple(h for h, _ in self.host_blocks)
+
+    def first(self, n: int) -> PrefixMatch:
+        """The match cut to its first `n` blocks (for `admit`, before it)."""
+        total = len(self.block_ids) + len(self.host_blocks)
+        if n >= total:
+            return self
+        n = max(n, 0)
+        pool = min(n, len(self.block_ids))
+        return PrefixMatch(self.block_ids[:pool], self.hashes[:pool], self.num_tokens // total * n,
+                           self.host_blocks[:n - pool])
+
 
 @dataclass(frozen=True)
 class TierMoves:
@@ -183,6 +198,12 @@ class BlockManager:
     def block_table(self, seq_id: str) -> list[int]:
         entry = self._seqs.get(seq_id)
         return list(entry.table) if entry else []
+
+    def prefix_hashes(self, seq_id: str) -> list[int]:
+        """Chained hashes of the sequence's leading full committed blocks (block i's at i; none
+        without prefix caching). The block manager's own list: read it, never change it."""
+        entry = self._seqs.get(seq_id)
+        return entry.hashes if entry else []
 
     def ref_count(self, block_id: int) -> int:
         return self._blocks[block_id].ref_count

@@ -48,6 +48,7 @@ from services.target.engine.samples import SampleGroup, sample_id, sample_seed
 from services.target.engine.scheduler import ScheduledSeq, Scheduler, SeqUpdate, StepResult
 from services.target.engine.step_log import FirstToken, StepLog, StepRecord
 from services.target.engine.sequence import FinishReason, Sequence, SpeculationPlan, StepOutput
+from services.target.speculation.prefix_features import PrefixFeatures
 from services.target.speculation.speculator import Speculator, verify_span
 from services.target.engine.torch_thread import TorchThread, run_task
 from services.target.tp.launch import start_ranks
@@ -120,6 +121,10 @@ class Engine:
             self.speculator.arrival_rate = self.scheduler.arrival_rate  # arrivals wait for the step
             self.speculator.queue_length = self._queue_length  # so do requests already queued
             self.speculator.seats_full = self.scheduler.seats_full  # saturated: batch-mates' TPOT is bounded
+            if config.enable_prefix_caching and config.feature_cache_bytes:  # a feature head's cached prefixes
+                self.speculator.attach_prefix_features(PrefixFeatures(config.block_size, config.feature_cache_bytes),
+                                                       self.blocks.prefix_hashes)
+                self.scheduler.prefix_limit = self.speculator.reusable_prefix
         if ranks is not None:
             ranks.tp.on_lost(self._lose_rank)
 

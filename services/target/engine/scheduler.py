@@ -86,6 +86,10 @@ class Scheduler:
         self.num_swap_preemptions = 0  # of those, swapped out rather than recomputed
         self.prompt_tokens_computed = 0  # prompt positions whose KV a forward pass computed
         self.arrivals = ArrivalRate()  # new requests per second (speculation weighs their TTFT)
+        # (seq, the chained hashes of its cached prefix blocks) -> how many of them it may reuse;
+        # None = all. The engine's speculator sets it: a feature-head sequence reuses only blocks
+        # whose features it can still send (services/target/speculation/prefix_features.py).
+        self.prefix_limit: Callable[[Sequence, tuple[int, ...]], int] | None = None
 
     def add(self, seq: Sequence) -> None:
         seq.status = SeqStatus.WAITING
@@ -197,6 +201,8 @@ class Scheduler:
             seq.num_computed = swapped
             return n
         match = self.blocks.match_prefix(seq.token_ids, seq.extra_key)
+        if self.prefix_limit is not None and match.num_tokens:
+            match = match.first(self.prefix_limit(seq, match.all_hashes))
         n = min(seq.num_tokens - match.num_tokens, budget)
         if not self.blocks.can_admit(match, match.num_tokens + n):
             return None

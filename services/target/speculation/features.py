@@ -6,12 +6,20 @@ every sequence speculating with the head, the features of the positions that pas
 draft call takes them (DraftRequest.features -> DraftSequence.features). A draft call that
 fails loses them: the draft then sees a gap and restarts its context after it (that step
 decodes plainly, output unchanged). Features of positions that are not right after the
-pending ones (preemption recomputes a prefix) replace them.
+pending ones (preemption recomputes a prefix) replace them. One call carries at most
+MAX_FEATURE_BYTES of them (`fit_features`: a long prompt's oldest rows are left out and the head
+starts its context after them).
 """
 
 from __future__ import annotations
 
 import torch
+
+from services.common.feature_rows import BYTES_PER_VALUE
+
+# Feature bytes one draft call carries at most: the draft server receives messages of up to gRPC's
+# default 4 MiB, and the tokens and trees' fields need the rest.
+MAX_FEATURE_BYTES = 3 << 20
 
 
 class FeatureBuffer:
@@ -41,3 +49,23 @@ class FeatureBuffer:
 
     def __len__(self) -> int:
         return len(self._pending)
+
+
+def fit_features(features: list[tuple[int, torch.Tensor] | None], max_bytes: int) -> list[tuple[int, torch.Tensor] | None]:
+    """The calls' (start, rows [m, hidden]) features cut to `max_bytes` on the wire in all: while
+    over, the largest keep their newest rows, an equal share each (the others as they are)."""
+    sizes = [0 if f is None else f[1].shape[0] * f[1].shape[1] * BYTES_PER_VALUE for f in features]
+    if sum(sizes) <= max_bytes:
+        return features
+    order = sorted((i for i, size in enumerate(sizes) if size), key=sizes.__getitem__)
+    out, left = list(features), max_bytes
+    for n, i in enumerate(order):
+        share = left // (len(order) - n)  # what is left, shared by this one and the larger ones after it
+        start, rows = features[i]
+        if sizes[i] > share:
+            keep = share // (rows.shape[1] * BYTES_PER_VALUE)
+            out[i] = None if keep == 0 else (start + rows.shape[0] - keep, rows[rows.shape[0] - keep:])
+            left -= keep * rows.shape[1] * BYTES_PER_VALUE
+        else:
+            left -= sizes[i]
+    return out

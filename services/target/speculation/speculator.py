@@ -14,13 +14,15 @@ import logging
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import torch
 
 from services.common.draft_tree import DraftTree
 from services.common.speculation_cost import LoadAwareDepth, expected_tokens, sequence_alpha
 from services.target.speculation.draft_client import DraftClient, DraftRequest, draft_seed
-from services.target.speculation.features import FeatureBuffer
+from services.target.speculation.features import MAX_FEATURE_BYTES, FeatureBuffer, fit_features
+from services.target.speculation.prefix_features import PrefixFeatures
 from specmesh.proto.v1 import common_pb2
 from services.target.model.logits_processors import tree_paths
 from services.target.model.logprobs import token_logprobs
@@ -76,6 +78,11 @@ class Speculator:
         # The last step's (draft call seconds, draft nodes verified, trees) for the step log.
         self.last_step: tuple[float, int, int] = (0.0, 0, 0)
         self.features = FeatureBuffer()  # EAGLE: features of committed positions not yet sent
+        # EAGLE: features of cached prefix blocks (`attach_prefix_features`; None = not kept), the
+        # block manager's hashes of a sequence's blocks, and where each sequence's sent features end.
+        self.prefix_features: PrefixFeatures | None = None
+        self._prefix_hashes: Callable[[str], list[int]] = lambda _seq_id: []
+        self._sent_end: dict[str, int] = {}
         self._committed_rows: dict[str, list[int]] = {}  # this step's verified trees: rows committed
         self._forced: set[str] = set()  # this step's sequences whose tree is their grammar's forced chain
 
@@ -99,9 +106,11 @@ class Speculator:
             requests.append(DraftRequest(seq.seq_id, seq.token_ids, draft_service_method(seq.plan), depth,
                                          min(max(seq.plan.max_nodes, depth), slots[seq.seq_id]),
                                          seq.tenant_salt, seq.span_context, seq.sampling, seed,
-                                         self.features.take(seq.seq_id) if self.wants_features(seq) else None))
+                                         self._take_features(seq) if self.wants_features(seq) else None))
         if not requests:
             return forced
+        fitted = fit_features([r.features for r in requests], MAX_FEATURE_BYTES)
+        requests = [r if r.features is f else replace(r, features=f) for r, f in zip(requests, fitted)]
         start = time.monotonic()
         result = self.client.propose(requests)
         window = (start, time.monotonic())
@@ -267,6 +276,9 @@ class Speculator:
 
     def release(self, seq: Sequence) -> None:
         self.features.drop(seq.seq_id)
+        self._sent_end.pop(seq.seq_id, None)
+        if self.prefix_features is not None:
+            self.prefix_features.drop(seq.seq_id)
         if seq.plan is not None:
             self.client.release([seq.seq_id])  # no-op for sequences never sent
 
@@ -274,6 +286,39 @@ class Speculator:
     def wants_features(seq: Sequence) -> bool:
         """Whether the sequence speculates with the feature head (its forward rows' features are kept)."""
         return seq.plan is not None and seq.plan.method == common_pb2.SPECULATION_METHOD_EAGLE
+
+    def attach_prefix_features(self, store: PrefixFeatures, prefix_hashes: Callable[[str], list[int]]) -> None:
+        """Keeps feature-head sequences' features of full blocks in `store`, under the hashes
+        `prefix_hashes(seq_id)` (the block manager's) gives them, for later sequences' cached prefixes."""
+        self.prefix_features, self._prefix_hashes = store, prefix_hashes
+
+    def reusable_prefix(self, seq: Sequence, hashes: tuple[int, ...]) -> int:
+        """How many of the cached prefix blocks `hashes` (in order) `seq` reuses: a feature-head
+        sequence those whose features are kept (it recomputes the rest, so its head sees its
+        whole context); any other sequence all."""
+        if self.prefix_features is None or not self.wants_features(seq):
+            return len(hashes)
+        return self.prefix_features.held(hashes)
+
+    def _take_features(self, seq: Sequence) -> tuple[int, torch.Tensor] | None:
+        """The sequence's pending features (start, rows [m, hidden]); where they start past what
+        was sent at a block boundary (a cached prefix), led by the kept features of the blocks between."""
+        store, seq_id = self.prefix_features, seq.seq_id
+        hashes = self._prefix_hashes(seq_id) if store is not None else []
+        if store is not None:
+            store.seal(seq_id, hashes)  # blocks the last step completed and the scheduler hashed
+        taken = self.features.take(seq_id)
+        if taken is None:
+            return None
+        start, rows = taken
+        sent = self._sent_end.get(seq_id, 0)
+        if store is not None and sent < start and sent % store.block_size == 0 and start % store.block_size == 0 \
+                and len(hashes) >= start // store.block_size:
+            kept = store.prefix(hashes[sent // store.block_size:start // store.block_size])  # [start - sent, hidden]
+            if kept is not None:
+                start, rows = sent, torch.cat([kept.to(rows.dtype), rows])
+        self._sent_end[seq_id] = max(sent, start + len(rows))
+        return start, rows
 
     def feature_seqs(self, batch: list[ScheduledSeq]) -> frozenset[str]:
         """The sequences of the step whose features the forward pass returns."""
@@ -293,6 +338,8 @@ class Speculator:
                     continue
                 rows = rows[keep]  # [1 + accepted, hidden]: at positions context_len .. after compaction
             self.features.add(inp.seq_id, inp.context_len, rows)
+            if self.prefix_features is not None:
+                self.prefix_features.collect(inp.seq_id, inp.context_len, rows)
 
     @staticmethod
     def _may_draft(item: ScheduledSeq) -> bool:
