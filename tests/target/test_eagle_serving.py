@@ -252,6 +252,21 @@ def test_a_head_sequence_recomputes_cached_blocks_whose_features_are_gone(tiny_l
     assert sorted(received) == list(range(len(received)))
 
 
+def test_a_draft_call_over_the_feature_budget_sends_the_newest_rows(tiny_llama_dir, head_path, greedy_alone,
+                                                                    monkeypatch):
+    """Features beyond one call's byte budget (gRPC refuses a message over 4 MiB) are left out
+    oldest first: the head's context starts after them and output stays the target's."""
+    from services.target.speculation import speculator
+    hidden = EagleProposer.load(head_path, tiny_llama_dir).hidden_size
+    monkeypatch.setattr(speculator, "MAX_FEATURE_BYTES", 3 * hidden * 2)  # three bf16 rows a call
+    samples, proposer = asyncio.run(_run(tiny_llama_dir, head_path, PROMPTS[:1], 24, (3, 0),
+                                         proposer=RecordsFeatures))
+    assert _ids(samples) == greedy_alone[:1]
+    received = sorted(proposer.received)
+    assert received[0] > 0  # the prompt's first rows were over the budget
+    assert samples[0][1].accepted_tokens > 0  # the head drafted from what it got
+
+
 CHI_SAMPLES = 360
 # One prompt 60 times at once, with prefix caching: every sequence but the first reuses the cached
 # prompt blocks and gets their kept features (speculation/prefix_features.py). Before those were
