@@ -7,7 +7,9 @@ transformers forward's last hidden state, after the final norm, as training reco
 sampled output follows the target's distribution (chi-square homogeneity) and a broken head
 that drafts the least likely token of the q it sends fails the same test; lost features and a draft
 that loses every sequence (as a restart does) fall back to plain decoding for those steps,
-output unchanged.
+output unchanged; a prompt whose blocks come from the prefix cache still sends the features of
+every position (kept with the blocks, or recomputed), and one draft call stays within its
+feature budget.
 """
 
 from __future__ import annotations

@@ -51,7 +51,10 @@ class FeatureBuffer:
         return len(self._pending)
 
 
-def fit_features(features: list[tuple[int, torch.Tensor] | None], max_bytes: int) -> list[tuple[int, torch.Tensor] | None]:
+Features = tuple[int, torch.Tensor] | None  # (start, rows [m, hidden]) of one draft request, or none
+
+
+def fit_features(features: list[Features], max_bytes: int) -> list[Features]:
     """The calls' (start, rows [m, hidden]) features cut to `max_bytes` on the wire in all: while
     over, the largest keep their newest rows, an equal share each (the others as they are)."""
     sizes = [0 if f is None else f[1].shape[0] * f[1].shape[1] * BYTES_PER_VALUE for f in features]
