@@ -112,21 +112,17 @@ void widened_tile(const float* x, int64_t ldx, const float* wf, int64_t K, float
 // x [M, 2*K2] float32 against the panels [P, K2, 64] -> y [M, N] bf16, each panel widened once
 // (a thread's panels in turn; M >= kWidenMinRows).
 void run_widened(const float* x, int64_t M, int64_t K2, const uint16_t* wp, int64_t P, int64_t N, uint16_t* y) {
-  const int64_t K = 2 * K2, m_chunk = 96;
+  const int64_t K = 2 * K2;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> wf(K * kPanel);  // [K, 32]: one panel widened
-    std::vector<float> block(std::min(m_chunk, M) * kPanel);  // [rows, 32]
+    std::vector<float> sums(M * kPanel);  // [M, 32]: its outputs, before rounding to bf16
     for (int64_t p = begin; p < end; ++p) {
       widen_panel(wp + p * K2 * kPairSlots, K2, wf.data());
-      for (int64_t m0 = 0; m0 < M; m0 += m_chunk) {
-        const int64_t rows = std::min(m_chunk, M - m0);
-        const float* xm = x + m0 * K;
-        int64_t m = 0;
-        for (; m + 3 <= rows; m += 3) widened_tile<3>(xm + m * K, K, wf.data(), K, block.data() + m * kPanel);
-        if (rows - m == 2) widened_tile<2>(xm + m * K, K, wf.data(), K, block.data() + m * kPanel);
-        else if (rows - m == 1) widened_tile<1>(xm + m * K, K, wf.data(), K, block.data() + m * kPanel);
-        write_panel(block.data(), rows, p, N, y + m0 * N);
-      }
+      int64_t m = 0;
+      for (; m + 3 <= M; m += 3) widened_tile<3>(x + m * K, K, wf.data(), K, sums.data() + m * kPanel);
+      if (M - m == 2) widened_tile<2>(x + m * K, K, wf.data(), K, sums.data() + m * kPanel);
+      else if (M - m == 1) widened_tile<1>(x + m * K, K, wf.data(), K, sums.data() + m * kPanel);
+      write_panel(sums.data(), M, p, N, y);
     }
   });
 }

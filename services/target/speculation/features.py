@@ -30,11 +30,15 @@ class FeatureBuffer:
         """rows [m, hidden]: features of positions start .. start + m - 1."""
         if not len(rows):
             return
-        pending = self._pending.get(seq_id)
-        if pending is not None and pending[0] + sum(len(r) for r in pending[1]) == start:
-            pending[1].append(rows)
+        if self.end(seq_id) == start:
+            self._pending[seq_id][1].append(rows)
         else:
             self._pending[seq_id] = (start, [rows])
+
+    def end(self, seq_id: str) -> int | None:
+        """The position after the pending features (None if none): where a continuing run starts."""
+        pending = self._pending.get(seq_id)
+        return None if pending is None else pending[0] + sum(len(r) for r in pending[1])
 
     def take(self, seq_id: str) -> tuple[int, torch.Tensor] | None:
         """(start, rows [m, hidden]) of the pending features, which are then forgotten; None if none."""

@@ -25,6 +25,8 @@ from collections.abc import Sequence
 
 import torch
 
+from services.target.speculation.features import FeatureBuffer
+
 
 class PrefixFeatures:
     def __init__(self, block_size: int, capacity_bytes: int) -> None:
@@ -34,7 +36,7 @@ class PrefixFeatures:
         self.capacity_bytes = capacity_bytes
         self.num_bytes = 0
         self._blocks: OrderedDict[int, torch.Tensor] = OrderedDict()  # hash -> [block_size, hidden] bf16; LRU first
-        self._open: dict[str, tuple[int, list[torch.Tensor]]] = {}  # seq_id -> (start, rows) not yet sealed
+        self._open = FeatureBuffer()  # per sequence: the run of rows not yet sealed, from a block boundary
 
     def collect(self, seq_id: str, start: int, rows: torch.Tensor) -> None:
         """rows [m, hidden]: the sequence's features of positions start .. start + m - 1. A run
@@ -42,33 +44,23 @@ class PrefixFeatures:
         for the next block boundary (its first block cannot be completed)."""
         if not self.capacity_bytes or not len(rows):
             return
-        run = self._open.get(seq_id)
-        if run is not None and run[0] + sum(len(r) for r in run[1]) == start:
-            run[1].append(rows.detach().to(torch.bfloat16))
-            return
-        skip = -start % self.block_size
+        skip = 0 if self._open.end(seq_id) == start else -start % self.block_size
         if skip < len(rows):
-            self._open[seq_id] = (start + skip, [rows[skip:].detach().to(torch.bfloat16)])
+            self._open.add(seq_id, start + skip, rows[skip:].detach().to(torch.bfloat16))
         else:
-            self._open.pop(seq_id, None)
+            self._open.drop(seq_id)
 
     def seal(self, seq_id: str, hashes: Sequence[int]) -> None:
         """Stores the open run's full blocks that have a hash (hashes[i]: the sequence's block i)."""
-        run = self._open.get(seq_id)
-        if run is None:
+        taken = self._open.take(seq_id)
+        if taken is None:
             return
-        start, parts = run
-        first, end = start // self.block_size, min(len(hashes), (start + sum(len(p) for p in parts)) // self.block_size)
-        if end <= first:
-            return
-        rows = parts[0] if len(parts) == 1 else torch.cat(parts)  # [m, hidden]
-        for b in range(first, end):
+        start, rows = taken  # rows [m, hidden] from a block boundary
+        first = start // self.block_size
+        done = max(first, min(len(hashes), (start + len(rows)) // self.block_size))  # blocks sealed up to here
+        for b in range(first, done):
             self._store(hashes[b], rows[(b - first) * self.block_size:(b - first + 1) * self.block_size])
-        rest = rows[(end - first) * self.block_size:]
-        if len(rest):
-            self._open[seq_id] = (end * self.block_size, [rest])
-        else:
-            del self._open[seq_id]
+        self._open.add(seq_id, done * self.block_size, rows[(done - first) * self.block_size:])  # the rest, if any
 
     def held(self, hashes: Sequence[int]) -> int:
         """How many leading blocks of `hashes` have their features here."""
@@ -87,7 +79,7 @@ class PrefixFeatures:
         return torch.cat([self._blocks[h] for h in hashes])
 
     def drop(self, seq_id: str) -> None:
-        self._open.pop(seq_id, None)
+        self._open.drop(seq_id)
 
     def __len__(self) -> int:
         return len(self._blocks)
