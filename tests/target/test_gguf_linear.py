@@ -73,14 +73,21 @@ def test_fused_mixed_block_types_equal_bf16_linear(m: int) -> None:
     x = torch.randn(m, k, generator=torch.Generator().manual_seed(3)).to(torch.bfloat16)
     expected = cpu_linear.bf16_linear(x, cpu_linear.pack(weight), weight.shape[0])
     assert torch.equal(cpu_gguf_linear.gguf_linear(x, packed), expected)
+    ids = torch.tensor([0, 63, 64, 95, 96, 159, 70])  # a row of each part, mixed sub-blocks and offsets
+    assert torch.equal(cpu_gguf_linear.rows(packed, ids), weight[ids])
 
 
+@needs_kernel
 @pytest.mark.parametrize("type_name", TYPES)
 def test_rows_are_the_embedding_rows(type_name: str) -> None:
     raw = _blocks(type_name, 40, 256, seed=4)
     packed = cpu_gguf_linear.pack(cpu_gguf_linear.decode_blocks(raw, type_name))
-    ids = torch.tensor([0, 39, 17, 17, 5])
+    ids = torch.tensor([0, 39, 17, 17, 5])  # 39: the masked tail group
     assert torch.equal(cpu_gguf_linear.rows(packed, ids), _today(raw, type_name)[ids])
+    everything = torch.arange(40)
+    assert torch.equal(cpu_gguf_linear.rows(packed, everything), _today(raw, type_name))
+    with pytest.raises(RuntimeError, match="outside"):
+        cpu_gguf_linear.rows(packed, torch.tensor([40]))
 
 
 @pytest.mark.parametrize("type_name", TYPES)

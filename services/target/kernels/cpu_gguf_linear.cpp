@@ -245,6 +245,36 @@ void run(const uint16_t* x, int64_t M, const Weights& w, int64_t G, int64_t N, u
   });
 }
 
+// Row n of the weight (column n of the layout) as bf16 [K]: round_bf16(S * q - D), the two float32
+// operations as separate instructions (no contraction to one FMA), as `expand` computes them.
+SPECMESH_DOT_TARGET void expand_row(const Weights& w, bool nib, int64_t n, uint16_t* out) {
+  const int64_t g = n / kGroup, c = n % kGroup, sub_k = 2 * w.sub_pairs;
+  alignas(64) int32_t q[64];
+  for (int64_t sb = 0; sb < w.subs; ++sb) {
+    const int64_t at = (g * w.subs + sb) * kGroup + c;
+    const __m512 s = _mm512_set1_ps(w.scales[at]);
+    const __m512 d = _mm512_set1_ps(w.offsets != nullptr ? w.offsets[at] : 0.0f);
+    for (int64_t k0 = 0; k0 < sub_k; k0 += 64) {
+      const int64_t len = std::min<int64_t>(64, sub_k - k0);
+      for (int64_t i = 0; i < len; ++i) {  // k = sb * sub_k + k0 + i: pair kk, half j
+        const int64_t kk = (sb * sub_k + k0 + i) / 2, byte = 2 * c + ((k0 + i) & 1);
+        if (nib) {
+          const uint8_t* row = reinterpret_cast<const uint8_t*>(w.quants) + (g * w.K2 + kk) * kGroup;
+          q[i] = byte < kGroup ? (row[byte] & 0x0F) : (row[byte - kGroup] >> 4);
+        } else {
+          q[i] = w.quants[(g * w.K2 + kk) * 2 * kGroup + byte];
+        }
+      }
+      for (int64_t i = 0; i < len; i += 16) {
+        const __mmask16 mask = specmesh_simd::lanes(len - i);
+        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mask, q + i)), s);
+        if (w.offsets != nullptr) v = _mm512_sub_ps(v, d);
+        specmesh_simd::store_bf16(out + sb * sub_k + k0 + i, specmesh_simd::round_bf16(v), mask);
+      }
+    }
+  }
+}
+
 }  // namespace
 
 #endif  // SPECMESH_ISA_AVX512
@@ -294,6 +324,39 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& quants, const a
   } else {
     nib ? run<false, true>(xp, M, w, G, N, yp) : run<false, false>(xp, M, w, G, N, yp);
   }
+#endif
+  return out;
+}
+
+// Rows `ids` [T] of the weight [N, K] the layout holds, as bf16 [T, K]: the tied embedding's lookup,
+// and the argmax screen's exact tokens, in the values gguf_linear multiplies.
+at::Tensor gguf_rows(const at::Tensor& quants, const at::Tensor& scales, const at::Tensor& offsets,
+                     const at::Tensor& ids_in, int64_t N) {
+  TORCH_CHECK(quants.dim() == 3 && quants.is_contiguous() && scales.dim() == 3 && scales.is_contiguous()
+                  && scales.scalar_type() == at::kFloat && scales.size(0) == quants.size(0)
+                  && scales.size(2) == 16 && (N + 15) / 16 == quants.size(0),
+              "gguf_rows: the layout gguf_linear takes is expected");
+  const bool nib = quants.scalar_type() == at::kByte && quants.size(2) == 16;
+  TORCH_CHECK(nib || (quants.scalar_type() == at::kChar && quants.size(2) == 32), "gguf_rows: int8 or nibble quants");
+  const bool has_offsets = offsets.numel() > 0;
+  TORCH_CHECK(!has_offsets || (offsets.sizes() == scales.sizes() && offsets.scalar_type() == at::kFloat
+                               && offsets.is_contiguous()), "gguf_rows: offsets must match scales or be empty");
+  const int64_t K = quants.size(1) * 2, subs = scales.size(1);
+  TORCH_CHECK(K % subs == 0 && (K / subs) % 2 == 0, "gguf_rows: K must be whole, even sub-blocks");
+  at::Tensor ids = ids_in.to(at::kLong).contiguous();
+  const int64_t T = ids.numel();
+  const int64_t* id = ids.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < N, "gguf_rows: id ", id[t], " outside [0, ", N, ")");
+  at::Tensor out = at::empty({T, K}, scales.options().dtype(at::kBFloat16));
+#if defined(SPECMESH_ISA_AVX2)
+  TORCH_CHECK(false, "gguf_rows needs AVX512-BF16; this is the AVX2 build of the module");
+#else
+  const Weights w{static_cast<const int8_t*>(quants.data_ptr()), scales.data_ptr<float>(),
+                  has_offsets ? offsets.data_ptr<float>() : nullptr, K / 2, K / subs / 2, subs};
+  uint16_t* y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  at::parallel_for(0, T, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
+    for (int64_t t = begin; t < end; ++t) expand_row(w, nib, id[t], y + t * K);
+  });
 #endif
   return out;
 }

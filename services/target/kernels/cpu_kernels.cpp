@@ -19,6 +19,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("gguf_linear", &gguf_linear,
         "y = x w^T for bf16 x [M, K] and GGUF block weights repacked as int8 quants, scales and offsets "
         "(VDPBF16PS; equal to bf16_linear over the weights dequantized to bf16)");
+  m.def("gguf_rows", &gguf_rows, "rows ids of the weight gguf_linear multiplies, as the bf16 values it expands");
   m.def("argmax_screen", &argmax_screen,
         "int8 upper bounds of every logit and the best lower bound per row (VPDPBUSD, or AMX-INT8 tiles with amx), "
         "for rows that only need the argmax");

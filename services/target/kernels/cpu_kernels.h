@@ -22,6 +22,8 @@ at::Tensor bf16_linear_amx(const at::Tensor& x, const at::Tensor& packed, int64_
 // by cpu_gguf_linear.py; bit-identical to bf16_linear over the weights dequantized to bf16.
 at::Tensor gguf_linear(const at::Tensor& x, const at::Tensor& quants, const at::Tensor& scales,
                        const at::Tensor& offsets, int64_t N, bool amx);  // [M, K] -> [M, N]
+at::Tensor gguf_rows(const at::Tensor& quants, const at::Tensor& scales, const at::Tensor& offsets,
+                     const at::Tensor& ids, int64_t N);  // rows ids [T] of the weight -> [T, K] bf16
 
 // cpu_argmax_screen.cpp: int8 bounds on every logit of rows that only need the argmax (AVX512-VNNI),
 // laid out by argmax_screen.py: (upper bound [M, N], best lower bound [M], the tokens that can win [C]).
