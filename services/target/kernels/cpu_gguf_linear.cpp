@@ -256,7 +256,7 @@ SPECMESH_DOT_TARGET void expand_row(const Weights& w, bool nib, int64_t n, uint1
     const __m512 d = _mm512_set1_ps(w.offsets != nullptr ? w.offsets[at] : 0.0f);
     for (int64_t k0 = 0; k0 < sub_k; k0 += 64) {
       const int64_t len = std::min<int64_t>(64, sub_k - k0);
-      for (int64_t i = 0; i < len; ++i) {  // k = sb * sub_k + k0 + i: pair kk, half j
+      for (int64_t i = 0; i < len; ++i) {  // k = sb * sub_k + k0 + i: pair kk, its byte in the int8 layout
         const int64_t kk = (sb * sub_k + k0 + i) / 2, byte = 2 * c + ((k0 + i) & 1);
         if (nib) {
           const uint8_t* row = reinterpret_cast<const uint8_t*>(w.quants) + (g * w.K2 + kk) * kGroup;
