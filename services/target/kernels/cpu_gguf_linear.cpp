@@ -245,32 +245,17 @@ void run(const uint16_t* x, int64_t M, const Weights& w, int64_t G, int64_t N, u
   });
 }
 
-// Row n of the weight (column n of the layout) as bf16 [K]: round_bf16(S * q - D), the two float32
-// operations as separate instructions (no contraction to one FMA), as `expand` computes them.
-SPECMESH_DOT_TARGET void expand_row(const Weights& w, bool nib, int64_t n, uint16_t* out) {
-  const int64_t g = n / kGroup, c = n % kGroup, sub_k = 2 * w.sub_pairs;
-  alignas(64) int32_t q[64];
+// Row n of the weight (column n of the layout) as bf16 [K]: `expand`'s own values, pair by pair (a group
+// expanded, column n's 32-bit lane kept: its k = 2kk in the low word, 2kk + 1 in the high).
+template <bool OFFSETS, bool NIB>
+SPECMESH_DOT_TARGET void expand_row(const Weights& w, int64_t n, uint16_t* out) {
+  const int64_t g = n / kGroup, c = n % kGroup;
+  alignas(64) uint32_t pairs[kGroup];
   for (int64_t sb = 0; sb < w.subs; ++sb) {
-    const int64_t at = (g * w.subs + sb) * kGroup + c;
-    const __m512 s = _mm512_set1_ps(w.scales[at]);
-    const __m512 d = _mm512_set1_ps(w.offsets != nullptr ? w.offsets[at] : 0.0f);
-    for (int64_t k0 = 0; k0 < sub_k; k0 += 64) {
-      const int64_t len = std::min<int64_t>(64, sub_k - k0);
-      for (int64_t i = 0; i < len; ++i) {  // k = sb * sub_k + k0 + i: pair kk, its byte in the int8 layout
-        const int64_t kk = (sb * sub_k + k0 + i) / 2, byte = 2 * c + ((k0 + i) & 1);
-        if (nib) {
-          const uint8_t* row = reinterpret_cast<const uint8_t*>(w.quants) + (g * w.K2 + kk) * kGroup;
-          q[i] = byte < kGroup ? (row[byte] & 0x0F) : (row[byte - kGroup] >> 4);
-        } else {
-          q[i] = w.quants[(g * w.K2 + kk) * 2 * kGroup + byte];
-        }
-      }
-      for (int64_t i = 0; i < len; i += 16) {
-        const __mmask16 mask = specmesh_simd::lanes(len - i);
-        __m512 v = _mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_maskz_loadu_epi32(mask, q + i)), s);
-        if (w.offsets != nullptr) v = _mm512_sub_ps(v, d);
-        specmesh_simd::store_bf16(out + sb * sub_k + k0 + i, specmesh_simd::round_bf16(v), mask);
-      }
+    const SubScales s = sub_scales(w, g, sb);
+    for (int64_t kk = sb * w.sub_pairs; kk < (sb + 1) * w.sub_pairs; ++kk) {
+      _mm512_store_si512(pairs, (__m512i)expand<OFFSETS, NIB>(w, g, kk, s));
+      std::memcpy(out + 2 * kk, pairs + c, sizeof(uint32_t));
     }
   }
 }
@@ -354,8 +339,10 @@ at::Tensor gguf_rows(const at::Tensor& quants, const at::Tensor& scales, const a
   const Weights w{static_cast<const int8_t*>(quants.data_ptr()), scales.data_ptr<float>(),
                   has_offsets ? offsets.data_ptr<float>() : nullptr, K / 2, K / subs / 2, subs};
   uint16_t* y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+  const auto row = has_offsets ? (nib ? &expand_row<true, true> : &expand_row<true, false>)
+                               : (nib ? &expand_row<false, true> : &expand_row<false, false>);
   at::parallel_for(0, T, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
-    for (int64_t t = begin; t < end; ++t) expand_row(w, nib, id[t], y + t * K);
+    for (int64_t t = begin; t < end; ++t) row(w, id[t], y + t * K);
   });
 #endif
   return out;
