@@ -19,33 +19,32 @@ pytestmark = pytest.mark.skipif(not (cpu_linear.available() and cpu_linear.bf16_
                                 reason="needs the AVX-512 kernel module and AVX512-BF16 (VDPBF16PS)")
 
 
-@pytest.fixture(autouse=True)
-def _the_kernel_as_cpus_without_amx_run_it(monkeypatch):
-    """On a CPU with AMX the engine leaves prefill chunks to torch's matmuls (chunk_kernel_runs);
-    the kernel is what AVX512-BF16 CPUs without AMX run, so it is tested as they run it."""
-    amx_cpu = cpu_kernels.amx_cpu  # the cached function itself (a test may patch the name)
-    monkeypatch.setenv("SPECMESH_AMX", "0")
+def _amx_tiles_here() -> bool:
+    return cpu_linear.available() and cpu_kernels.amx_cpu() and cpu_linear.amx()
+
+
+@pytest.fixture(autouse=True, params=["vdpbf16ps", pytest.param("amx", marks=pytest.mark.skipif(
+    not _amx_tiles_here(), reason="needs AMX-BF16 tiles (Intel Sapphire Rapids or later)"))])
+def unit_path(request, monkeypatch):
+    """Every test runs the kernel's VDPBF16PS units (what AVX512-BF16 CPUs without AMX run) and,
+    where the CPU has AMX, its tile units (SPECMESH_AMX=0 keeps the former there)."""
+    amx_cpu, amx = cpu_kernels.amx_cpu, cpu_linear.amx  # the cached functions themselves (a test may patch the names)
+    monkeypatch.setenv("SPECMESH_AMX", "1" if request.param == "amx" else "0")
     amx_cpu.cache_clear()  # read once per process otherwise
-    yield
+    amx.cache_clear()
+    assert amx() == (request.param == "amx")
+    yield request.param
     amx_cpu.cache_clear()  # the environment is restored after this
+    amx.cache_clear()
 
 
-def test_with_amx_prefill_chunks_go_to_torchs_matmuls_whole_and_still_match_eager(monkeypatch):
-    """Where oneDNN's bf16 matmuls have AMX tiles the chunk kernel steps aside: no chunk pieces
-    in the plan, a window layer's chunk attends whole, and the rows match the eager bf16 attention."""
+def test_with_amx_prefill_chunks_attend_in_the_kernel_and_window_chunks_whole(monkeypatch):
+    """Where the CPU has AMX tiles the chunk kernel runs on them (it took prefill chunks from torch's
+    oneDNN matmuls there), and a window layer's chunk attends whole."""
     monkeypatch.setattr(paged_attention_cpu.cpu_kernels, "amx_cpu", lambda: True)
-    assert not paged_attention_cpu.chunk_kernel_runs(torch.bfloat16, torch.bfloat16, 64, True)
+    assert paged_attention_cpu.chunk_kernel_runs(torch.bfloat16, torch.bfloat16, 64, True)
     assert paged_attention_cpu.whole_windows(torch.bfloat16, torch.bfloat16, 64, True)
     assert not paged_attention_cpu.whole_windows(torch.float32, torch.float32, 64, False)
-    g = torch.Generator().manual_seed(12)
-    batch = make_batch([SeqSpec(100, 300), SeqSpec(7, 1)], 4, 1, 64, 4, torch.bfloat16, g)
-    _poison_invisible_slots(batch, 40)
-    plan = plan_cpu_attention(batch.k_cache.shape[1], batch.block_tables, batch.context_lens, batch.query_start_loc,
-                              batch.query_positions, 40, None, cut_windows=False)
-    out = paged_attention_cpu_planned(batch.query, batch.k_cache, batch.v_cache, plan, 0.3, cpp_attention=True)
-    assert plan.chunk_pieces is None and len(plan) == 2
-    assert_within_bf16_rounding(out, _eager_bf16(batch, 0.3, 40), list(range(out.shape[0])), 0.95)
-
 
 
 @pytest.mark.parametrize("heads,head_dim", [((4, 1), 256), ((4, 2), 64), ((3, 3), 128), ((8, 1), 64)])

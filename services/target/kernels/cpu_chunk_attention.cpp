@@ -12,6 +12,15 @@
 // - values: lanes are 16 columns of d; values are packed once per piece and kv head as
 //   (key j, key j+1) pairs [keys / 2, D], and each query vector's (p_j, p_j+1) is broadcast.
 //
+// On a CPU with AMX (Intel Sapphire Rapids and later) a unit's two products run on tiles instead
+// (attend_unit_amx): the packed keys are already AMX's layout for the weight operand (16 d pairs
+// x 16 keys a tile, 64 bytes a row), the packed values too (16 key pairs x 16 columns of d, a row
+// D pairs apart); the unit's queries are copied to [16, D] rows and its probabilities written as
+// [16, keys] bf16 rows, the tiles' other operand. Scores come out vector-major ([16, keys]), so
+// the softmax runs row by row. Before, such CPUs left prefill chunks to torch's oneDNN matmuls
+// (AMX too), which materialise every score of a chunk and copy the queries, keys and values
+// around them (docs/kernels.md).
+//
 // Precision: that of the bf16 matmul path in paged_attention_cpu.py (Hugging Face's eager bf16
 // attention): scores = bf16(scale * q.k) with float32 sums, softmax in float32, bf16
 // probabilities, out = bf16(sum p * v) with float32 sums; only the order of the float32 sums
@@ -21,6 +30,7 @@
 #include <ATen/Parallel.h>
 #include <immintrin.h>
 
+#include "cpu_amx.h"
 #include "cpu_kernels.h"
 #include "cpu_paged_checks.h"
 #include "cpu_simd.h"
@@ -36,7 +46,7 @@
 // The AVX2 build has no VDPBF16PS: prefill chunks stay with torch's matmuls there
 // (paged_attention_cpu.chunk_kernel_runs asks cpu_linear.bf16_dot_instruction, false without AVX-512).
 void chunk_attention_bf16(const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&, const at::Tensor&,
-                          const at::Tensor&, double, at::Tensor&) {
+                          const at::Tensor&, double, at::Tensor&, bool) {
   TORCH_CHECK(false, "chunk_attention_bf16: needs AVX512-BF16 (VDPBF16PS); this is the AVX2 build of the module");
 }
 
@@ -131,40 +141,58 @@ constexpr int64_t kPairsPerPass = 16;  // key pairs of values per pass over the 
 
 struct Scratch {
   std::vector<uint32_t> qp, pp;
-  std::vector<float> s, o;  // scores [keys, 16]; outputs [16, D]
+  std::vector<float> s, o;  // scores [keys, 16] ([16, keys] with AMX); outputs [16, D]
+  std::vector<uint16_t> q, p;  // AMX: queries [16, D], probabilities [16, keys] bf16
+};
+
+// The 16 query vectors of a unit: their rows in the query and out tensors, their runs, and the
+// union of the runs [klo, khi) (khi == 0: no vector sees anything; then the unit's outputs are zeroed).
+struct UnitLanes {
+  int64_t lo[kLanes], hi[kLanes];
+  const uint16_t* qrow[kLanes];
+  uint16_t* orow[kLanes];
+  int64_t klo = INT64_MAX, khi = 0;
+  int live = 0;  // vectors of the unit that exist (the last unit of a piece may have fewer)
+
+  UnitLanes(const Geometry& G, const Piece& p, const int64_t* bounds, int64_t g, int64_t u) {
+    const int64_t vectors = p.q_len * G.group;
+    live = static_cast<int>(std::min<int64_t>(kLanes, vectors - u * kLanes));
+    for (int l = 0; l < kLanes; ++l) {
+      const int64_t v = u * kLanes + l, r = v / G.group;
+      qrow[l] = nullptr;
+      orow[l] = nullptr;
+      lo[l] = hi[l] = 0;
+      if (v >= vectors) continue;
+      const int64_t h = g * G.group + v % G.group;
+      qrow[l] = G.q + ((p.q_start + r) * G.H + h) * G.D;
+      orow[l] = G.out + ((p.q_start + r) * G.H + h) * G.D;
+      lo[l] = bounds[2 * (p.row_base + r)];
+      hi[l] = bounds[2 * (p.row_base + r) + 1];
+      if (lo[l] < hi[l]) {
+        klo = std::min(klo, lo[l]);
+        khi = std::max(khi, hi[l]);
+      }
+    }
+    if (khi == 0) {
+      for (int l = 0; l < kLanes; ++l)
+        if (orow[l] != nullptr) std::fill(orow[l], orow[l] + G.D, uint16_t{0});
+    } else {
+      klo &= ~int64_t{1};  // key pairs start at even entries (the entry before is this piece's: p = 0)
+    }
+  }
 };
 
 // One work unit: query vectors [16 u, 16 u + 16) of piece p, kv head g, over its packed keys kp and values vp.
 SPECMESH_DOT_TARGET void attend_unit(const Geometry& G, const Piece& p, const int64_t* bounds, int64_t g, int64_t u,
                                      const uint32_t* kp, const uint32_t* vp, Scratch& w) {
-  const int64_t D = G.D, D2 = D / 2, vectors = p.q_len * G.group;
-  int64_t lo[kLanes], hi[kLanes];
-  const uint16_t* qrow[kLanes];
-  uint16_t* orow[kLanes];
-  int64_t klo = INT64_MAX, khi = 0;
-  for (int l = 0; l < kLanes; ++l) {
-    const int64_t v = u * kLanes + l, r = v / G.group;
-    qrow[l] = nullptr;
-    orow[l] = nullptr;
-    lo[l] = hi[l] = 0;
-    if (v >= vectors) continue;
-    const int64_t h = g * G.group + v % G.group;
-    qrow[l] = G.q + ((p.q_start + r) * G.H + h) * D;
-    orow[l] = G.out + ((p.q_start + r) * G.H + h) * D;
-    lo[l] = bounds[2 * (p.row_base + r)];
-    hi[l] = bounds[2 * (p.row_base + r) + 1];
-    if (lo[l] < hi[l]) {
-      klo = std::min(klo, lo[l]);
-      khi = std::max(khi, hi[l]);
-    }
-  }
-  if (khi == 0) {  // no vector of the unit sees anything
-    for (int l = 0; l < kLanes; ++l)
-      if (orow[l] != nullptr) std::fill(orow[l], orow[l] + D, uint16_t{0});
-    return;
-  }
-  klo &= ~int64_t{1};  // key pairs start at even entries (the entry before is this piece's: p = 0)
+  const UnitLanes L(G, p, bounds, g, u);
+  if (L.khi == 0) return;
+  const int64_t D = G.D, D2 = D / 2, klo = L.klo, khi = L.khi;
   const int64_t n = khi - klo;
+  const int64_t* lo = L.lo;
+  const int64_t* hi = L.hi;
+  const uint16_t* const* qrow = L.qrow;
+  uint16_t* const* orow = L.orow;
 
   w.qp.resize(D2 * kLanes);  // [D/2, 16]: lane l's (d, d+1) pair; absent lanes zero
   for (int64_t dp = 0; dp < D2; ++dp)
@@ -218,7 +246,7 @@ SPECMESH_DOT_TARGET void attend_unit(const Geometry& G, const Piece& p, const in
   // Values: the unit's outputs [16, D] float32 stay in L1 while a few key pairs of values are
   // run through every (4 vectors x 64 columns) tile, so each value is read once per unit.
   const int64_t i0 = klo / 2;  // first key pair, in the packed values
-  const int live = static_cast<int>(std::min<int64_t>(kLanes, vectors - u * kLanes));
+  const int live = L.live;
   w.o.assign(kLanes * D, 0.0f);
   for (int64_t c0 = 0; c0 < pairs; c0 += kPairsPerPass) {
     const int64_t c1 = std::min(pairs, c0 + kPairsPerPass);
@@ -230,6 +258,147 @@ SPECMESH_DOT_TARGET void attend_unit(const Geometry& G, const Piece& p, const in
     for (int64_t d = 0; d < D; d += 16) store_bf16(orow[l] + d, round_bf16(_mm512_loadu_ps(w.o.data() + l * D + d)), 0xFFFF);
 }
 
+#define SPECMESH_AMX_ATTENTION_TARGET \
+  __attribute__((target("avx512f,avx512bw,avx512dq,avx512vl,avx512bf16,amx-tile,amx-bf16")))
+
+// AMX's tile operands, all 16 rows of 64 bytes (specmesh_amx::begin's configuration): tmm0-3 float32
+// sums, tmm4 the unit's rows (queries or probabilities), tmm5-7 the packed keys or values.
+
+// Scores of the unit's queries (q [16, D] bf16) against NT packed key tiles from tile t (kp: the
+// piece's packed keys) -> s[m * ld + (t - t0) * 16 + key], float32 sums (scaled and rounded later).
+template <int NT>
+SPECMESH_AMX_ATTENTION_TARGET void score_tiles_amx(const uint16_t* q, int64_t D, const uint32_t* kp, int64_t t,
+                                                   int64_t t0, float* s, int64_t ld) {
+  const int64_t D2 = D / 2;
+  _tile_zero(0);
+  if constexpr (NT > 1) _tile_zero(1);
+  if constexpr (NT > 2) _tile_zero(2);
+  if constexpr (NT > 3) _tile_zero(3);
+  for (int64_t dp = 0; dp < D2; dp += 16) {  // 16 d pairs a tile step
+    _tile_loadd(4, q + 2 * dp, D * 2);
+    _tile_loadd(5, kp + ((t + 0) * D2 + dp) * kKeys, kKeys * 4);
+    _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NT > 1) {
+      _tile_loadd(6, kp + ((t + 1) * D2 + dp) * kKeys, kKeys * 4);
+      _tile_dpbf16ps(1, 4, 6);
+    }
+    if constexpr (NT > 2) {
+      _tile_loadd(7, kp + ((t + 2) * D2 + dp) * kKeys, kKeys * 4);
+      _tile_dpbf16ps(2, 4, 7);
+    }
+    if constexpr (NT > 3) {
+      _tile_loadd(5, kp + ((t + 3) * D2 + dp) * kKeys, kKeys * 4);
+      _tile_dpbf16ps(3, 4, 5);
+    }
+  }
+  float* row = s + (t - t0) * kKeys;
+  _tile_stored(0, row, ld * 4);
+  if constexpr (NT > 1) _tile_stored(1, row + kKeys, ld * 4);
+  if constexpr (NT > 2) _tile_stored(2, row + 2 * kKeys, ld * 4);
+  if constexpr (NT > 3) _tile_stored(3, row + 3 * kKeys, ld * 4);
+}
+
+// o[16, 64 columns from d0] = probabilities (pr [16, width] bf16, width a multiple of 32) times the
+// packed values from pair i0 (vp: [pairs, D] (key 2i, key 2i+1) pairs), float32 sums.
+SPECMESH_AMX_ATTENTION_TARGET void value_tiles_amx(const uint16_t* pr, int64_t width, const uint32_t* vp, int64_t i0,
+                                                   int64_t D, int64_t d0, float* o) {
+  _tile_zero(0);
+  _tile_zero(1);
+  _tile_zero(2);
+  _tile_zero(3);
+  for (int64_t k = 0; k < width; k += 32) {  // 32 keys (16 pairs) a tile step
+    const uint32_t* v = vp + (i0 + k / 2) * D + d0;
+    _tile_loadd(4, pr + k, width * 2);
+    _tile_loadd(5, v, D * 4);
+    _tile_dpbf16ps(0, 4, 5);
+    _tile_loadd(6, v + 16, D * 4);
+    _tile_dpbf16ps(1, 4, 6);
+    _tile_loadd(7, v + 32, D * 4);
+    _tile_dpbf16ps(2, 4, 7);
+    _tile_loadd(5, v + 48, D * 4);
+    _tile_dpbf16ps(3, 4, 5);
+  }
+  _tile_stored(0, o + d0, D * 4);
+  _tile_stored(1, o + d0 + 16, D * 4);
+  _tile_stored(2, o + d0 + 32, D * 4);
+  _tile_stored(3, o + d0 + 48, D * 4);
+}
+
+// attend_unit on AMX tiles (the file's header): the same scores, softmax and rounding; the caller
+// has loaded the tile configuration (specmesh_amx::begin) on this thread. The packed values must
+// hold 16 pairs of zeros past each piece's last pair (a tile step reads up to 15 pairs past the run).
+SPECMESH_AMX_ATTENTION_TARGET void attend_unit_amx(const Geometry& G, const Piece& p, const int64_t* bounds, int64_t g,
+                                                   int64_t u, const uint32_t* kp, const uint32_t* vp, Scratch& w) {
+  const UnitLanes L(G, p, bounds, g, u);
+  if (L.khi == 0) return;
+  const int64_t D = G.D, klo = L.klo, khi = L.khi, n = khi - klo;
+
+  w.q.resize(kLanes * D);  // [16, D]: absent lanes zero
+  for (int l = 0; l < kLanes; ++l) {
+    if (L.qrow[l] != nullptr) std::memcpy(w.q.data() + l * D, L.qrow[l], D * 2);
+    else std::fill(w.q.data() + l * D, w.q.data() + (l + 1) * D, uint16_t{0});
+  }
+
+  // Whole key tiles [t0, t1), as attend_unit: keys outside a lane's run are masked below.
+  const int64_t t0 = klo / kKeys, t1 = (khi + kKeys - 1) / kKeys, ld = (t1 - t0) * kKeys;
+  w.s.resize(kLanes * ld);
+  int64_t t = t0;
+  for (; t + 4 <= t1; t += 4) score_tiles_amx<4>(w.q.data(), D, kp, t, t0, w.s.data(), ld);
+  switch (t1 - t) {
+    case 3: score_tiles_amx<3>(w.q.data(), D, kp, t, t0, w.s.data(), ld); break;
+    case 2: score_tiles_amx<2>(w.q.data(), D, kp, t, t0, w.s.data(), ld); break;
+    case 1: score_tiles_amx<1>(w.q.data(), D, kp, t, t0, w.s.data(), ld); break;
+    default: break;
+  }
+
+  // Softmax row by row over each lane's run, in float32; bf16 probabilities [16, width] from key
+  // klo, zero outside the run and past it (width: n rounded up to whole tile steps of 32 keys).
+  const int64_t width = (n + 31) / 32 * 32, base = klo - t0 * kKeys;  // key klo's column in s
+  w.p.resize(kLanes * width);
+  const __m512 scale = _mm512_set1_ps(G.scale);
+  for (int l = 0; l < kLanes; ++l) {
+    uint16_t* pr = w.p.data() + l * width;
+    const int64_t a = L.lo[l] - klo, b = L.hi[l] - klo;  // the run, from key klo
+    if (a >= b) {
+      std::fill(pr, pr + width, uint16_t{0});
+      continue;
+    }
+    float* sr = w.s.data() + l * ld + base;
+    auto run = [&](int64_t k) {  // lanes k .. k + 15 inside [a, b)
+      const int64_t first = std::max<int64_t>(a - k, 0), last = std::min<int64_t>(b - k, 16);
+      return first >= last ? __mmask16{0} : static_cast<__mmask16>(lanes(last) & ~lanes(first));
+    };
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t k = a & ~int64_t{15}; k < b; k += 16) {
+      const __mmask16 m = run(k);
+      const __m512 x = round_bf16(_mm512_mul_ps(_mm512_maskz_loadu_ps(m, sr + k), scale));
+      _mm512_mask_storeu_ps(sr + k, m, x);
+      mx = _mm512_mask_max_ps(mx, m, mx, x);
+    }
+    const __m512 mxv = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t k = a & ~int64_t{15}; k < b; k += 16) {
+      const __mmask16 m = run(k);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, sr + k), mxv)));
+      _mm512_mask_storeu_ps(sr + k, m, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    const __m512 inv = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (int64_t k = 0; k < width; k += 16) {
+      const __mmask16 m = run(k);
+      const __m512 e = _mm512_maskz_loadu_ps(m, sr + k);
+      store_bf16(pr + k, _mm512_maskz_mov_ps(m, round_bf16(_mm512_mul_ps(e, inv))), 0xFFFF);
+    }
+  }
+
+  // Values: 64 columns of d at a time (four float32 tiles), every tile step of probabilities.
+  w.o.resize(kLanes * D);
+  for (int64_t d0 = 0; d0 < D; d0 += 64) value_tiles_amx(w.p.data(), width, vp, klo / 2, D, d0, w.o.data());
+  for (int l = 0; l < L.live; ++l)
+    for (int64_t d = 0; d < D; d += 16)
+      store_bf16(L.orow[l] + d, round_bf16(_mm512_loadu_ps(w.o.data() + l * D + d)), 0xFFFF);
+}
+
 }  // namespace
 
 // query [T, H, D] bf16; k_cache, v_cache [num_blocks, block_size, KV, D] bf16; pieces [P, 4] int64
@@ -237,11 +406,13 @@ SPECMESH_DOT_TARGET void attend_unit(const Geometry& G, const Piece& p, const in
 // and its kv range the entries kv_offset .. kv_offset + kv_len - 1 of its blocks (tables[P,
 // max_blocks]) laid end to end; bounds [sum q_len, 2] int64: row by row, piece after piece, the
 // run [lo, hi) of that range the row sees (lo == hi: none). Writes those rows of out ([T, H, D]
-// bf16). The caller checks the CPU has AVX512-BF16 (cpu_linear.bf16_dot_instruction).
+// bf16). The caller checks the CPU has AVX512-BF16 (cpu_linear.bf16_dot_instruction); amx: the
+// units on AMX tiles (the caller checks cpu_linear.amx()).
 void chunk_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& pieces, const at::Tensor& tables, const at::Tensor& bounds, double scale,
-                          at::Tensor& out) {
+                          at::Tensor& out, bool amx) {
   TORCH_CHECK(__builtin_cpu_supports("avx512bf16"), "chunk_attention_bf16: this CPU has no AVX512-BF16");
+  TORCH_CHECK(!amx || amx_ready(), "chunk_attention_bf16: amx=True, but this process has no AMX tile registers");
   specmesh_checks::check_paged_bf16("chunk_attention_bf16", query, k_cache, v_cache, out, 64);
   const int64_t T = query.size(0), H = query.size(1), D = query.size(2), BS = k_cache.size(1), KV = k_cache.size(2);
   TORCH_CHECK(pieces.scalar_type() == at::kLong && pieces.dim() == 2 && pieces.size(1) == 4 && pieces.is_contiguous(),
@@ -286,18 +457,22 @@ void chunk_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, co
              reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>()),
              tp, max_blocks, H, D, BS, KV, group, static_cast<float>(scale)};
 
-  // Keys and values, packed per piece and kv head (each piece's rows read them many times).
+  // Keys and values, packed per piece and kv head (each piece's rows read them many times). The
+  // values end in kValuePad pairs of zeros (an AMX tile step reads up to 15 pairs past a run).
+  constexpr int64_t kValuePad = 16;
   std::vector<int64_t> kstart(P * KV + 1, 0), vstart(P * KV + 1, 0);
   for (int64_t j = 0; j < P * KV; ++j) {
     const int64_t len = ps[j / KV].kv_len;
     kstart[j + 1] = kstart[j] + (len + kKeys - 1) / kKeys * kKeys * D / 2;  // whole tiles
-    vstart[j + 1] = vstart[j] + (len + 1) / 2 * D;
+    vstart[j + 1] = vstart[j] + ((len + 1) / 2 + kValuePad) * D;
   }
   // Kept between calls (per calling thread): fresh megabytes each call cost page faults.
   thread_local std::vector<uint32_t> kpacked;
   thread_local std::vector<uint32_t> vpacked;
   kpacked.assign(kstart.back(), 0);
   vpacked.resize(vstart.back());
+  for (int64_t j = 0; j < P * KV; ++j)
+    std::fill(vpacked.begin() + vstart[j + 1] - kValuePad * D, vpacked.begin() + vstart[j + 1], uint32_t{0});
   uint32_t* kbuf = kpacked.data();  // (a thread_local named in a worker is the worker's own)
   uint32_t* vbuf = vpacked.data();
   // Entries some row of a piece sees: a difference array of its rows' runs.
@@ -334,11 +509,17 @@ void chunk_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, co
   for (int64_t j = 0; j < P * KV; ++j) ustart[j + 1] = ustart[j] + (ps[j / KV].q_len * group + kLanes - 1) / kLanes;
   // Units differ in work (a causal chunk's later rows see more keys): handed out one by one.
   const int64_t units = ustart.back();
-#pragma omp parallel for schedule(dynamic, 1) num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units)))
-  for (int64_t unit = 0; unit < units; ++unit) {
+#pragma omp parallel num_threads(std::max<int64_t>(1, std::min<int64_t>(at::get_num_threads(), units)))
+  {
     thread_local Scratch w;
-    const int64_t j = std::upper_bound(ustart.begin(), ustart.end(), unit) - ustart.begin() - 1;
-    attend_unit(G, ps[j / KV], bp, j % KV, unit - ustart[j], kbuf + kstart[j], vbuf + vstart[j], w);
+    if (amx) specmesh_amx::begin();
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t unit = 0; unit < units; ++unit) {
+      const int64_t j = std::upper_bound(ustart.begin(), ustart.end(), unit) - ustart.begin() - 1;
+      if (amx) attend_unit_amx(G, ps[j / KV], bp, j % KV, unit - ustart[j], kbuf + kstart[j], vbuf + vstart[j], w);
+      else attend_unit(G, ps[j / KV], bp, j % KV, unit - ustart[j], kbuf + kstart[j], vbuf + vstart[j], w);
+    }
+    if (amx) specmesh_amx::end();
   }
 }
 

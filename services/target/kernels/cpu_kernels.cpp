@@ -34,5 +34,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("store_decode_attention_bf16", &store_decode_attention_bf16,
         "a layer's new keys and values into the pool, then its decode rows' attention");
   m.def("chunk_attention_bf16", &chunk_attention_bf16,
-        "prefill chunks' attention over the paged bf16 pool (VDPBF16PS), each row one visible run, in place");
+        "prefill chunks' attention over the paged bf16 pool (VDPBF16PS, or AMX tiles), each row one visible run, in place");
 }

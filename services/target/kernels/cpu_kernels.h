@@ -61,4 +61,4 @@ at::Tensor store_decode_attention_bf16(const at::Tensor& query, const at::Tensor
 // cpu_chunk_attention.cpp: prefill chunks over the paged bf16 pool (AVX512-BF16), in place.
 void chunk_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& pieces, const at::Tensor& tables, const at::Tensor& bounds, double scale,
-                          at::Tensor& out);
+                          at::Tensor& out, bool amx);

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import torch
 
+from services.target.kernels import cpu_linear
 from services.target.kernels.cpu_kernels import module
 
 _NO_MASK = torch.empty(0, dtype=torch.bool)  # "no mask" to the C++ side (once, not per call and layer)
@@ -70,16 +71,19 @@ def store_decode_attention(query: torch.Tensor, key: torch.Tensor, value: torch.
 
 
 def chunk_attention(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, pieces: torch.Tensor,
-                    tables: torch.Tensor, bounds: torch.Tensor, scale: float, out: torch.Tensor) -> None:
-    """Prefill chunks' attention over the paged bf16 pool with VDPBF16PS (cpu_chunk_attention.cpp);
-    AVX512-BF16 CPUs only (cpu_linear.bf16_dot_instruction).
+                    tables: torch.Tensor, bounds: torch.Tensor, scale: float, out: torch.Tensor,
+                    amx: bool | None = None) -> None:
+    """Prefill chunks' attention over the paged bf16 pool with VDPBF16PS, or AMX tiles where
+    cpu_linear.amx() (cpu_chunk_attention.cpp; amx=False keeps VDPBF16PS); AVX512-BF16 CPUs only
+    (cpu_linear.bf16_dot_instruction).
 
     query/out [T, H, D] bf16; caches [num_blocks, block_size, KV, D] bf16; pieces [P, 4] int64
     (q_start, q_len, kv_offset, kv_len): rows q_start .. q_start + q_len - 1 over entries
     kv_offset .. kv_offset + kv_len - 1 of the blocks tables[P, max_blocks] laid end to end;
     bounds [rows, 2] int64, row by row of the pieces: the run [lo, hi) of that range the row sees.
     Writes the pieces' rows of out; a row that sees nothing gets zeros."""
-    module().chunk_attention_bf16(query, k_cache, v_cache, pieces, tables, bounds, scale, out)
+    module().chunk_attention_bf16(query, k_cache, v_cache, pieces, tables, bounds, scale, out,
+                                  cpu_linear.amx() if amx is None else amx)
 
 
 def gelu_tanh_mul(gate_up: torch.Tensor) -> torch.Tensor:

@@ -452,19 +452,18 @@ class ChunkPieces:
 
 
 def chunk_kernel_runs(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, cpp_attention: bool) -> bool:
-    """Whether prefill chunks attend in cpu_chunk_attention.cpp (else torch's matmuls). Not on a CPU
-    with AMX: oneDNN's bf16 matmuls run there on AMX tiles, and a 2,000-token prefill of the default
-    model took 533-553 ms in-process with them against 863-879 ms with the kernel's VDPBF16PS
-    (2-core Xeon, 2026-12-05, `python benchmarks/engine_step.py`)."""
+    """Whether prefill chunks attend in cpu_chunk_attention.cpp (else torch's matmuls): with VDPBF16PS,
+    or on AMX tiles where the CPU has them (cpu_linear.amx())."""
     return (cpp_attention and query_dtype == torch.bfloat16 and cache_dtype == torch.bfloat16
-            and head_dim % 64 == 0 and cpu_linear.bf16_dot_instruction() and not cpu_kernels.amx_cpu())
+            and head_dim % 64 == 0 and cpu_linear.bf16_dot_instruction())
 
 
 def whole_windows(query_dtype: torch.dtype, cache_dtype: torch.dtype, head_dim: int, cpp_attention: bool) -> bool:
     """Whether a sliding-window layer's long chunk attends whole (`plan_cpu_attention(cut_windows=False)`):
     where the C++ chunk kernel runs (it bounds each row block's keys itself), and where torch's bf16
     matmuls run on AMX tiles, which did a chunk's few large matmuls faster than its 64-row pieces
-    (the prefill above: 533-553 ms whole against 599-623 ms cut)."""
+    (a 2,000-token prefill of the default model, 2-core Xeon, 2026-12-05: 533-553 ms whole against
+    599-623 ms cut)."""
     return chunk_kernel_runs(query_dtype, cache_dtype, head_dim, cpp_attention) or (
         query_dtype == torch.bfloat16 and cache_dtype == torch.bfloat16 and cpu_kernels.amx_cpu())
 
