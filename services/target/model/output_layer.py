@@ -51,11 +51,14 @@ ARGMAX_ONLY = ArgmaxOnly()
 # Above this many screened rows a step, the whole layer is about as fast as the screen (measured on
 # the default model: docs/kernels.md; `python -m benchmarks.argmax_screen`); they go through it
 # whole. 8 covers a depth-4 chain's verify pass (5 rows) and small greedy batches. With the int8
-# pass on AMX-INT8 tiles, SCREEN_MAX_ROWS_AMX. On the AVX2 build the whole layer widens every bf16
+# pass on AMX-INT8 tiles, SCREEN_MAX_ROWS_AMX: the 18-request batch's rows (2-core Xeon with AMX,
+# 2026-12-07, `python -m benchmarks.argmax_screen --rows 12 18 24 32`: 18 rows 17.3 ms screened
+# against 19.7 whole; 24 rows 22.8 against 20.4; on another such Xeon on 2026-12-05 18 rows 17.2
+# against 22.2). On the AVX2 build the whole layer widens every bf16
 # weight and the screen stayed ahead at every row count measured (2-core AVX2 EPYC, 2026-12-06: 18
 # rows 36.8 ms against 50.7, one row 5.5 against 7.8), so SCREEN_MAX_ROWS_AVX2 (the rows measured).
 SCREEN_MAX_ROWS = 8
-SCREEN_MAX_ROWS_AMX = 12
+SCREEN_MAX_ROWS_AMX = 18
 SCREEN_MAX_ROWS_AVX2 = 18
 
 
