@@ -126,6 +126,7 @@ class Replica:
         self._health = health_pb2_grpc.HealthStub(channel)
         self.healthy = True  # optimistic until a check fails
         self.failed_checks = 0  # consecutive
+        self._checking: asyncio.Task | None = None  # the check in flight, shared by overlapping callers
         self.stats: ReplicaStats | None = None
         self.in_flight = 0  # requests this router has on it now
         self.in_flight_tokens = 0  # their uncached prompt until the first token, + max_tokens until the end
@@ -174,8 +175,20 @@ class Replica:
         """Health SERVING and stats read; updates `healthy` and `stats`.
 
         Refused connections and NOT_SERVING eject at once; a slow answer (a busy replica) only
-        after `eject_after` consecutive failed checks.
+        after `eject_after` consecutive failed checks. Calls that overlap share one check: a
+        burst of finished requests refreshes a replica once, and one slow spell counts as one
+        failure, not as one per request that ended in it.
         """
+        if self._checking is None or self._checking.done():
+            self._checking = asyncio.get_running_loop().create_task(
+                self._check_once(timeout, eject_after), context=contextvars.Context())
+        return await asyncio.shield(self._checking)
+
+    def cancel_check(self) -> None:
+        if self._checking is not None:
+            self._checking.cancel()
+
+    async def _check_once(self, timeout: float, eject_after: int) -> bool:
         try:
             health = await self._health.Check(health_pb2.HealthCheckRequest(service=""), timeout=timeout)
             if health.status != health_pb2.HealthCheckResponse.SERVING:
@@ -288,6 +301,8 @@ class ReplicaSet:
             if task is not None:
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
+        for replica in self._replicas.values():
+            replica.cancel_check()
         await asyncio.gather(*(r.channel.close() for r in self._replicas.values()), return_exceptions=True)
 
     # ---- helpers ---------------------------------------------------------------
@@ -309,6 +324,7 @@ class ReplicaSet:
         gone = [self._replicas.pop(address) for address in removed]
         for replica in gone:
             log.info("replica %s left DNS: removed", replica.address)
+            replica.cancel_check()
             await replica.channel.close()
 
     def _add(self, addresses) -> None:

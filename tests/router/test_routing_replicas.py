@@ -73,3 +73,39 @@ async def test_all_replicas_down_is_unavailable(tiny_llama_dir):
         assert "no healthy replica" in info.value.details()
     finally:
         await router.stop()
+
+
+async def test_overlapping_checks_of_a_slow_replica_count_as_one_failure():
+    """A burst of requests ending during one slow spell refreshes the replica once per spell:
+    before checks were shared, each refresh counted as a consecutive failure, and one busy
+    moment ejected the only replica (the router then answered UNAVAILABLE to everyone)."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from services.router.replicas import Replica
+
+    class SlowHealth(health_pb2_grpc.HealthServicer):
+        calls = 0
+
+        async def Check(self, request, context):
+            SlowHealth.calls += 1
+            await asyncio.sleep(0.5)
+            return health_pb2.HealthCheckResponse(status=health_pb2.HealthCheckResponse.SERVING)
+
+    server = grpc.aio.server()
+    health_pb2_grpc.add_HealthServicer_to_server(SlowHealth(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    replica = Replica(f"127.0.0.1:{port}", channel)
+    try:
+        results = await asyncio.gather(*(replica.check(0.1, eject_after=3) for _ in range(5)))
+        assert results == [False] * 5 and SlowHealth.calls == 1
+        assert (replica.failed_checks, replica.healthy) == (1, True)  # one slow spell, not five
+        for _ in range(2):  # consecutive slow checks still eject
+            await replica.check(0.1, eject_after=3)
+        assert (replica.failed_checks, replica.healthy, SlowHealth.calls) == (3, False, 3)
+    finally:
+        replica.cancel_check()
+        await channel.close()
+        await server.stop(grace=None)
