@@ -89,7 +89,7 @@ def main() -> None:
     parser.add_argument("--model", default="default")
     parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
     parser.add_argument("--weights", default="auto",
-                        choices=["auto", "none", "bf16", "bf16-avx512", "gguf", "fp16", "int8"],
+                        choices=["auto", "none", "bf16", "bf16-avx512", "gguf", "gguf-bf16", "fp16", "int8"],
                         help="how the linear layers are stored (services/target/model/linear.py)")
     parser.add_argument("--kv-dtype", default="auto", choices=["auto", "bfloat16", "float32"],
                         help="the KV pool, and so attention's precision (services/target/config.py)")

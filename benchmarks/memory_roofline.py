@@ -27,10 +27,10 @@ import torch
 # specmesh's: the packed linear weights of the default model as benchmarks/cpu_kernels_decode.py's
 # linear_weight_bytes counts them (it prints them per format; loading the model here for two numbers
 # would cost more than the read it is compared with).
-SPECMESH_BYTES = {"auto": 536e6, "bf16-avx512": 536e6, "bf16": 536e6, "gguf": 294e6}  # gguf: Q4_K as nibbles
+SPECMESH_BYTES = {"auto": 536e6, "bf16-avx512": 536e6, "bf16": 536e6, "gguf": 294e6, "gguf-bf16": 294e6}  # gguf: Q4_K as nibbles
 # With the argmax screen (greedy rows, the default where the CPU has AVX512-VNNI), the output layer's
 # 335 MB of bf16 (189 MB of GGUF Q8_0 blocks) are not read: its 175 MB int8 copy is, and a few rows.
-SCREENED_BYTES = {"auto": 376e6, "bf16-avx512": 376e6, "gguf": 281e6}
+SCREENED_BYTES = {"auto": 376e6, "bf16-avx512": 376e6, "gguf": 281e6, "gguf-bf16": 281e6}
 VLLM_BYTES = 536e6  # the default model in bf16, its tied embedding read as the output layer
 LLAMACPP_FILES = {"llama.cpp BF16": "gemma-3-270m-bf16.gguf", "llama.cpp Q4_K_M": "gemma-3-270m-q4_k_m.gguf"}
 

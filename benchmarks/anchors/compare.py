@@ -627,7 +627,7 @@ def main() -> None:
     parser.add_argument("--prompts", type=int, default=9, help="how many of the nine prompts (single-stream runs)")
     parser.add_argument("--prefill-tokens", type=int, default=2000)
     parser.add_argument("--skip", nargs="*", default=[], choices=["vllm", "llamacpp", "hf", "speculation"])
-    parser.add_argument("--specmesh-weights", default="auto", choices=["auto", "bf16", "bf16-avx512", "gguf", "int8"],
+    parser.add_argument("--specmesh-weights", default="auto", choices=["auto", "bf16", "bf16-avx512", "gguf", "gguf-bf16", "int8"],
                         help="specmesh's linear layers (SPECMESH_WEIGHTS); gguf: the default model's own GGUF "
                              "blocks (the logits of bf16-avx512, fewer bytes a token); int8 trades accuracy for "
                              "speed (README: greedy agreement and log-prob gap), vLLM and HF stay bf16")

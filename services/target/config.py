@@ -118,9 +118,9 @@ class EngineConfig:
     def cpp_attention_expected(self) -> bool:
         """Whether a bf16 model's attention will run in specmesh's C++ kernels here, as far as the
         configuration tells: its C++ row ops run on specmesh's linear kernels (`weights` auto,
-        bf16-avx512 or gguf, on a CPU where the kernel module builds) under a lean forward
+        bf16-avx512, gguf or gguf-bf16, on a CPU where the kernel module builds) under a lean forward
         (`forward` auto; an architecture without one, services/target/model/lean_forward.py, then
         attends in torch over the same pool)."""
         from services.target.kernels import cpu_linear
-        return (torch.device(self.device).type == "cpu" and self.weights in ("auto", "bf16-avx512", "gguf")
+        return (torch.device(self.device).type == "cpu" and self.weights in ("auto", "bf16-avx512", "gguf", "gguf-bf16")
                 and self.forward == "auto" and cpu_linear.available())

@@ -21,7 +21,7 @@ from services.common.settings_group import SettingsGroup
 KernelBackend = Literal["auto", "triton", "cpu", "reference"]
 KERNEL_BACKENDS: tuple[str, ...] = get_args(KernelBackend)
 
-WeightFormat = Literal["auto", "none", "bf16", "bf16-avx512", "gguf", "fp16", "int8"]
+WeightFormat = Literal["auto", "none", "bf16", "bf16-avx512", "gguf", "gguf-bf16", "fp16", "int8"]
 WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
 
 KvDtype = Literal[("auto", *MODEL_DTYPES, "fp8")]

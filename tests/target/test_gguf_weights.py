@@ -66,9 +66,11 @@ def gguf_gemma_dir(tmp_path_factory):
 
 
 @needs_kernel
-def test_gguf_logits_equal_bf16_avx512_on_prefill_decode_and_tree_steps(gguf_gemma_dir):
-    gguf = _runner(gguf_gemma_dir, torch.bfloat16, "gguf")
+@pytest.mark.parametrize("weights", ["gguf", "gguf-bf16"])
+def test_gguf_logits_equal_bf16_avx512_on_prefill_decode_and_tree_steps(gguf_gemma_dir, weights):
+    gguf = _runner(gguf_gemma_dir, torch.bfloat16, weights)
     assert isinstance(gguf.model.lm_head, GGUFLinear) and gguf.lean_forward.embed_rows is not None
+    assert (gguf.model.lm_head.panels is not None) == (weights == "gguf-bf16")
     assert isinstance(gguf.lean_forward.layers[0].down_proj.__self__, GGUFLinear)  # its matmul_rows (direct_rows)
     expected = _run(_runner(gguf_gemma_dir, torch.bfloat16, "bf16-avx512"))
     for got, want in zip(_run(gguf), expected):
@@ -96,3 +98,22 @@ def test_without_avx512_bf16_gguf_falls_back_with_a_log_line(monkeypatch, caplog
         fmt = linear.resolve_weight_format("gguf", torch.bfloat16, "cpu", tmp_path / SOURCE_GGUF)
     assert fmt != "gguf"
     assert "cannot run here (the CPU lacks AVX512-BF16 (test))" in caplog.text
+
+
+@needs_kernel
+def test_gguf_bf16_multiplies_many_rows_on_the_panels_and_few_on_the_blocks(gguf_gemma_dir, monkeypatch):
+    from services.target.kernels import cpu_gguf_linear, cpu_linear
+    runner = _runner(gguf_gemma_dir, torch.bfloat16, "gguf-bf16")
+    layer = runner.lean_forward.layers[0].down_proj.__self__
+    calls = []
+    for module, name in ((cpu_linear, "bf16_linear"), (cpu_gguf_linear, "gguf_linear")):
+        real = getattr(module, name)
+        monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
+    blocks_only = GGUFLinear(layer.packed)
+    for rows in (1, GGUFLinear.DECODE_ROWS, GGUFLinear.DECODE_ROWS + 1, 40):
+        x = torch.randn(rows, layer.in_features).to(torch.bfloat16)
+        calls.clear()
+        got = layer.matmul_rows(x)
+        want_path = "bf16_linear" if rows > GGUFLinear.DECODE_ROWS else "gguf_linear"
+        assert calls == [want_path], rows
+        assert torch.equal(got, blocks_only.matmul_rows(x))  # the same bits on either path

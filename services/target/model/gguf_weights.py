@@ -19,7 +19,7 @@ import numpy as np
 import torch
 from torch import nn
 
-from services.target.kernels import cpu_gguf_linear
+from services.target.kernels import cpu_gguf_linear, cpu_linear, huge_pages
 from services.target.model.fused_name import FUSED
 
 log = logging.getLogger(__name__)
@@ -28,24 +28,40 @@ _CHECK_ROWS = 4  # rows of each part compared with the loaded weight: first and 
 
 
 class GGUFLinear(nn.Module):
-    """y = x W^T with W the GGUF blocks of one (or a fused run of) weight(s) [out, in], no bias."""
+    """y = x W^T with W the GGUF blocks of one (or a fused run of) weight(s) [out, in], no bias.
 
-    def __init__(self, packed: cpu_gguf_linear.Packed, out_dtype: torch.dtype | None = None) -> None:
+    `panels` (weights="gguf-bf16"): the same weights as bf16_linear's panels, which calls of more
+    than DECODE_ROWS rows multiply instead. Those calls are compute-bound, and expanding the blocks
+    there cost the default model's 18-request batch ~15% against bf16-avx512; at 1-3 rows the
+    blocks' fewer bytes win. The outputs are the same either way: gguf_linear equals bf16_linear over
+    the blocks' bf16 values bit for bit, and the panels are packed from exactly those values."""
+
+    DECODE_ROWS = 3  # gguf_linear's register tiles (cpu_gguf_linear.cpp); more rows expand panels
+
+    def __init__(self, packed: cpu_gguf_linear.Packed, out_dtype: torch.dtype | None = None,
+                 with_bf16: bool = False) -> None:
         super().__init__()
         self.packed = packed
         self.in_features, self.out_features = packed.in_features, packed.out_features
         self.out_dtype = out_dtype
+        self.panels = (huge_pages.place(cpu_linear.pack(cpu_gguf_linear.rows(packed, torch.arange(packed.out_features))))
+                       if with_bf16 else None)  # [ceil(out / 32), in / 2, 64] bf16
+
+    def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] bf16 -> [rows, out] bf16
+        if self.panels is not None and x.shape[0] > self.DECODE_ROWS:
+            return cpu_linear.bf16_linear(x, self.panels, self.out_features)
+        return cpu_gguf_linear.gguf_linear(x, self.packed)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:  # [..., in] -> [..., out]
         flat = x.reshape(-1, self.in_features).to(torch.bfloat16)  # [rows, in] bf16
-        y = cpu_gguf_linear.gguf_linear(flat, self.packed)  # [rows, out] bf16
+        y = self._matmul(flat)  # [rows, out] bf16
         return y.to(self.out_dtype or x.dtype).reshape(*x.shape[:-1], self.out_features)
 
     def matmul_rows(self, x: torch.Tensor) -> torch.Tensor:
         """forward for x [M, in] bf16 (a lean forward's activations), without nn.Module's call."""
         if self.out_dtype not in (None, torch.bfloat16) or x.dtype != torch.bfloat16:
             return self.forward(x)
-        return cpu_gguf_linear.gguf_linear(x, self.packed)
+        return self._matmul(x)
 
     def rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` [T] of W as bf16 [T, in]: a tied embedding's lookup in the same blocks."""
@@ -76,9 +92,10 @@ def _check_rows(parts: cpu_gguf_linear.Decoded, weight: torch.Tensor, what: str)
                          "GGUF is not its source; prepare the model again (`specmesh models prepare --force`)")
 
 
-def pack_gguf_linears(model: nn.Module, gguf_path: Path) -> int:
+def pack_gguf_linears(model: nn.Module, gguf_path: Path, with_bf16: bool = False) -> int:
     """Replaces each nn.Linear of `model` (fused already, not sharded) by a GGUFLinear over the
-    blocks of `gguf_path`; returns how many. The lm_head keeps float32 outputs."""
+    blocks of `gguf_path` (with bf16 panels of them for calls of many rows: `with_bf16`); returns
+    how many. The lm_head keeps float32 outputs."""
     from gguf import GGUFReader
 
     from services.common.models.prepare import hf_name
@@ -108,9 +125,11 @@ def pack_gguf_linears(model: nn.Module, gguf_path: Path) -> int:
         total += packed.nbytes()
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, attr, GGUFLinear(packed, torch.float32 if module is lm_head else None))
-    log.info("GGUF weights: %d linear layers from %s, %.0f MB in the kernel's layout", len(targets), gguf_path.name,
-             total / 1e6)
+        layer = GGUFLinear(packed, torch.float32 if module is lm_head else None, with_bf16)
+        total += 0 if layer.panels is None else layer.panels.numel() * layer.panels.element_size()
+        setattr(parent, attr, layer)
+    log.info("GGUF weights: %d linear layers from %s, %.0f MB in the kernels' layouts%s", len(targets), gguf_path.name,
+             total / 1e6, " (with bf16 panels for calls of many rows)" if with_bf16 else "")
     return len(targets)
 
 

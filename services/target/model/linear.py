@@ -30,6 +30,10 @@ place: docs/kernels.md.
                   (kernels/cpu_gguf_linear.cpp) with outputs equal to bf16-avx512's bit for bit, reading
                   ~1.1 bytes a weight instead of 2 (model/gguf_weights.py). Where the CPU lacks
                   AVX512-BF16 it falls back to bf16-avx512 (same outputs on an AVX512-BF16 CPU), saying so.
+  weights="gguf-bf16"  the GGUF blocks for calls of 1-3 rows (decode: memory-bound, where the blocks'
+                  bytes win) and bf16-avx512's panels of the same values for more rows (batches,
+                  verify trees, prefill: compute-bound, where expanding the blocks costs): the same
+                  outputs as both, bit for bit, and the memory of both (model/gguf_weights.py).
   weights="fp16"  each weight converted once to fp16 and packed for fbgemm; activations go in
                   as float32 and products accumulate in float32. bf16 values are exact in fp16
                   except the 0.02% of Gemma 3 270M weights below fp16's normal range (< 6.1e-5),
@@ -54,6 +58,8 @@ from torch import nn
 from services.target.kernels import cpu_gguf_linear, cpu_linear, huge_pages
 
 from services.target.settings import WEIGHT_FORMATS  # noqa: E402,F401  (declared once, for the settings too)
+
+GGUF_FORMATS = ("gguf", "gguf-bf16")  # the formats that multiply a GGUF file's own blocks
 
 log = logging.getLogger(__name__)
 
@@ -207,16 +213,16 @@ def resolve_weight_format(weights: str, dtype: torch.dtype, device: str, gguf_so
     """The format the linear layers get; `gguf_source`: the GGUF the model was prepared from, if kept."""
     if weights not in WEIGHT_FORMATS:
         raise ValueError(f"weights must be one of {WEIGHT_FORMATS}, got {weights!r}")
-    if weights == "gguf":
+    if weights in GGUF_FORMATS:
         if gguf_source is None:
-            raise ValueError("weights='gguf' needs a model prepared from a GGUF file that keeps it (the default "
-                             "model, prepared again with `specmesh models prepare --force` if it predates this)")
+            raise ValueError(f"weights={weights!r} needs a model prepared from a GGUF file that keeps it (the "
+                             "default model, prepared again with `specmesh models prepare --force` if it predates this)")
         if dtype != torch.bfloat16 or torch.device(device).type != "cpu":
-            raise ValueError("weights='gguf' serves bf16 activations on the CPU (--dtype bfloat16)")
+            raise ValueError(f"weights={weights!r} serves bf16 activations on the CPU (--dtype bfloat16)")
         reason = cpu_gguf_linear.unavailable_reason()
         if reason is not None:
-            log.warning("weights='gguf' cannot run here (%s): the GGUF's blocks dequantized to bf16 "
-                        "instead (bf16-avx512)", reason)
+            log.warning("weights=%r cannot run here (%s): the GGUF's blocks dequantized to bf16 "
+                        "instead (bf16-avx512)", weights, reason)
             return resolve_weight_format("bf16-avx512" if cpu_linear.available() else "auto", dtype, device)
         return weights
     if weights != "auto":
@@ -237,11 +243,11 @@ def prepack_linears(model: nn.Module, weights: str, gguf_source: Path | None = N
     """
     if weights == "none":
         return 0
-    if weights == "gguf":
+    if weights in GGUF_FORMATS:
         from services.target.model.gguf_weights import pack_gguf_linears
         if gguf_source is None:
-            raise ValueError("weights='gguf' needs the GGUF file the model was prepared from")
-        return pack_gguf_linears(model, gguf_source)
+            raise ValueError(f"weights={weights!r} needs the GGUF file the model was prepared from")
+        return pack_gguf_linears(model, gguf_source, with_bf16=weights == "gguf-bf16")
     classes = {"bf16": PackedLinearBF16, "bf16-avx512": AVX512LinearBF16, "fp16": PackedLinearFP16,
                "int8": Int8Linear}
     if weights not in classes:
