@@ -122,5 +122,6 @@ class EngineConfig:
         (`forward` auto; an architecture without one, services/target/model/lean_forward.py, then
         attends in torch over the same pool)."""
         from services.target.kernels import cpu_linear
-        return (torch.device(self.device).type == "cpu" and self.weights in ("auto", "bf16-avx512", "gguf", "gguf-bf16")
+        return (torch.device(self.device).type == "cpu"
+                and self.weights in ("auto", "bf16-avx512", "gguf", "gguf-bf16")
                 and self.forward == "auto" and cpu_linear.available())

@@ -95,8 +95,8 @@ SPECMESH_DOT_TARGET inline __m512bh expand(const Weights& w, int64_t g, int64_t 
 }
 
 // Decode rows expand in registers, which keeps a core busy: the hardware prefetchers alone left the
-// layers' weights at ~17 GB/s from memory on the AVX512-BF16 EPYC. Each group's next unit (kNG groups
-// on, the same k) is asked for one cache line at a time while this one expands: a one-row decode step
+// layers' weights at ~17 GB/s from memory on the AVX512-BF16 EPYC. Each group's next unit (4 groups on,
+// the same k) is asked for one cache line at a time while this one expands: a one-row decode step
 // 12.6-12.9 -> 12.2-12.5 ms, two rows 13.4 -> 12.8 (alternating in one process; 2 or 8 groups ahead
 // measured no better). A prefetch past the weights' end is harmless.
 constexpr int64_t kPrefetchGroups = 4;
