@@ -10,7 +10,7 @@ import torch
 from services.common.env import MODEL_DTYPES, MeshSettings, check_declared
 from services.common.limits import RequestLimits
 from services.common.tls import MeshTls
-from services.target.settings import MAX_DRAFT_TIMEOUT_MS, TargetSettings
+from services.target.settings import GGUF_FORMATS, MAX_DRAFT_TIMEOUT_MS, TargetSettings
 
 _DTYPES = {name: getattr(torch, name) for name in MODEL_DTYPES}
 _KV_DTYPES = {**_DTYPES, "fp8": torch.float8_e4m3fn}  # and "auto" (services/target/settings.py KV_DTYPES)
@@ -123,5 +123,5 @@ class EngineConfig:
         attends in torch over the same pool)."""
         from services.target.kernels import cpu_linear
         return (torch.device(self.device).type == "cpu"
-                and self.weights in ("auto", "bf16-avx512", "gguf", "gguf-bf16")
+                and self.weights in ("auto", "bf16-avx512", *GGUF_FORMATS)
                 and self.forward == "auto" and cpu_linear.available())

@@ -23,6 +23,7 @@ KERNEL_BACKENDS: tuple[str, ...] = get_args(KernelBackend)
 
 WeightFormat = Literal["auto", "none", "bf16", "bf16-avx512", "gguf", "gguf-bf16", "fp16", "int8"]
 WEIGHT_FORMATS: tuple[str, ...] = get_args(WeightFormat)
+GGUF_FORMATS = ("gguf", "gguf-bf16")  # the formats that multiply a GGUF file's own blocks
 
 KvDtype = Literal[("auto", *MODEL_DTYPES, "fp8")]
 

@@ -146,7 +146,7 @@ struct Scratch {
 };
 
 // The 16 query vectors of a unit: their rows in the query and out tensors, their runs, and the
-// union of the runs [klo, khi) (khi == 0: no vector sees anything, `blind`).
+// union of the runs [klo, khi) (khi == 0: no vector sees anything).
 struct UnitLanes {
   int64_t lo[kLanes], hi[kLanes];
   const uint16_t* qrow[kLanes];
@@ -176,8 +176,8 @@ struct UnitLanes {
     if (khi > 0) klo &= ~int64_t{1};  // key pairs start at even entries (the entry before is this piece's: p = 0)
   }
 
-  // Whether no vector sees anything; then their outputs are zeroed here and the unit is done.
-  bool blind(int64_t D) const {
+  // Where no vector sees anything, zeroes their outputs and says so (the unit is then done).
+  bool zero_if_blind(int64_t D) const {
     if (khi > 0) return false;
     for (int l = 0; l < kLanes; ++l)
       if (orow[l] != nullptr) std::fill(orow[l], orow[l] + D, uint16_t{0});
@@ -189,7 +189,7 @@ struct UnitLanes {
 SPECMESH_DOT_TARGET void attend_unit(const Geometry& G, const Piece& p, const int64_t* bounds, int64_t g, int64_t u,
                                      const uint32_t* kp, const uint32_t* vp, Scratch& w) {
   const UnitLanes L(G, p, bounds, g, u);
-  if (L.blind(G.D)) return;
+  if (L.zero_if_blind(G.D)) return;
   const int64_t D = G.D, D2 = D / 2, klo = L.klo, khi = L.khi;
   const int64_t n = khi - klo;
   const int64_t* lo = L.lo;
@@ -333,7 +333,7 @@ SPECMESH_AMX_ATTENTION_TARGET void value_tiles_amx(const uint16_t* pr, int64_t w
 SPECMESH_AMX_ATTENTION_TARGET void attend_unit_amx(const Geometry& G, const Piece& p, const int64_t* bounds, int64_t g,
                                                    int64_t u, const uint32_t* kp, const uint32_t* vp, Scratch& w) {
   const UnitLanes L(G, p, bounds, g, u);
-  if (L.blind(G.D)) return;
+  if (L.zero_if_blind(G.D)) return;
   const int64_t D = G.D, klo = L.klo, khi = L.khi, n = khi - klo;
 
   w.q.resize(kLanes * D);  // [16, D]: absent lanes zero

@@ -57,9 +57,7 @@ from torch import nn
 
 from services.target.kernels import cpu_gguf_linear, cpu_linear, huge_pages
 
-from services.target.settings import WEIGHT_FORMATS  # noqa: E402,F401  (declared once, for the settings too)
-
-GGUF_FORMATS = ("gguf", "gguf-bf16")  # the formats that multiply a GGUF file's own blocks
+from services.target.settings import GGUF_FORMATS, WEIGHT_FORMATS  # noqa: E402,F401  (declared once, for the settings too)
 
 log = logging.getLogger(__name__)
 
