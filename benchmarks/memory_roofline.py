@@ -75,7 +75,9 @@ def main() -> None:
     print("|---|---|---:|---:|---:|---:|")
     for path in args.results:
         data = json.loads(path.read_text())
-        weights = data["args"].get("specmesh_weights", "auto")
+        # the format the target served (compare.py records it); older runs only what was asked, and
+        # their "auto" was bf16-avx512 (auto picks gguf-bf16 for the default model since 2026-12-07)
+        weights = data["result"].get("_weights") or data["args"].get("specmesh_weights", "auto")
         for system, tok_s in data["result"]["single"].items():
             if system.startswith("_") or tok_s is None:
                 continue

@@ -479,9 +479,18 @@ async def run(args, llamacpp: Path | None = None) -> dict:
         cpu.__exit__(None, None, None)
         stop(procs)
     result = summarize(res, foreign)
+    result["_weights"] = served_weights(log_dir / "target.log")
     if variant_label:
         result["_variant"] = variant_label
     return result
+
+
+def served_weights(target_log: Path) -> str | None:
+    """The weight format the target resolved (`auto` depends on the CPU and the model), from its log."""
+    for line in target_log.read_text(errors="replace").splitlines():
+        if "linear layers: " in line:
+            return line.split("linear layers: ", 1)[1].split(" ", 1)[0]
+    return None
 
 
 def summarize(res: dict[str, dict[str, list[float]]], foreign: dict | None = None) -> dict:
@@ -647,7 +656,9 @@ def main() -> None:
     load = os.getloadavg()
     # specmesh's switches that change what it runs, as this run's environment set them (README settings)
     switches = {k: v for k, v in os.environ.items() if k in SPECMESH_SWITCHES}
+    served = result.get("_weights")
     header = (f"model={args.model} bf16 (specmesh weights: {args.specmesh_weights}"
+              + (f" -> {served}" if served and served != args.specmesh_weights else "")
               + "".join(f", {k}={v}" for k, v in sorted(switches.items()))
               + f") greedy tokens={args.tokens} "
               f"rounds={args.rounds} prompts={args.prompts} "

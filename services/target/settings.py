@@ -47,12 +47,14 @@ class TargetSettings(SettingsGroup):
     kernels: KernelBackend = Field(
         "auto", description="attention kernels; auto = Triton where CUDA is present, else cpu")
     weights: WeightFormat = Field(
-        "auto", description="linear-layer weights; auto = specmesh's AVX-512 kernel (bf16-avx512) for a "
+        "auto", description="linear-layer weights; auto = gguf-bf16 for a bf16 model prepared from a GGUF "
+        "(the default model) on a CPU with AVX512-BF16, else specmesh's AVX-512 kernel (bf16-avx512) for a "
         "bf16 model on an AVX-512 CPU, else oneDNN-packed bf16 on a CPU with bf16 dot products in "
         "hardware, else fp16 packed for fbgemm when a bf16/fp16 model runs on the CPU; "
         "int8 = per-channel int8 (fbgemm dynamic quantization); gguf = the blocks of the GGUF a prepared "
         "model came from (the default model), multiplied by specmesh's AVX512-BF16 kernel with outputs equal "
-        "to bf16-avx512's bit for bit in fewer bytes (a CPU without AVX512-BF16 falls back to bf16-avx512)")
+        "to bf16-avx512's bit for bit in fewer bytes (a CPU without AVX512-BF16 falls back to bf16-avx512); "
+        "gguf-bf16 = those blocks for calls of 1-3 rows, bf16 panels of the same values for more")
     forward: ForwardKind = Field(
         "auto", description="the model's forward; auto = a lean forward where one computes the model exactly "
         "(Gemma 3, the Llama family), else transformers' modules; generic = transformers' modules always "

@@ -14,7 +14,7 @@ from safetensors.torch import load_file, save_file
 
 from services.common.models import build_tiny_model
 from services.common.models.prepare import _LAYER_PARTS, SOURCE_GGUF
-from services.target.kernels import cpu_gguf_linear
+from services.target.kernels import cpu_gguf_linear, cpu_linear
 from services.target.model import linear
 from services.target.model.gguf_weights import GGUFLinear
 
@@ -102,7 +102,6 @@ def test_without_avx512_bf16_gguf_falls_back_with_a_log_line(monkeypatch, caplog
 
 @needs_kernel
 def test_gguf_bf16_multiplies_many_rows_on_the_panels_and_few_on_the_blocks(gguf_gemma_dir, monkeypatch):
-    from services.target.kernels import cpu_gguf_linear, cpu_linear
     runner = _runner(gguf_gemma_dir, torch.bfloat16, "gguf-bf16")
     layer = runner.lean_forward.layers[0].down_proj.__self__
     calls = []
@@ -117,3 +116,21 @@ def test_gguf_bf16_multiplies_many_rows_on_the_panels_and_few_on_the_blocks(gguf
         want_path = "bf16_linear" if rows > GGUFLinear.DECODE_ROWS else "gguf_linear"
         assert calls == [want_path], rows
         assert torch.equal(got, blocks_only.matmul_rows(x))  # the same bits on either path
+
+
+def test_auto_serves_a_model_prepared_from_a_gguf_with_its_blocks_where_the_kernel_runs(gguf_gemma_dir,
+                                                                                      monkeypatch):
+    source = gguf_gemma_dir / SOURCE_GGUF
+    monkeypatch.setattr(cpu_gguf_linear, "available", lambda: True)
+    assert linear.resolve_weight_format("auto", torch.bfloat16, "cpu", source) == "gguf-bf16"
+    assert linear.resolve_weight_format("auto", torch.float32, "cpu", source) == "none"  # bf16 blocks only
+    monkeypatch.setattr(cpu_linear, "available", lambda: True)
+    monkeypatch.setattr(cpu_gguf_linear, "available", lambda: False)  # no AVX512-BF16: the bf16 kernel
+    assert linear.resolve_weight_format("auto", torch.bfloat16, "cpu", source) == "bf16-avx512"
+
+
+@needs_kernel
+def test_auto_loads_the_gguf_blocks_of_a_model_that_kept_its_gguf(gguf_gemma_dir):
+    runner = _runner(gguf_gemma_dir, torch.bfloat16, "auto")
+    assert isinstance(runner.model.lm_head, GGUFLinear) and runner.model.lm_head.panels is not None
+    assert runner.lean_forward.embed_rows is not None  # the tied embedding looked up in the blocks

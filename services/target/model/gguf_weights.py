@@ -21,6 +21,7 @@ from torch import nn
 
 from services.target.kernels import cpu_gguf_linear, cpu_linear, huge_pages
 from services.target.model.fused_name import FUSED
+from services.target.model.gguf_tensors import read_tensors
 
 log = logging.getLogger(__name__)
 
@@ -96,14 +97,11 @@ def pack_gguf_linears(model: nn.Module, gguf_path: Path, with_bf16: bool = False
     """Replaces each nn.Linear of `model` (fused already, not sharded) by a GGUFLinear over the
     blocks of `gguf_path` (with bf16 panels of them for calls of many rows: `with_bf16`); returns
     how many. The lm_head keeps float32 outputs."""
-    from gguf import GGUFReader
-
     from services.common.models.prepare import hf_name
 
     if not cpu_gguf_linear.available():
         raise ValueError(f"weights='gguf' cannot run here: {cpu_gguf_linear.unavailable_reason()}")
-    reader = GGUFReader(gguf_path)
-    tensors = {hf_name(t.name): t for t in reader.tensors}
+    tensors = {hf_name(t.name): t for t in read_tensors(gguf_path).values()}  # the index alone: fast
     lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
     total = 0
