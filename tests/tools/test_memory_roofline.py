@@ -49,7 +49,8 @@ def test_a_run_with_the_argmax_screen_counts_its_int8_copy_not_the_output_layer(
 def test_a_run_that_recorded_the_served_format_is_counted_by_it(tmp_path, monkeypatch, capsys):
     from benchmarks.anchors.compare import served_weights
     log = tmp_path / "target.log"
-    log.write_text("2026-12-07 INFO services.target.model.model_runner: linear layers: gguf-bf16 (asked: auto), 73 packed\n")
+    log.write_text("2026-12-07 INFO services.target.model.model_runner: "
+                   "linear layers: gguf-bf16 (asked: auto), 73 packed\n")
     assert served_weights(log) == "gguf-bf16"
     path = tmp_path / "compare-auto.json"
     path.write_text(json.dumps({"args": {"specmesh_weights": "auto"}, "switches": {},

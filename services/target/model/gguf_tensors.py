@@ -50,9 +50,10 @@ class _Cursor:
         return value[0] if len(value) == 1 else value
 
     def string(self) -> str:
-        return bytes(self.bytes(self.take("<Q"))).decode("utf-8")
+        return bytes(self.advance(self.take("<Q"))).decode("utf-8")
 
-    def bytes(self, n: int) -> memoryview:
+    def advance(self, n: int) -> memoryview:
+        """The next n bytes (a view), stepping past them."""
         if self.pos + n > len(self.buf):
             raise ValueError(f"{self.path.name}: the GGUF file ends inside its header (truncated?)")
         out = self.buf[self.pos:self.pos + n]
@@ -60,21 +61,21 @@ class _Cursor:
         return out
 
     def skip_value(self, value_type: int) -> int | None:
-        """Steps over one metadata value; returns it when it is an integer scalar (the alignment)."""
+        """Steps over one metadata value; returns it if it is a uint32 (general.alignment is one), else None."""
         kind = GGUFValueType(value_type)
         if kind in _SCALAR_BYTES:
             start = self.pos
-            self.bytes(_SCALAR_BYTES[kind])
+            self.advance(_SCALAR_BYTES[kind])
             return int.from_bytes(self.buf[start:self.pos], "little") if kind == GGUFValueType.UINT32 else None
         if kind == GGUFValueType.STRING:
-            self.bytes(self.take("<Q"))
+            self.advance(self.take("<Q"))
             return None
         if kind != GGUFValueType.ARRAY:
             raise ValueError(f"{self.path.name}: unknown GGUF value type {value_type}")
         item_type, count = self.take("<IQ")
         item = GGUFValueType(item_type)
         if item in _SCALAR_BYTES:
-            self.bytes(count * _SCALAR_BYTES[item])
+            self.advance(count * _SCALAR_BYTES[item])
         elif item == GGUFValueType.STRING:  # a vocabulary: the hot loop, kept to lengths and offsets
             buf, pos, unpack = self.buf, self.pos, struct.Struct("<Q").unpack_from
             for _ in range(count):
