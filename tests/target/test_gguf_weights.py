@@ -16,7 +16,7 @@ from services.common.models import build_tiny_model
 from services.common.models.prepare import _LAYER_PARTS, SOURCE_GGUF
 from services.target.kernels import cpu_gguf_linear, cpu_linear
 from services.target.model import linear
-from services.target.model.gguf_weights import GGUFLinear
+from services.target.model.gguf_weights import GGUFLinear, choose_decode_path
 
 from tests.target.test_gemma3_forward import _run, _runner
 from tests.target.test_gguf_linear import _blocks
@@ -109,6 +109,7 @@ def test_gguf_bf16_multiplies_many_rows_on_the_panels_and_few_on_the_blocks(gguf
         real = getattr(module, name)
         monkeypatch.setattr(module, name, lambda *a, _real=real, _name=name, **k: calls.append(_name) or _real(*a, **k))
     blocks_only = GGUFLinear(layer.packed)
+    layer.block_rows = GGUFLinear.DECODE_ROWS  # as where the blocks measured faster at one row (choose_decode_path)
     for rows in (1, GGUFLinear.DECODE_ROWS, GGUFLinear.DECODE_ROWS + 1, 40):
         x = torch.randn(rows, layer.in_features).to(torch.bfloat16)
         calls.clear()
@@ -116,6 +117,20 @@ def test_gguf_bf16_multiplies_many_rows_on_the_panels_and_few_on_the_blocks(gguf
         want_path = "bf16_linear" if rows > GGUFLinear.DECODE_ROWS else "gguf_linear"
         assert calls == [want_path], rows
         assert torch.equal(got, blocks_only.matmul_rows(x))  # the same bits on either path
+    layer.block_rows = 0  # a machine where the panels measured faster at one row (choose_decode_path)
+    x = torch.randn(1, layer.in_features).to(torch.bfloat16)
+    calls.clear()
+    assert torch.equal(layer.matmul_rows(x), blocks_only.matmul_rows(x)) and calls == ["bf16_linear", "gguf_linear"]
+
+
+@needs_kernel
+def test_gguf_bf16_decode_rows_take_the_layout_measured_faster_here(gguf_gemma_dir):
+    runner = _runner(gguf_gemma_dir, torch.bfloat16, "gguf-bf16")
+    layers = [m for m in runner.model.modules() if isinstance(m, GGUFLinear) and m is not runner.model.lm_head]
+    blocks, panels = choose_decode_path(layers, rounds=3)
+    assert blocks > 0 and panels > 0
+    assert {layer.block_rows for layer in layers} == {GGUFLinear.DECODE_ROWS if blocks <= panels else 0}
+    assert runner.model.lm_head.block_rows == GGUFLinear.DECODE_ROWS  # the output layer keeps its blocks
 
 
 def test_auto_serves_a_model_prepared_from_a_gguf_with_its_blocks_where_the_kernel_runs(gguf_gemma_dir,

@@ -13,6 +13,8 @@ is not the directory's source is refused instead of served. The outputs then equ
 from __future__ import annotations
 
 import logging
+import statistics
+import time
 from pathlib import Path
 
 import numpy as np
@@ -32,9 +34,10 @@ class GGUFLinear(nn.Module):
     """y = x W^T with W the GGUF blocks of one (or a fused run of) weight(s) [out, in], no bias.
 
     `panels` (weights="gguf-bf16"): the same weights as bf16_linear's panels, which calls of more
-    than DECODE_ROWS rows multiply instead. Those calls are compute-bound, and expanding the blocks
+    than `block_rows` rows multiply instead. Those calls are compute-bound, and expanding the blocks
     there cost the default model's 18-request batch ~15% against bf16-avx512; at 1-3 rows the
-    blocks' fewer bytes win. The outputs are the same either way: gguf_linear equals bf16_linear over
+    blocks' fewer bytes win where memory bounds a decode step (`choose_decode_path` checks that on
+    the running machine). The outputs are the same either way: gguf_linear equals bf16_linear over
     the blocks' bf16 values bit for bit, and the panels are packed from exactly those values."""
 
     DECODE_ROWS = 3  # gguf_linear's register tiles (cpu_gguf_linear.cpp); more rows expand panels
@@ -47,9 +50,10 @@ class GGUFLinear(nn.Module):
         self.out_dtype = out_dtype
         self.panels = (huge_pages.place(cpu_linear.pack(cpu_gguf_linear.rows(packed, torch.arange(packed.out_features))))
                        if with_bf16 else None)  # [ceil(out / 32), in / 2, 64] bf16
+        self.block_rows = self.DECODE_ROWS  # with panels: calls of up to this many rows multiply the blocks
 
     def _matmul(self, x: torch.Tensor) -> torch.Tensor:  # [rows, in] bf16 -> [rows, out] bf16
-        if self.panels is not None and x.shape[0] > self.DECODE_ROWS:
+        if self.panels is not None and x.shape[0] > self.block_rows:
             return cpu_linear.bf16_linear(x, self.panels, self.out_features)
         return cpu_gguf_linear.gguf_linear(x, self.packed)
 
@@ -104,7 +108,7 @@ def pack_gguf_linears(model: nn.Module, gguf_path: Path, with_bf16: bool = False
     tensors = {hf_name(t.name): t for t in read_tensors(gguf_path).values()}  # the index alone: fast
     lm_head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
     targets = [(name, m) for name, m in model.named_modules() if isinstance(m, nn.Linear)]
-    total = 0
+    total, layers = 0, []  # layers: the replaced layers but the output layer
     for name, module in targets:
         if module.bias is not None:
             raise ValueError(f"weights='gguf': {name} has a bias, which the GGUF kernel does not add")
@@ -124,11 +128,44 @@ def pack_gguf_linears(model: nn.Module, gguf_path: Path, with_bf16: bool = False
         parent_name, _, attr = name.rpartition(".")
         parent = model.get_submodule(parent_name) if parent_name else model
         layer = GGUFLinear(packed, torch.float32 if module is lm_head else None, with_bf16)
+        if module is not lm_head:
+            layers.append(layer)
         total += 0 if layer.panels is None else layer.panels.numel() * layer.panels.element_size()
         setattr(parent, attr, layer)
     log.info("GGUF weights: %d linear layers from %s, %.0f MB in the kernels' layouts%s", len(targets), gguf_path.name,
              total / 1e6, " (with bf16 panels for calls of many rows)" if with_bf16 else "")
+    if with_bf16 and layers:  # the output layer keeps its blocks for decode rows: read from memory, its bytes decide
+        blocks, panels = choose_decode_path(layers)
+        log.info("gguf-bf16: decode rows multiply the %s (a one-row pass over %d layers: %.2f ms on the blocks, "
+                 "%.2f ms on the panels)", "blocks" if layers[0].block_rows else "bf16 panels", len(layers),
+                 blocks * 1e3, panels * 1e3)
     return len(targets)
+
+
+def choose_decode_path(layers: list[GGUFLinear], rounds: int = 7) -> tuple[float, float]:
+    """Where gguf-bf16 layers multiply decode rows on this machine: the blocks (fewer bytes, an
+    expansion in registers) or the panels (twice the bytes, none), whichever one-row pass over all
+    `layers` is faster, the two taking turns `rounds` times (a CPU whose cache holds the bf16 layers
+    can favour the panels: on a 2-core Xeon with a 260 MB L3 one layer call hot in L3 took 0.04-0.13
+    ms on the blocks against 0.02-0.09 on bf16, docs/kernels.md). Either gives the same bits. Sets
+    every layer's `block_rows`; returns the median seconds of a pass on the blocks and on the panels."""
+    inputs = {n: torch.randn(1, n).to(torch.bfloat16) for n in {layer.in_features for layer in layers}}
+
+    def one_pass(block_rows: int) -> float:
+        for layer in layers:
+            layer.block_rows = block_rows
+        start = time.perf_counter()
+        for layer in layers:
+            layer.matmul_rows(inputs[layer.in_features])
+        return time.perf_counter() - start
+    times: dict[int, list[float]] = {GGUFLinear.DECODE_ROWS: [], 0: []}
+    for _ in range(rounds):
+        for block_rows, seconds in times.items():
+            seconds.append(one_pass(block_rows))
+    blocks, panels = statistics.median(times[GGUFLinear.DECODE_ROWS]), statistics.median(times[0])
+    for layer in layers:
+        layer.block_rows = GGUFLinear.DECODE_ROWS if blocks <= panels else 0
+    return blocks, panels
 
 
 def tied_embedding_rows(model: nn.Module):
