@@ -60,9 +60,12 @@ def test_a_file_that_is_not_a_gguf_or_ends_early_is_refused(tmp_path):
     (tmp_path / "other.gguf").write_bytes(b"NOPE" + data[4:])
     with pytest.raises(ValueError, match="not a GGUF file"):
         read_tensors(tmp_path / "other.gguf")
-    (tmp_path / "header.gguf").write_bytes(data[:200])  # inside the vocabulary
+    (tmp_path / "header.gguf").write_bytes(data[:200])  # inside the first values
     with pytest.raises(ValueError, match="ends inside its header"):
         read_tensors(tmp_path / "header.gguf")
+    (tmp_path / "vocabulary.gguf").write_bytes(data[:data.index(b"tok100") + 3])  # inside the vocabulary
+    with pytest.raises(ValueError, match="ends inside its header"):
+        read_tensors(tmp_path / "vocabulary.gguf")
     (tmp_path / "tensors.gguf").write_bytes(data[:-100])  # the last tensor's bytes cut
     with pytest.raises(ValueError, match="runs past the end of the file"):
         read_tensors(tmp_path / "tensors.gguf")

@@ -64,9 +64,8 @@ class _Cursor:
         """Steps over one metadata value; returns it if it is a uint32 (general.alignment is one), else None."""
         kind = GGUFValueType(value_type)
         if kind in _SCALAR_BYTES:
-            start = self.pos
-            self.advance(_SCALAR_BYTES[kind])
-            return int.from_bytes(self.buf[start:self.pos], "little") if kind == GGUFValueType.UINT32 else None
+            raw = self.advance(_SCALAR_BYTES[kind])
+            return int.from_bytes(raw, "little") if kind == GGUFValueType.UINT32 else None
         if kind == GGUFValueType.STRING:
             self.advance(self.take("<Q"))
             return None
@@ -78,8 +77,11 @@ class _Cursor:
             self.advance(count * _SCALAR_BYTES[item])
         elif item == GGUFValueType.STRING:  # a vocabulary: the hot loop, kept to lengths and offsets
             buf, pos, unpack = self.buf, self.pos, struct.Struct("<Q").unpack_from
-            for _ in range(count):
-                pos += 8 + unpack(buf, pos)[0]
+            try:
+                for _ in range(count):
+                    pos += 8 + unpack(buf, pos)[0]
+            except struct.error:  # a length past the end
+                pos = len(buf) + 1
             if pos > len(buf):
                 raise ValueError(f"{self.path.name}: the GGUF file ends inside its header (truncated?)")
             self.pos = pos

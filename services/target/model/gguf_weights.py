@@ -137,7 +137,7 @@ def pack_gguf_linears(model: nn.Module, gguf_path: Path, with_bf16: bool = False
     if with_bf16 and layers:  # the output layer keeps its blocks for decode rows: read from memory, its bytes decide
         blocks, panels = choose_decode_path(layers)
         log.info("gguf-bf16: decode rows multiply the %s (a one-row pass over %d layers: %.2f ms on the blocks, "
-                 "%.2f ms on the panels)", "blocks" if layers[0].block_rows else "bf16 panels", len(layers),
+                 "%.2f ms on the panels)", "blocks" if blocks <= panels else "bf16 panels", len(layers),
                  blocks * 1e3, panels * 1e3)
     return len(targets)
 
