@@ -19,6 +19,7 @@ runs: it waits for the step before its prefill can start (`arrival_rate`).
 
 from __future__ import annotations
 
+import heapq
 import math
 
 import numpy as np
@@ -57,9 +58,14 @@ class StepCostModel:
     owns it.
     """
 
-    def __init__(self, decay: float = 0.98, min_steps: int = 16) -> None:
+    def __init__(self, decay: float = 0.98, min_steps: int = 16, refit_every: int = 8) -> None:
         self.decay = decay
         self.min_steps = min_steps
+        # Steps between refits once fitted: the fit moves ~2% a step at the default decay, and
+        # a refit (a small least-squares solve) read before every step cost ~60 µs of the
+        # engine thread's time there.
+        self.refit_every = refit_every
+        self._fitted_at = 0  # `steps` when the fit was last computed
         self._xx = np.zeros((4, 4))  # decayed sum of x xᵀ, x = (1, tokens, rows, trees)
         self._xt = np.zeros(4)  # decayed sum of x t
         self._fit: tuple[float, float, float, float] | None = None
@@ -83,8 +89,8 @@ class StepCostModel:
         """(a, b, c, e): seconds, per token, per logit row, per draft tree; None while the steps
         do not vary in size. Where tokens and rows always move together (no prompt chunks
         seen yet) b and c share the common slope; e is 0 until trees are seen."""
-        if self._stale:
-            self._fit, self._stale = self._solve(), False
+        if self._stale and (self._fit is None or self.steps - self._fitted_at >= self.refit_every):
+            self._fit, self._stale, self._fitted_at = self._solve(), False, self.steps
         return self._fit
 
     def predict(self, num_tokens: float, num_logits: float | None = None, num_trees: float = 0) -> float:
@@ -177,53 +183,122 @@ class LoadAwareDepth:
         """Each candidate's depth (at most its own max depth; 0 = decode plainly).
         `draft_calls[i]`: whether candidate i's draft costs a draft-service call (default all);
         the step pays that call once if any such candidate drafts (a grammar's forced chain is
-        drafted by the target itself)."""
+        drafted by the target itself).
+
+        It runs before every step of a load-aware batch, so each candidate vector is priced
+        from the one before in O(1): near saturation its time is the queue's (issue 32: at 85%
+        load, plans that drafted nothing made steps 2-3% longer and every bucket's P99 TTFT
+        ~20% later)."""
         n = len(alphas)
         if not n:
             return []
+        if waiting and plain_outputs and self.margin >= 1:
+            # A queued request: no row may get its tokens more slowly than in a plain step. A
+            # plain row of this step gains nothing while every draft node lengthens the step
+            # (the fit's slopes are never negative), so no vector qualifies: decided without
+            # reading the fit, as on most steps near saturation.
+            return [0] * n
         if not self.cost.ready:
             # Not measured yet: the plan as asked, except when a first token waits (its TTFT would pay).
             return [0] * n if prefill_tokens or waiting else list(max_depths)
+        a, b, c, e = self.cost.coefficients()
         rows = (plain_outputs if plain_logits is None else plain_logits) + n  # logit rows without speculation
-        plain_time = self.cost.predict(plain_tokens + n, rows, plain_trees)
+        tokens = plain_tokens + n
+        plain_time = self.cost.predict(tokens, rows, plain_trees)
         known = bool(prefill_tokens or waiting)  # a first token certainly waits for this step
         draft = self.draft_seconds or 0.0
         calls = [True] * n if draft_calls is None else draft_calls
-        # gain[i][k]: tokens per verify pass of candidate i at depth k (E[A](k); 1 = a plain decode)
-        gain = [[expected_tokens(a, k) for k in range(m + 1)] if a >= self.min_alpha else [1.0]
-                for a, m in zip(alphas, max_depths)]
-        # The objective: the step's rows' time per output token, summed (a plain row pays the
-        # step for one token, a speculating row the step over E[A]); the mean TPOT users see.
-        best, best_per_token = [0] * n, plain_time * (plain_outputs + n)
-        for depths in self._candidates(alphas, max_depths):
-            nodes, trees = sum(depths), sum(1 for k in depths if k)
-            step_time = self.cost.predict(plain_tokens + n + nodes, rows + nodes, plain_trees + trees) \
-                + (draft if any(k and c for k, c in zip(depths, calls)) else 0.0)
+        eligible = [al >= self.min_alpha for al in alphas]
+        # The least any vector that may pass adds to the step: one node, one tree, and the draft
+        # call unless a candidate drafts without one. Where that alone delays a first token past
+        # the slack, every vector does (the usual verdict beside a queue or a prefill).
+        if waiting and self.margin >= 1:
+            # Beside a queue only a vector drafting for every row can pass (a row that does not
+            # draft gains nothing): each candidate one node and one tree at least.
+            if not all(eligible):
+                return [0] * n
+            least = n * (b + c + e) + (draft if any(calls) else 0.0)
+        else:
+            least = b + c + e + (0.0 if any(ok and not call for ok, call in zip(eligible, calls)) else draft)
+        pending = 1.0 if known else 1.0 - math.exp(-max(arrival_rate, 0.0) * (plain_time + least))
+        if not any(eligible) or pending * least > self.ttft_slack * plain_time:
+            return [0] * n
+        # gain[i][k]: tokens per verify pass of candidate i at depth k (E[A](k); 1 = a plain
+        # decode), filled as the walk reaches k
+        gain = [[1.0] for _ in range(n)]
+
+        def gain_at(i: int, k: int) -> float:
+            g = gain[i]
+            while len(g) <= k:
+                g.append(expected_tokens(alphas[i], len(g)))
+            return g[k]
+
+        def per_token(nodes: int, trees: int, calling: bool, slowest: float, inv_gains: float):
+            """The objective for a vector with these totals: the step's rows' time per output
+            token, summed (a plain row pays the step for one token, a speculating row the step
+            over E[A]; the mean TPOT users see); None where a bound refuses it, PAST where the
+            first-token bound does, which then refuses every vector with more nodes (the step
+            only grows with them)."""
+            step_time = a + b * (tokens + nodes) + c * (rows + nodes) + e * (plain_trees + trees) \
+                + (draft if calling else 0.0)
             pending = 1.0 if known else 1.0 - math.exp(-max(arrival_rate, 0.0) * step_time)
             if pending * (step_time - plain_time) > self.ttft_slack * plain_time:
-                continue  # a first token would wait too long for this step
-            gains = [g[k] for g, k in zip(gain, depths)]
-            slowest = min(gains + ([1.0] if plain_outputs else []))  # the row that gains least
+                return _PAST  # a first token would wait too long for this step
             if waiting and step_time * self.margin > plain_time * slowest:
-                continue  # a seated row would finish later: the queue's seat later
+                return None  # a seated row would finish later: the queue's seat later
             if full and step_time > (1 + self.tpot_slack) * plain_time * slowest:
-                continue  # that row's time per token would grow past the slack
-            per_token = step_time * (plain_outputs + sum(1.0 / g for g in gains))
-            if per_token * (self.margin if not any(best) else 1.0001) < best_per_token:
-                best, best_per_token = depths, per_token
+                return None  # that row's time per token would grow past the slack
+            return step_time * (plain_outputs + inv_gains)
+
+        best, best_per_token = [0] * n, plain_time * (plain_outputs + n)
+
+        def consider(depths: list[int], value) -> None:
+            nonlocal best, best_per_token
+            if value is not None and value * (self.margin if not any(best) else 1.0001) < best_per_token:
+                best, best_per_token = list(depths), value
+
+        # Every prefix of the candidates' nodes ranked by their marginal gain α^k (a sequence's
+        # nodes in order, so each prefix is a depth per sequence), one node more each: the
+        # candidates' descending α^k merged, ties to the lower index.
+        depths = [0] * n
+        nodes = trees = callers = 0
+        inv_gains = float(n)  # Σ 1 / gain over the candidates
+        drafted = []  # heap of (gain, i) over candidates with nodes: the least gain (stale entries skipped)
+        ranked = [(-alphas[i], i) for i in range(n) if eligible[i] and max_depths[i] >= 1]
+        heapq.heapify(ranked)
+        while ranked:
+            i = ranked[0][1]
+            k = depths[i] = depths[i] + 1
+            if k < max_depths[i]:
+                heapq.heapreplace(ranked, (-alphas[i] ** (k + 1), i))
+            else:
+                heapq.heappop(ranked)
+            nodes += 1
+            inv_gains += 1.0 / gain_at(i, k) - 1.0 / gain_at(i, k - 1)
+            if k == 1:
+                trees, callers = trees + 1, callers + bool(calls[i])
+            heapq.heappush(drafted, (gain_at(i, k), i))
+            slowest = 1.0  # a plain row or an undrafted candidate gains 1.0, the least there is
+            if trees == n and not plain_outputs:
+                while drafted[0][0] != gain[drafted[0][1]][depths[drafted[0][1]]]:
+                    heapq.heappop(drafted)
+                slowest = drafted[0][0]
+            value = per_token(nodes, trees, callers > 0, slowest, inv_gains)
+            if value is _PAST:
+                break
+            consider(depths, value)
+        # One common depth for all (where a bound needs every row to gain, the ones that accept
+        # least included, as a row that does not speculate gains nothing).
+        for d in range(1, max(max_depths, default=0) + 1):
+            common = [min(d, m) if ok else 0 for m, ok in zip(max_depths, eligible)]
+            gains = [gain_at(i, k) for i, k in enumerate(common)]
+            value = per_token(sum(common), sum(1 for k in common if k),
+                              any(k and call for k, call in zip(common, calls)),
+                              min(gains + ([1.0] if plain_outputs else [])), sum(1.0 / g for g in gains))
+            if value is _PAST:
+                break
+            consider(common, value)
         return best
 
-    def _candidates(self, alphas: list[float], max_depths: list[int]):
-        """The depth vectors worth pricing: every prefix of the candidates' nodes ranked by
-        their marginal gain α^k (a sequence's nodes in order, so each prefix is a depth per
-        sequence), and one common depth for all (where a bound needs every row to gain,
-        including the ones that accept least, as a row that does not speculate gains nothing)."""
-        eligible = [a >= self.min_alpha for a in alphas]
-        ranked = sorted(((a ** k, i) for i, (a, m, ok) in enumerate(zip(alphas, max_depths, eligible))
-                         if ok for k in range(1, m + 1)), key=lambda x: -x[0])
-        depths = [0] * len(alphas)
-        for _, i in ranked:
-            depths[i] += 1
-            yield list(depths)
-        for d in range(1, max(max_depths, default=0) + 1):
-            yield [min(d, m) if ok else 0 for m, ok in zip(max_depths, eligible)]
+
+_PAST = object()  # LoadAwareDepth.choose: a vector past the first-token bound

@@ -368,3 +368,66 @@ def test_a_grammars_forced_chain_is_priced_apart_from_rejected_free_drafts(tiny_
     constrained.spec.forced_proposed, constrained.spec.forced_accepted = 40, 0
     constrained.spec.proposed += 40
     assert speculator.propose([_decoding(constrained)]) == {}
+
+
+def _choose_by_definition(chooser: LoadAwareDepth, plain_tokens, plain_outputs, alphas, max_depths,
+                          prefill_tokens=0, plain_logits=None, arrival_rate=0.0, plain_trees=0,
+                          waiting=0, full=False, draft_calls=None) -> list[int]:
+    """LoadAwareDepth.choose as its docstrings define it, each candidate vector priced on its own."""
+    import math
+    n = len(alphas)
+    cost, draft = chooser.cost, chooser.draft_seconds or 0.0
+    calls = draft_calls or [True] * n
+    rows = (plain_outputs if plain_logits is None else plain_logits) + n
+    plain = cost.predict(plain_tokens + n, rows, plain_trees)
+    gain = [[expected_tokens(a, k) for k in range(m + 1)] if a >= chooser.min_alpha else [1.0]
+            for a, m in zip(alphas, max_depths)]
+    ranked = sorted(((a ** k, i) for i, (a, m) in enumerate(zip(alphas, max_depths))
+                     if a >= chooser.min_alpha for k in range(1, m + 1)), key=lambda x: -x[0])
+    vectors, depths = [], [0] * n
+    for _, i in ranked:
+        depths[i] += 1
+        vectors.append(list(depths))
+    vectors += [[min(d, m) if a >= chooser.min_alpha else 0 for a, m in zip(alphas, max_depths)]
+                for d in range(1, max(max_depths) + 1)]
+    best, best_value = [0] * n, plain * (plain_outputs + n)
+    for v in vectors:
+        nodes = sum(v)
+        t = cost.predict(plain_tokens + n + nodes, rows + nodes, plain_trees + sum(1 for k in v if k)) \
+            + (draft if any(k and c for k, c in zip(v, calls)) else 0.0)
+        pending = 1.0 if prefill_tokens or waiting else 1.0 - math.exp(-arrival_rate * t)
+        gains = [g[k] for g, k in zip(gain, v)]
+        slowest = min(gains + ([1.0] if plain_outputs else []))
+        if pending * (t - plain) > chooser.ttft_slack * plain or (waiting and t * chooser.margin > plain * slowest) \
+                or (full and t > (1 + chooser.tpot_slack) * plain * slowest):
+            continue
+        value = t * (plain_outputs + sum(1 / g for g in gains))
+        if value * (chooser.margin if not any(best) else 1.0001) < best_value:
+            best, best_value = v, value
+    return best
+
+
+def test_the_per_step_choice_equals_its_definition_on_random_steps():
+    # choose() prices each vector incrementally and stops at the first-token bound (it runs
+    # before every step of a load-aware batch); the answer must be the definition's.
+    import random
+    rng, drafted = random.Random(7), 0
+    for case in range(400):
+        steep = rng.random() < 0.3  # else memory-bound, where drafting often pays
+        chooser = _chooser(a=rng.uniform(0.005, 0.04), b=rng.uniform(0.0, 0.001 if steep else 0.0001),
+                           draft_s=rng.uniform(0, 0.004), c=rng.uniform(0.0, 0.0005 if steep else 0.00005),
+                           e=rng.uniform(0.0, 0.002 if steep else 0.0002))
+        every_row = rng.random() < 0.3  # every row a candidate that may draft: the row gaining least bounds
+        n = rng.randint(1, 6 if every_row else 24)
+        alphas = [rng.uniform(0.5, 0.95) if every_row else rng.choice([0.01, rng.uniform(0.05, 0.95),
+                                                                       rng.uniform(0.6, 0.95)]) for _ in range(n)]
+        depths = [rng.randint(1, 8) for _ in range(n)]
+        kwargs = dict(prefill_tokens=rng.choice([0, 0, 64]), arrival_rate=rng.choice([0.0, 5.0, 50.0]),
+                      waiting=rng.choice([0, 0, 2]), full=rng.random() < 0.3, plain_trees=rng.randint(0, 2),
+                      draft_calls=[rng.random() < 0.8 for _ in range(n)])
+        plain_outputs = 0 if every_row else rng.choice([0, 0, 3])
+        plain_tokens = plain_outputs + kwargs["prefill_tokens"]
+        got = chooser.choose(plain_tokens, plain_outputs, alphas, depths, **kwargs)
+        assert got == _choose_by_definition(chooser, plain_tokens, plain_outputs, alphas, depths, **kwargs), case
+        drafted += any(got)
+    assert drafted > 80  # the cases exercise the walk, not only its refusals
