@@ -241,7 +241,7 @@ class LoadAwareDepth:
             only grows with them)."""
             step_time = a + b * (tokens + nodes) + c * (rows + nodes) + e * (plain_trees + trees) \
                 + (draft if calling else 0.0)
-            pending = 1.0 if known else 1.0 - math.exp(-max(arrival_rate, 0.0) * step_time)
+            pending = 1.0 if known else 1.0 - math.exp(-rate * step_time)
             if pending * (step_time - plain_time) > self.ttft_slack * plain_time:
                 return _PAST  # a first token would wait too long for this step
             if waiting and step_time * self.margin > plain_time * slowest:
@@ -250,17 +250,21 @@ class LoadAwareDepth:
                 return None  # that row's time per token would grow past the slack
             return step_time * (plain_outputs + inv_gains)
 
-        best, best_per_token = [0] * n, plain_time * (plain_outputs + n)
+        rate = max(arrival_rate, 0.0)
+        best_per_token = plain_time * (plain_outputs + n)
+        best_common: list[int] | None = None  # the best vector where it is a common depth
+        best_prefix = 0  # else the best is the walk's first best_prefix nodes (0: plain)
 
-        def consider(depths: list[int], value) -> None:
-            nonlocal best, best_per_token
-            if value is not None and value * (self.margin if not any(best) else 1.0001) < best_per_token:
-                best, best_per_token = list(depths), value
+        def beats(value) -> bool:
+            # The first speculating vector must beat plain decoding by the margin (model error).
+            drafts = best_prefix or best_common is not None
+            return value is not None and value * (1.0001 if drafts else self.margin) < best_per_token
 
         # Every prefix of the candidates' nodes ranked by their marginal gain α^k (a sequence's
         # nodes in order, so each prefix is a depth per sequence), one node more each: the
         # candidates' descending α^k merged, ties to the lower index.
         depths = [0] * n
+        walked = []  # the candidate each node of the walk went to, in order
         nodes = trees = callers = 0
         inv_gains = float(n)  # Σ 1 / gain over the candidates
         drafted = []  # heap of (gain, i) over candidates with nodes: the least gain (stale entries skipped)
@@ -269,6 +273,7 @@ class LoadAwareDepth:
         while ranked:
             i = ranked[0][1]
             k = depths[i] = depths[i] + 1
+            walked.append(i)
             if k < max_depths[i]:
                 heapq.heapreplace(ranked, (-alphas[i] ** (k + 1), i))
             else:
@@ -286,7 +291,8 @@ class LoadAwareDepth:
             value = per_token(nodes, trees, callers > 0, slowest, inv_gains)
             if value is _PAST:
                 break
-            consider(depths, value)
+            if beats(value):
+                best_prefix, best_per_token = nodes, value
         # One common depth for all (where a bound needs every row to gain, the ones that accept
         # least included, as a row that does not speculate gains nothing).
         for d in range(1, max(max_depths, default=0) + 1):
@@ -297,7 +303,13 @@ class LoadAwareDepth:
                               min(gains + ([1.0] if plain_outputs else [])), sum(1.0 / g for g in gains))
             if value is _PAST:
                 break
-            consider(common, value)
+            if any(common) and beats(value):
+                best_common, best_per_token = common, value
+        if best_common is not None:
+            return best_common
+        best = [0] * n
+        for i in walked[:best_prefix]:
+            best[i] += 1
         return best
 
 
