@@ -3,12 +3,8 @@
 from __future__ import annotations
 
 import asyncio
-import os
-import subprocess
-import sys
 import threading
 import time
-from pathlib import Path
 
 from services.target.engine.loop_mailbox import LoopMailbox, held, mailbox_for
 
@@ -75,49 +71,3 @@ def test_posts_inside_held_wait_for_its_end_and_then_wake_each_loop_once():
 
     wakeups, got, seen_inside = asyncio.run(main())
     assert (wakeups, got, seen_inside) == (1, list(range(18)), [0])
-
-
-# A thread waiting for the GIL, and wake-ups made from another thread with forced switches off: the
-# waiting thread can run only where a wake-up lets go of the GIL. Prints how often it ran.
-GIL_PROBE = r"""
-import asyncio, sys, threading, time
-from services.target.engine.loop_mailbox import LoopMailbox
-
-loop = asyncio.new_event_loop()  # never run: only the wake-ups' writes are watched
-box = LoopMailbox(loop)
-queue = asyncio.Queue()
-runs, stop = [0], threading.Event()
-
-def waiting():
-    while not stop.is_set():
-        runs[0] += 1
-        time.sleep(0.0005)  # lets go of the GIL, then waits for it again
-
-thread = threading.Thread(target=waiting)
-thread.start()
-time.sleep(0.05)
-sys.setswitchinterval(1000.0)
-before = runs[0]
-for i in range(20000):
-    box.post(queue, i)  # a wake-up each: nothing delivers, so let the next post schedule again
-    box._scheduled = False
-ran = runs[0] - before
-sys.setswitchinterval(0.005)
-stop.set()
-thread.join()
-print(ran)
-"""
-
-
-def _gil_probe(**env: str) -> int:
-    root = Path(__file__).resolve().parents[2]
-    out = subprocess.run([sys.executable, "-c", GIL_PROBE], cwd=root, env={**os.environ, **env}, capture_output=True,
-                         text=True, timeout=120, check=True)
-    return int(out.stdout.split()[-1])
-
-
-def test_a_wakeup_from_the_engine_thread_keeps_the_gil():
-    """The engine thread's wake-up does not let go of the GIL (so the loop, woken by it, cannot take
-    the GIL before the engine's next step has started its kernels); call_soon_threadsafe's does."""
-    assert _gil_probe() == 0
-    assert _gil_probe(SPECMESH_MAILBOX_WAKEUP="pipe") > 0  # the probe tells the two apart

@@ -8,43 +8,16 @@ items in order and schedules one callback for all that wait; while a thread is i
 (the engine, emitting a step's outputs) its posts only queue, and leaving schedules each
 mailbox it posted to once. A post made while a delivery already runs schedules the next one,
 so no item waits for a later step.
-
-The wake-up itself is a write to an eventfd the loop reads (`add_reader`), made without releasing
-the GIL (through `ctypes.PyDLL`). `call_soon_threadsafe` writes to the loop's self-pipe with
-`socket.send`, which releases the GIL for the syscall: the loop's thread, woken by that very byte,
-often took the GIL first, and the engine thread then waited for the loop's per-token work before it
-could start its next step (5% of the engine thread's samples, single-stream through the mesh, py-spy,
-2026-12-07). Holding the GIL, the engine goes on and the loop runs while the next step's kernels
-run without it (cpu_kernels.cpp). Where eventfd or libc's write is missing, `call_soon_threadsafe`.
 """
 
 from __future__ import annotations
 
 import asyncio
 import contextlib
-import ctypes
-import os
 import threading
 from collections import deque
 
 _held = threading.local()  # .mailboxes: the set a thread inside held() posted to
-
-
-def _gil_holding_write():
-    """libc's write(2) called without releasing the GIL, or None where it cannot be had."""
-    if os.environ.get("SPECMESH_MAILBOX_WAKEUP", "eventfd") != "eventfd" or not hasattr(os, "eventfd"):
-        return None
-    try:
-        write = ctypes.PyDLL(None).write  # PyDLL: the call keeps the GIL (CDLL would release it)
-    except (OSError, AttributeError):
-        return None
-    write.argtypes = [ctypes.c_int, ctypes.c_void_p, ctypes.c_size_t]
-    write.restype = ctypes.c_ssize_t
-    return write
-
-
-_WRITE = _gil_holding_write()
-_ONE = ctypes.c_uint64(1)  # an eventfd write adds this to its counter
 
 
 class LoopMailbox:
@@ -54,11 +27,6 @@ class LoopMailbox:
         self._items: deque = deque()  # (asyncio.Queue, item), in posting order
         self._scheduled = False
         self.wakeups = 0  # callbacks scheduled on the loop (for tests and diagnostics)
-        self._fd = None  # the eventfd the loop reads (None: call_soon_threadsafe wakes it)
-        if _WRITE is not None:
-            self._fd = os.eventfd(0, os.EFD_NONBLOCK | os.EFD_CLOEXEC)
-            # registered on the loop's thread; a wake-up before that waits in the counter
-            loop.call_soon_threadsafe(loop.add_reader, self._fd, self._on_wakeup)
 
     def post(self, queue: asyncio.Queue, item) -> None:
         """From any thread: `queue.put_nowait(item)` on the loop, after every item posted before."""
@@ -76,24 +44,7 @@ class LoopMailbox:
                 return
             self._scheduled = True
             self.wakeups += 1
-        if self._fd is None or _WRITE(self._fd, ctypes.byref(_ONE), 8) != 8:
-            self._loop.call_soon_threadsafe(self._deliver)
-
-    def _on_wakeup(self) -> None:  # on the loop: the eventfd is readable
-        try:
-            os.eventfd_read(self._fd)  # resets the counter
-        except BlockingIOError:
-            pass
-        self._deliver()
-
-    def close(self) -> None:
-        """Stops reading the eventfd and closes it (on the loop's thread, or after the loop closed)."""
-        if self._fd is None:
-            return
-        if not self._loop.is_closed():
-            self._loop.remove_reader(self._fd)
-        os.close(self._fd)
-        self._fd = None
+        self._loop.call_soon_threadsafe(self._deliver)
 
     def _deliver(self) -> None:  # on the loop
         with self._lock:
@@ -129,6 +80,6 @@ def mailbox_for(loop: asyncio.AbstractEventLoop) -> LoopMailbox:
         box = _mailboxes.get(loop)
         if box is None:
             for old in [lp for lp in _mailboxes if lp.is_closed()]:
-                _mailboxes.pop(old).close()
+                del _mailboxes[old]
             box = _mailboxes[loop] = LoopMailbox(loop)
         return box
