@@ -206,6 +206,7 @@ class LoadAwareDepth:
         tokens = plain_tokens + n
         plain_time = self.cost.predict(tokens, rows, plain_trees)
         known = bool(prefill_tokens or waiting)  # a first token certainly waits for this step
+        rate = max(arrival_rate, 0.0)
         draft = self.draft_seconds or 0.0
         calls = [True] * n if draft_calls is None else draft_calls
         eligible = [al >= self.min_alpha for al in alphas]
@@ -220,7 +221,7 @@ class LoadAwareDepth:
             least = n * (b + c + e) + (draft if any(calls) else 0.0)
         else:
             least = b + c + e + (0.0 if any(ok and not call for ok, call in zip(eligible, calls)) else draft)
-        pending = 1.0 if known else 1.0 - math.exp(-max(arrival_rate, 0.0) * (plain_time + least))
+        pending = 1.0 if known else 1.0 - math.exp(-rate * (plain_time + least))
         if not any(eligible) or pending * least > self.ttft_slack * plain_time:
             return [0] * n
         # gain[i][k]: tokens per verify pass of candidate i at depth k (E[A](k); 1 = a plain
@@ -250,7 +251,6 @@ class LoadAwareDepth:
                 return None  # that row's time per token would grow past the slack
             return step_time * (plain_outputs + inv_gains)
 
-        rate = max(arrival_rate, 0.0)
         best_per_token = plain_time * (plain_outputs + n)
         best_common: list[int] | None = None  # the best vector where it is a common depth
         best_prefix = 0  # else the best is the walk's first best_prefix nodes (0: plain)
