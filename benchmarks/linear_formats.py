@@ -8,7 +8,7 @@ same shapes; the speed does not depend on the values) it prints the median milli
 call of torch's bf16 `F.linear` (what Hugging Face runs), fbgemm fp16 packing (`fp16`),
 oneDNN bf16 packing (`bf16`, where oneDNN runs bf16), specmesh's AVX-512 kernel
 (`bf16-avx512`, where it builds), fbgemm int8 (`int8`) and the GGUF kernel (`gguf`, where the
-CPU has AVX512-BF16: random blocks of the type the default model's file stores at that shape),
+CPU has AVX512-BF16 or AVX2: random blocks of the type the default model's file stores at that shape),
 and the weight bytes streamed per second (for `gguf`, the bytes of its layout, not bf16's).
 Small matrices stay in cache between calls, so their GB/s are cache rates; the lm_head's are
 memory rates.

@@ -1,6 +1,6 @@
 """The GGUF block kernel (services/target/kernels/cpu_gguf_linear.cpp) against today's path: the same
-blocks dequantized by gguf.quants, rounded to bf16, packed and multiplied by bf16_linear's VDPBF16PS
-loop. Outputs must be equal bit for bit (torch.equal), for every block type the default model uses."""
+blocks dequantized by gguf.quants, rounded to bf16, packed and multiplied by bf16_linear (its VDPBF16PS
+loop, or on AVX2 its widen + FMA loop). Outputs must be equal bit for bit (torch.equal), for every block type the default model uses."""
 
 from __future__ import annotations
 
@@ -50,8 +50,9 @@ def test_decoded_blocks_round_to_todays_bf16(type_name: str) -> None:
 @needs_kernel
 @pytest.mark.parametrize("type_name", TYPES)
 @pytest.mark.parametrize("m", [1, 2, 3, 5, 12, 40, 130])
-def test_gguf_linear_equals_bf16_linear(type_name: str, m: int) -> None:
-    n, k = 120, 512  # n not a multiple of 16 or 32: the tail group is masked
+@pytest.mark.parametrize("n", [120, 200])
+def test_gguf_linear_equals_bf16_linear(type_name: str, m: int, n: int) -> None:
+    k = 512  # n not a multiple of 16 or 32: the tail group is masked; 200: an odd number of groups
     raw = _blocks(type_name, n, k, seed=2)
     packed = cpu_gguf_linear.pack(cpu_gguf_linear.decode_blocks(raw, type_name))
     x = (torch.randn(m, k, generator=torch.Generator().manual_seed(m)) * 3).to(torch.bfloat16)
@@ -60,7 +61,7 @@ def test_gguf_linear_equals_bf16_linear(type_name: str, m: int) -> None:
 
 
 @needs_kernel
-@pytest.mark.parametrize("m", [1, 4, 64])
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 64])
 def test_fused_mixed_block_types_equal_bf16_linear(m: int) -> None:
     """A fused projection whose parts have different block types (q/k/v: Q5_0, Q5_0, Q8_0; a down
     projection Q4_K or Q6_K), in one packed weight."""

@@ -136,16 +136,29 @@ def test_gguf_bf16_decode_rows_take_the_layout_measured_faster_here(gguf_gemma_d
 def test_auto_serves_a_model_prepared_from_a_gguf_with_its_blocks_where_the_kernel_runs(gguf_gemma_dir,
                                                                                       monkeypatch):
     source = gguf_gemma_dir / SOURCE_GGUF
-    monkeypatch.setattr(cpu_gguf_linear, "available", lambda: True)
+    monkeypatch.setattr(cpu_gguf_linear, "auto_takes_blocks", lambda: True)
     assert linear.resolve_weight_format("auto", torch.bfloat16, "cpu", source) == "gguf-bf16"
     assert linear.resolve_weight_format("auto", torch.float32, "cpu", source) == "none"  # bf16 blocks only
     monkeypatch.setattr(cpu_linear, "available", lambda: True)
-    monkeypatch.setattr(cpu_gguf_linear, "available", lambda: False)  # no AVX512-BF16: the bf16 kernel
+    monkeypatch.setattr(cpu_gguf_linear, "auto_takes_blocks", lambda: False)  # AVX2, or no AVX512-BF16: the bf16 kernel
     assert linear.resolve_weight_format("auto", torch.bfloat16, "cpu", source) == "bf16-avx512"
+
+
+def test_auto_takes_the_blocks_only_where_they_multiply_with_vdpbf16ps(monkeypatch):
+    """On AVX2 the blocks serve `--weights gguf` (half the bytes) but lose to bf16 at one row, so `auto`
+    leaves them; with VDPBF16PS `auto` takes them."""
+    monkeypatch.setattr(cpu_gguf_linear, "available", lambda: True)
+    monkeypatch.setattr(cpu_gguf_linear, "bf16_dot_instruction", lambda: False)
+    assert not cpu_gguf_linear.auto_takes_blocks()
+    monkeypatch.setattr(cpu_gguf_linear, "bf16_dot_instruction", lambda: True)
+    assert cpu_gguf_linear.auto_takes_blocks()
 
 
 @needs_kernel
 def test_auto_loads_the_gguf_blocks_of_a_model_that_kept_its_gguf(gguf_gemma_dir):
     runner = _runner(gguf_gemma_dir, torch.bfloat16, "auto")
+    if not cpu_gguf_linear.auto_takes_blocks():  # AVX2: the bf16 kernel, faster there at one row
+        assert not isinstance(runner.model.lm_head, GGUFLinear)
+        return
     assert isinstance(runner.model.lm_head, GGUFLinear) and runner.model.lm_head.panels is not None
     assert runner.lean_forward.embed_rows is not None  # the tied embedding looked up in the blocks

@@ -25,6 +25,9 @@
 // expand a 32-column panel to bf16 in a small buffer first and run the row tiles over it. Where the
 // caller asks for AMX (bf16_linear would take its AMX tiles for these rows: cpu_linear.py), the
 // expanded panel goes to the same AMX loop (cpu_amx.h), so outputs stay equal to bf16_linear's.
+//
+// The AVX2 build (cpu_gguf_linear_avx2.h) reads the same layout and matches that build's
+// bf16_linear instead: each weight widened to float32 and summed in k order with FMA.
 
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -276,6 +279,15 @@ SPECMESH_DOT_TARGET void expand_row(const Weights& w, int64_t n, uint16_t* out) 
 
 #endif  // SPECMESH_ISA_AVX512
 
+#if defined(SPECMESH_ISA_AVX2)
+namespace {
+using specmesh_panels::kPairSlots;
+using specmesh_panels::kPanel;
+}  // namespace
+#include "cpu_linear_avx2.h"       // widened_tile: bf16_linear's AVX2 row tiles over a widened panel
+#include "cpu_gguf_linear_avx2.h"  // run, expand_row: the AVX2 loops over the blocks
+#endif
+
 // x: [M, K] bf16; quants [ceil(N/16), K/2, 32] int8 (or [.., 16] uint8 nibbles); scales [ceil(N/16), K/SB, 16]
 // f32; offsets the same or empty -> [M, N] bf16, equal to bf16_linear(x, pack(round_bf16(S * q - D)), N,
 // dot=True), or with amx (the caller checks amx_ready() and K % 32 == 0) to bf16_linear_amx of the same.
@@ -297,16 +309,20 @@ at::Tensor gguf_linear(const at::Tensor& x_in, const at::Tensor& quants, const a
                                && offsets.is_contiguous()),
               "gguf_linear: offsets must match scales or be empty");
   at::Tensor out = at::empty({M, N}, x_in.options());
-#if defined(SPECMESH_ISA_AVX2)
-  TORCH_CHECK(false, "gguf_linear needs AVX512-BF16; this is the AVX2 build of the module");
-#else
   if (M == 0 || N == 0) return out;
-  at::Tensor x = x_in.contiguous();
   const int64_t subs = scales.size(1);
   const Weights w{static_cast<const int8_t*>(quants.data_ptr()), scales.data_ptr<float>(),
                   has_offsets ? offsets.data_ptr<float>() : nullptr, K / 2, K / subs / 2, subs};
-  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   uint16_t* yp = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
+#if defined(SPECMESH_ISA_AVX2)
+  TORCH_CHECK(!amx, "gguf_linear: amx needs the AVX-512 build of the module");
+  const at::Tensor xf = x_in.to(at::kFloat).contiguous();  // [M, K] float32: bf16 widened (exact), as bf16_linear's FMA loop takes it
+  const float* xp = xf.data_ptr<float>();
+  if (has_offsets) nib ? run<true, true>(xp, M, w, G, N, yp) : run<true, false>(xp, M, w, G, N, yp);
+  else nib ? run<false, true>(xp, M, w, G, N, yp) : run<false, false>(xp, M, w, G, N, yp);
+#else
+  at::Tensor x = x_in.contiguous();
+  const uint16_t* xp = reinterpret_cast<const uint16_t*>(x.data_ptr<at::BFloat16>());
   if (amx) {
     TORCH_CHECK(K % specmesh_amx::kTileK == 0 && amx_ready(), "gguf_linear: amx needs K % 32 == 0 and the AMX tiles");
     const int64_t M_pad = (M + specmesh_amx::kTileRows - 1) / specmesh_amx::kTileRows * specmesh_amx::kTileRows;
@@ -345,9 +361,6 @@ at::Tensor gguf_rows(const at::Tensor& quants, const at::Tensor& scales, const a
   const int64_t* id = ids.data_ptr<int64_t>();
   for (int64_t t = 0; t < T; ++t) TORCH_CHECK(id[t] >= 0 && id[t] < N, "gguf_rows: id ", id[t], " outside [0, ", N, ")");
   at::Tensor out = at::empty({T, K}, scales.options().dtype(at::kBFloat16));
-#if defined(SPECMESH_ISA_AVX2)
-  TORCH_CHECK(false, "gguf_rows needs AVX512-BF16; this is the AVX2 build of the module");
-#else
   const Weights w{static_cast<const int8_t*>(quants.data_ptr()), scales.data_ptr<float>(),
                   has_offsets ? offsets.data_ptr<float>() : nullptr, K / 2, K / subs / 2, subs};
   uint16_t* y = reinterpret_cast<uint16_t*>(out.data_ptr<at::BFloat16>());
@@ -356,6 +369,5 @@ at::Tensor gguf_rows(const at::Tensor& quants, const at::Tensor& scales, const a
   at::parallel_for(0, T, std::max<int64_t>(1, 16384 / K), [&](int64_t begin, int64_t end) {
     for (int64_t t = begin; t < end; ++t) row(w, id[t], y + t * K);
   });
-#endif
   return out;
 }

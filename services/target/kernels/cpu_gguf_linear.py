@@ -5,11 +5,12 @@ D per sub-block of 16 or 32 k (D = 0 for the symmetric Q8_0, Q5_0, Q6_K). `decod
 tensor's raw blocks (the bytes of the file, as `gguf.GGUFReader` maps them) into those three parts
 (the layouts of llama.cpp's ggml-common.h block_q8_0 / block_q5_0 / block_q4_K / block_q6_K, as
 `gguf.quants` dequantizes them), `pack` lays them out for the kernel, and `gguf_linear` multiplies
-with VDPBF16PS, expanding each weight to round_bf16(S * q - D) in registers, the bf16 value today's
+with VDPBF16PS (FMA on AVX2), expanding each weight to round_bf16(S * q - D) in registers, the bf16 value today's
 conversion to bf16 produces (services/common/models/prepare.py): so the outputs equal
-`cpu_linear.bf16_linear(x, pack(dequantized bf16 weight), N, dot=True)` bit for bit.
+`cpu_linear.bf16_linear(x, pack(dequantized bf16 weight), N)` bit for bit (dot=True where the CPU has it).
 
-The kernel needs AVX512-BF16 (`available()`); the layout stores q as one int8 per weight, so a
+The kernel needs AVX512-BF16 on an AVX-512 CPU, or AVX2 with FMA, where it widens each weight and sums
+with FMA as that build's bf16_linear does (`available()`); the layout stores q as one int8 per weight, so a
 tensor takes ~1.1 bytes a weight (Q8_0's own size; Q5_0 and Q6_K pack tighter in the file), except
 where every q is in [0, 15] (Q4_K): two a byte, ~0.75 bytes a weight with the float32 scales and offsets.
 """
@@ -23,7 +24,7 @@ import torch
 
 from . import cpu_linear, huge_pages
 from .cpu_kernels import available as _module_available
-from .cpu_kernels import bf16_dot_instruction, module, unavailable_reason as _module_unavailable_reason
+from .cpu_kernels import bf16_dot_instruction, isa, module, unavailable_reason as _module_unavailable_reason
 
 GROUP = 16  # output columns per kernel group
 # Block types the kernel serves: name -> (weights per block, bytes per block, k per sub-block)
@@ -31,14 +32,25 @@ BLOCK_TYPES = {"Q8_0": (32, 34, 32), "Q5_0": (32, 22, 32), "Q4_K": (256, 144, 32
 
 
 def unavailable_reason() -> str | None:
-    """None if gguf_linear runs here, else why not."""
-    if not bf16_dot_instruction():
+    """None if gguf_linear runs here, else why not: the AVX-512 build multiplies with VDPBF16PS, the
+    AVX2 build with FMA (cpu_gguf_linear_avx2.h); an AVX-512 CPU without AVX512-BF16 has neither."""
+    if isa() == "avx512" and not bf16_dot_instruction():
         return "the CPU lacks AVX512-BF16 (avx512_bf16 in /proc/cpuinfo), which the GGUF kernel multiplies with"
     return _module_unavailable_reason()
 
 
 def available() -> bool:
     return unavailable_reason() is None and _module_available()
+
+
+def auto_takes_blocks() -> bool:
+    """Whether `--weights auto` serves a GGUF's blocks here: where the kernel multiplies with VDPBF16PS.
+    AVX2 has no instruction that rounds to bf16, so the exact expansion costs ~10 vector operations
+    per 8 weights there and a one-row call is compute-bound: on a 2-core Zen 3 (`python
+    benchmarks/linear_formats.py --formats bf16-avx512 gguf --rows 1 2 18`) the lm_head from memory
+    took 15.1 ms against bf16_linear's 11.7, the layers 1.6-2.4x bf16's time. There `--weights gguf`
+    serves the blocks for their memory (about half the bf16 weights' bytes), and `auto` keeps bf16-avx512."""
+    return available() and bf16_dot_instruction()
 
 
 @dataclass

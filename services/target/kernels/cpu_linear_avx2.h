@@ -93,7 +93,7 @@ inline void widen_panel(const uint16_t* panel, int64_t K2, float* wf) {
 // MB rows of x ([MB, K] float32, row stride ldx) against a widened panel wf [K, 32] -> out rows (32
 // floats each). k in order with FMA per output, as fma_tile sums: the same bits.
 template <int MB>
-void widened_tile(const float* x, int64_t ldx, const float* wf, int64_t K, float* out) {
+[[gnu::always_inline]] inline void widened_tile(const float* x, int64_t ldx, const float* wf, int64_t K, float* out) {
   __m256 acc[MB][kVectors];
   for (int m = 0; m < MB; ++m)
     for (int h = 0; h < kVectors; ++h) acc[m][h] = _mm256_setzero_ps();
@@ -109,26 +109,33 @@ void widened_tile(const float* x, int64_t ldx, const float* wf, int64_t K, float
     for (int h = 0; h < kVectors; ++h) _mm256_storeu_ps(out + m * kPanel + 8 * h, acc[m][h]);
 }
 
+// Every row of x ([M, K] float32, contiguous) against a widened panel wf [K, 32] -> sums [M, 32].
+// The row tiles are inlined (always_inline): where GCC 12 kept widened_tile<3> out of line (called
+// from several instantiations), it stored the 12 sums to the stack every k, 2.5x slower.
+inline void widened_rows(const float* x, int64_t M, int64_t K, const float* wf, float* sums) {
+  int64_t m = 0;
+  for (; m + 3 <= M; m += 3) widened_tile<3>(x + m * K, K, wf, K, sums + m * kPanel);
+  if (M - m == 2) widened_tile<2>(x + m * K, K, wf, K, sums + m * kPanel);
+  else if (M - m == 1) widened_tile<1>(x + m * K, K, wf, K, sums + m * kPanel);
+}
+
 // x [M, 2*K2] float32 against the panels [P, K2, 64] -> y [M, N] bf16, each panel widened once
 // (a thread's panels in turn; M >= kWidenMinRows).
-void run_widened(const float* x, int64_t M, int64_t K2, const uint16_t* wp, int64_t P, int64_t N, uint16_t* y) {
+inline void run_widened(const float* x, int64_t M, int64_t K2, const uint16_t* wp, int64_t P, int64_t N, uint16_t* y) {
   const int64_t K = 2 * K2;
   at::parallel_for(0, P, 1, [&](int64_t begin, int64_t end) {
     std::vector<float> wf(K * kPanel);  // [K, 32]: one panel widened
     std::vector<float> sums(M * kPanel);  // [M, 32]: its outputs, before rounding to bf16
     for (int64_t p = begin; p < end; ++p) {
       widen_panel(wp + p * K2 * kPairSlots, K2, wf.data());
-      int64_t m = 0;
-      for (; m + 3 <= M; m += 3) widened_tile<3>(x + m * K, K, wf.data(), K, sums.data() + m * kPanel);
-      if (M - m == 2) widened_tile<2>(x + m * K, K, wf.data(), K, sums.data() + m * kPanel);
-      else if (M - m == 1) widened_tile<1>(x + m * K, K, wf.data(), K, sums.data() + m * kPanel);
+      widened_rows(x, M, K, wf.data(), sums.data());
       write_panel(sums.data(), M, p, N, y);
     }
   });
 }
 
 // x [M, 2*K2] float32 (contiguous) times the panels [P, K2, 64] -> y [M, N] bf16.
-void run_fma(const float* x, int64_t M, int64_t K2, const uint16_t* wp, int64_t P, int64_t N, uint16_t* y) {
+inline void run_fma(const float* x, int64_t M, int64_t K2, const uint16_t* wp, int64_t P, int64_t N, uint16_t* y) {
   if (M >= kWidenMinRows) return run_widened(x, M, K2, wp, P, N, y);
   const int64_t ldx = 2 * K2;
   const int64_t np = M == 1 ? 2 : 1;  // panels per tile (see the top of this file)

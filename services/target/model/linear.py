@@ -227,7 +227,7 @@ def resolve_weight_format(weights: str, dtype: torch.dtype, device: str, gguf_so
         return weights
     if torch.device(device).type != "cpu" or dtype not in (torch.bfloat16, torch.float16):
         return "none"
-    if dtype == torch.bfloat16 and gguf_source is not None and cpu_gguf_linear.available():
+    if dtype == torch.bfloat16 and gguf_source is not None and cpu_gguf_linear.auto_takes_blocks():
         # The file's own blocks for decode rows (fewer bytes a token), bf16 panels past 3 rows: the
         # outputs of bf16-avx512 bit for bit, faster at one row (docs/kernels.md, README).
         return "gguf-bf16"
