@@ -43,11 +43,10 @@
 #include <cstring>
 #include <vector>
 
-#if defined(SPECMESH_ISA_AVX512)
-
 namespace {
 
-constexpr int64_t kGroup = 16;  // output columns per group: one float32 vector of sums
+// The layout both builds read.
+constexpr int64_t kGroup = 16;  // output columns per group: one AVX-512 float32 vector of sums (two AVX2 ones)
 
 struct Weights {
   const int8_t* quants;  // int8 [G, K2, 32], or (NIB) uint8 nibbles [G, K2, 16]
@@ -55,6 +54,12 @@ struct Weights {
   const float* offsets;  // nullptr: symmetric (D = 0)
   int64_t K2, sub_pairs, subs;  // k pairs, k pairs per sub-block, sub-blocks per column
 };
+
+}  // namespace
+
+#if defined(SPECMESH_ISA_AVX512)
+
+namespace {
 
 // Sub-block sb of group g: its S (and D) per column, each doubled into the lanes of a column's pair:
 // lo for columns 0-7, hi for 8-15.

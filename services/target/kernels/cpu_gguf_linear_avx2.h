@@ -27,14 +27,7 @@
 
 namespace {
 
-constexpr int64_t kGroup = 16;  // output columns per group (two 8-lane float32 vectors)
-
-struct Weights {
-  const int8_t* quants;  // int8 [G, K2, 32], or (NIB) uint8 nibbles [G, K2, 16]
-  const float* scales;
-  const float* offsets;  // nullptr: symmetric (D = 0)
-  int64_t K2, sub_pairs, subs;  // k pairs, k pairs per sub-block, sub-blocks per column
-};
+// kGroup and Weights (the layout): cpu_gguf_linear.cpp, before this file's include.
 
 // S (and D) of sub-block sb of group g: [0] for columns 0-7, [1] for 8-15.
 struct SubScales {
