@@ -1,6 +1,7 @@
 """The GGUF block kernel (services/target/kernels/cpu_gguf_linear.cpp) against today's path: the same
 blocks dequantized by gguf.quants, rounded to bf16, packed and multiplied by bf16_linear (its VDPBF16PS
-loop, or on AVX2 its widen + FMA loop). Outputs must be equal bit for bit (torch.equal), for every block type the default model uses."""
+loop, or on AVX2 its widen + FMA loop). Outputs must be equal bit for bit (torch.equal), for every
+block type the default model uses."""
 
 from __future__ import annotations
 

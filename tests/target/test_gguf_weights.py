@@ -140,7 +140,7 @@ def test_auto_serves_a_model_prepared_from_a_gguf_with_its_blocks_where_the_kern
     assert linear.resolve_weight_format("auto", torch.bfloat16, "cpu", source) == "gguf-bf16"
     assert linear.resolve_weight_format("auto", torch.float32, "cpu", source) == "none"  # bf16 blocks only
     monkeypatch.setattr(cpu_linear, "available", lambda: True)
-    monkeypatch.setattr(cpu_gguf_linear, "auto_takes_blocks", lambda: False)  # AVX2, or no AVX512-BF16: the bf16 kernel
+    monkeypatch.setattr(cpu_gguf_linear, "auto_takes_blocks", lambda: False)  # AVX2 or no AVX512-BF16: bf16
     assert linear.resolve_weight_format("auto", torch.bfloat16, "cpu", source) == "bf16-avx512"
 
 

@@ -5,13 +5,14 @@ D per sub-block of 16 or 32 k (D = 0 for the symmetric Q8_0, Q5_0, Q6_K). `decod
 tensor's raw blocks (the bytes of the file, as `gguf.GGUFReader` maps them) into those three parts
 (the layouts of llama.cpp's ggml-common.h block_q8_0 / block_q5_0 / block_q4_K / block_q6_K, as
 `gguf.quants` dequantizes them), `pack` lays them out for the kernel, and `gguf_linear` multiplies
-with VDPBF16PS (FMA on AVX2), expanding each weight to round_bf16(S * q - D) in registers, the bf16 value today's
-conversion to bf16 produces (services/common/models/prepare.py): so the outputs equal
-`cpu_linear.bf16_linear(x, pack(dequantized bf16 weight), N)` bit for bit (dot=True where the CPU has it).
+with VDPBF16PS (FMA on AVX2), expanding each weight to round_bf16(S * q - D) in registers, the bf16
+value today's conversion to bf16 produces (services/common/models/prepare.py): so the outputs equal
+`cpu_linear.bf16_linear(x, pack(dequantized bf16 weight), N)` bit for bit (dot=True where the CPU
+has it).
 
-The kernel needs AVX512-BF16 on an AVX-512 CPU, or AVX2 with FMA, where it widens each weight and sums
-with FMA as that build's bf16_linear does (`available()`); the layout stores q as one int8 per weight, so a
-tensor takes ~1.1 bytes a weight (Q8_0's own size; Q5_0 and Q6_K pack tighter in the file), except
+The kernel needs AVX512-BF16 on an AVX-512 CPU, or AVX2 with FMA, where it widens each weight and
+sums with FMA as that build's bf16_linear does (`available()`); the layout stores q as one int8 per
+weight, so a tensor takes ~1.1 bytes a weight (Q8_0's own size; Q5_0 and Q6_K pack tighter in the file), except
 where every q is in [0, 15] (Q4_K): two a byte, ~0.75 bytes a weight with the float32 scales and offsets.
 """
 
@@ -44,8 +45,8 @@ def available() -> bool:
 
 
 def auto_takes_blocks() -> bool:
-    """Whether `--weights auto` serves a GGUF's blocks here: where the kernel multiplies with VDPBF16PS.
-    AVX2 has no instruction that rounds to bf16, so the exact expansion costs ~10 vector operations
+    """Whether `--weights auto` serves a GGUF's blocks here: where the kernel multiplies with
+    VDPBF16PS. AVX2 has no instruction that rounds to bf16, so the exact expansion costs ~10 vector operations
     per 8 weights there and a one-row call is compute-bound: on a 2-core Zen 3 (`python
     benchmarks/linear_formats.py --formats bf16-avx512 gguf --rows 1 2 18`) the lm_head from memory
     took 15.1 ms against bf16_linear's 11.7, the layers 1.6-2.4x bf16's time. There `--weights gguf`

@@ -139,7 +139,7 @@ inline void write_group(const float* buf, int64_t ld, int64_t rows, int64_t g, i
 template <bool OFFSETS, bool NIB>
 void run(const float* x, int64_t M, const Weights& w, int64_t G, int64_t N, uint16_t* y) {
   const int64_t ldx = 2 * w.K2, K = 2 * w.K2;
-  if (M <= 3) {  // decode: two groups a pass (one at 3 rows): at most 12 sums and the scales in 16 registers
+  if (M <= 3) {  // decode: two groups a pass (one at 3 rows), so sums, scales and weights fit 16 registers
     at::parallel_for(0, (G + 1) / 2, 8, [&](int64_t begin, int64_t end) {
       float buf[2 * 3 * kGroup];
       const int64_t lgroup = M * kGroup;
