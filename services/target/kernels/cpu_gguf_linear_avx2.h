@@ -8,8 +8,7 @@
 // S * q is exact in float32 for every served type (an fp16 scale times at most 7 + 6 bits of
 // integers: <= 24 significant bits), so FMSUB(q, S, D) rounds S * q - D once, as the reference's
 // multiply then subtract does. There is no VCVTNE2PS2BF16 on AVX2: the rounding to bf16 is the
-// integer one (bits + 0x7FFF + lsb, low half cleared); no weight is NaN (finite scales), so the NaN
-// case of specmesh_simd::round_bf16 is left out.
+// integer one (specmesh_simd::round_bf16_finite: no weight is NaN, the scales being finite).
 //
 // The layout is the AVX-512 kernel's (cpu_gguf_linear.py packs it once for both): a group's 16
 // bytes at [g, kk] (int8) hold 8 columns' (2kk, 2kk + 1) pairs, widened to 16-bit lanes a 32-bit
@@ -45,18 +44,10 @@ inline SubScales sub_scales(const Weights& w, int64_t g, int64_t sb) {
   return out;
 }
 
-// float32 -> its bf16 value (round to nearest even) as float32; finite inputs only.
-inline __m256 round_bf16_finite(__m256 v) {
-  const __m256i bits = _mm256_castps_si256(v);
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
-  const __m256i r = _mm256_add_epi32(bits, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF)));
-  return _mm256_castsi256_ps(_mm256_and_si256(r, _mm256_set1_epi32(static_cast<int>(0xFFFF0000u))));
-}
-
 template <bool OFFSETS>
 inline __m256 value(__m256i q, __m256 s, __m256 d) {  // round_bf16(S * q - D), 8 columns
   const __m256 qf = _mm256_cvtepi32_ps(q);
-  return round_bf16_finite(OFFSETS ? _mm256_fmsub_ps(qf, s, d) : _mm256_mul_ps(qf, s));
+  return specmesh_simd::round_bf16_finite(OFFSETS ? _mm256_fmsub_ps(qf, s, d) : _mm256_mul_ps(qf, s));
 }
 
 // Group g's weights at k = 2kk (v[0] columns 0-7, v[1] columns 8-15) and k = 2kk + 1 (v[2], v[3]).
@@ -85,9 +76,9 @@ inline void expand(const Weights& w, int64_t g, int64_t kk, const SubScales& s, 
 }
 
 // Decode rows: MB rows of x ([MB, 2*K2] float32, row stride ldx) against groups g0 .. g0 + NG, each
-// weight expanded once for all rows. Sums -> out[p * lgroup + m * 16].
+// weight expanded once for all rows. Sums -> out[m * 32 + p * 16] (rows of a panel, as write_panel takes them).
 template <int NG, int MB, bool OFFSETS, bool NIB>
-void register_tile(const float* x, int64_t ldx, const Weights& w, int64_t g0, float* out, int64_t lgroup) {
+void register_tile(const float* x, int64_t ldx, const Weights& w, int64_t g0, float* out) {
   __m256 acc[NG][MB][2];
   for (int p = 0; p < NG; ++p)
     for (int m = 0; m < MB; ++m) acc[p][m][0] = acc[p][m][1] = _mm256_setzero_ps();
@@ -107,7 +98,7 @@ void register_tile(const float* x, int64_t ldx, const Weights& w, int64_t g0, fl
   }
   for (int p = 0; p < NG; ++p)
     for (int m = 0; m < MB; ++m)
-      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + p * lgroup + m * kGroup + 8 * h, acc[p][m][h]);
+      for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + m * kPanel + p * kGroup + 8 * h, acc[p][m][h]);
 }
 
 // Groups g0 .. g0 + groups (at most 2) expanded to float32 wf [K, 32]: row k the 32 columns' values
@@ -126,34 +117,24 @@ void expand_widened(const Weights& w, int64_t g0, int64_t groups, float* wf) {
     }
 }
 
-// buf's rows [0, rows) of group g (16 float32 each, row stride ld) -> y[m, 16g ...] bf16 (row stride N), up to N.
-inline void write_group(const float* buf, int64_t ld, int64_t rows, int64_t g, int64_t N, uint16_t* y) {
-  const int64_t n0 = g * kGroup, valid = std::min<int64_t>(kGroup, N - n0);
-  for (int64_t m = 0; m < rows; ++m)
-    for (int64_t h = 0; h < 2 && 8 * h < valid; ++h)
-      specmesh_simd::store_bf16(y + m * N + n0 + 8 * h, specmesh_simd::round_bf16(_mm256_loadu_ps(buf + m * ld + 8 * h)),
-                                valid - 8 * h);
-}
-
 // x [M, 2*K2] float32 (contiguous) -> y [M, N] bf16.
 template <bool OFFSETS, bool NIB>
 void run(const float* x, int64_t M, const Weights& w, int64_t G, int64_t N, uint16_t* y) {
   const int64_t ldx = 2 * w.K2, K = 2 * w.K2;
   if (M <= 3) {  // decode: two groups a pass (one at 3 rows), so sums, scales and weights fit 16 registers
     at::parallel_for(0, (G + 1) / 2, 8, [&](int64_t begin, int64_t end) {
-      float buf[2 * 3 * kGroup];
-      const int64_t lgroup = M * kGroup;
+      float buf[3 * kPanel];  // [M, 32]: the pass's two groups, row by row
       for (int64_t u = begin; u < end; ++u) {
         const int64_t g0 = u * 2, groups = std::min<int64_t>(2, G - g0);
-        if (groups == 2 && M == 1) register_tile<2, 1, OFFSETS, NIB>(x, ldx, w, g0, buf, lgroup);
-        else if (groups == 2 && M == 2) register_tile<2, 2, OFFSETS, NIB>(x, ldx, w, g0, buf, lgroup);
+        if (groups == 2 && M == 1) register_tile<2, 1, OFFSETS, NIB>(x, ldx, w, g0, buf);
+        else if (groups == 2 && M == 2) register_tile<2, 2, OFFSETS, NIB>(x, ldx, w, g0, buf);
         else
           for (int64_t p = 0; p < groups; ++p) {
-            if (M == 1) register_tile<1, 1, OFFSETS, NIB>(x, ldx, w, g0 + p, buf + p * lgroup, lgroup);
-            else if (M == 2) register_tile<1, 2, OFFSETS, NIB>(x, ldx, w, g0 + p, buf + p * lgroup, lgroup);
-            else register_tile<1, 3, OFFSETS, NIB>(x, ldx, w, g0 + p, buf + p * lgroup, lgroup);
+            if (M == 1) register_tile<1, 1, OFFSETS, NIB>(x, ldx, w, g0 + p, buf + p * kGroup);
+            else if (M == 2) register_tile<1, 2, OFFSETS, NIB>(x, ldx, w, g0 + p, buf + p * kGroup);
+            else register_tile<1, 3, OFFSETS, NIB>(x, ldx, w, g0 + p, buf + p * kGroup);
           }
-        for (int64_t p = 0; p < groups; ++p) write_group(buf + p * lgroup, kGroup, M, g0 + p, N, y);
+        write_panel(buf, M, u, N, y);  // groups 2u, 2u + 1 are panel u of bf16_linear's layout
       }
     });
     return;
@@ -166,7 +147,7 @@ void run(const float* x, int64_t M, const Weights& w, int64_t G, int64_t N, uint
       const int64_t g0 = u * 2, groups = std::min<int64_t>(2, G - g0);
       expand_widened<OFFSETS, NIB>(w, g0, groups, wf.data());
       widened_rows(x, M, K, wf.data(), sums.data());
-      for (int64_t h = 0; h < groups; ++h) write_group(sums.data() + h * kGroup, kPanel, M, g0 + h, N, y);
+      write_panel(sums.data(), M, u, N, y);
     }
   });
 }
