@@ -69,6 +69,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("decode_attention_bf16", SPECMESH_NOGIL(decode_attention_bf16), "decode rows' attention over the paged bf16 pool, in place");
   m.def("store_decode_attention_bf16", SPECMESH_NOGIL(store_decode_attention_bf16),
         "a layer's new keys and values into the pool, then its decode rows' attention");
+  m.def("decode_layer_bf16", SPECMESH_NOGIL(decode_layer_bf16),
+        "one decoder layer of decode rows: qkv, q/k norm + RoPE, store + attention, o, norms, MLP (h, x)");
   m.def("chunk_attention_bf16", SPECMESH_NOGIL(chunk_attention_bf16),
         "prefill chunks' attention over the paged bf16 pool (VDPBF16PS, or AMX tiles), each row one visible run, in place");
 }

@@ -8,6 +8,7 @@
 
 #include <cstdint>
 #include <tuple>
+#include <vector>
 
 // cpu_linear.cpp: bf16 linear layers (AVX-512; VDPBF16PS where the CPU has AVX512-BF16).
 at::Tensor pack_bf16_weight(const at::Tensor& w);  // [N, K] bf16 -> [ceil(N/32), ceil(K/2), 64] panels
@@ -48,6 +49,16 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> qk_norm_rope_bf16(const at::Tenso
 at::Tensor gelu_tanh_mul_bf16(const at::Tensor& gate_up);
 at::Tensor silu_mul_bf16(const at::Tensor& gate_up);
 void masked_softmax_bf16_(at::Tensor& scores, const at::Tensor& hidden);
+
+// cpu_decode_layer.cpp: one decoder layer of decode rows (the lean forward's nine calls) in one call.
+std::tuple<at::Tensor, at::Tensor> decode_layer_bf16(
+    const at::Tensor& x, const at::Tensor& h, const std::vector<at::Tensor>& linears,
+    const std::vector<int64_t>& out_features, bool dot, const at::Tensor& qk_norm, const at::Tensor& cos,
+    const at::Tensor& sin, int64_t heads, int64_t kv_heads, at::Tensor& k_cache, at::Tensor& v_cache,
+    const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& offsets,
+    const at::Tensor& lens, const at::Tensor& masks, double scale, const at::Tensor& post_attention_norm,
+    const at::Tensor& pre_feedforward_norm, const at::Tensor& post_feedforward_norm, const at::Tensor& next_norm,
+    double eps, bool weight_after, bool gelu_tanh);
 
 // cpu_decode_attention.cpp: single query rows over the paged bf16 pool, in place.
 void decode_attention_bf16(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,

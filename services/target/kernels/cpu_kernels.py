@@ -4,7 +4,8 @@ It holds the bf16 linear kernel (cpu_linear.cpp, and its AMX tile path cpu_amx_l
 in cpu_linear.py), the linear kernel over GGUF block-quantized weights (cpu_gguf_linear.cpp, wrapped
 in cpu_gguf_linear.py), Gemma 3's
 per-row ops (cpu_rowops.cpp) and the paged bf16 attention of decode rows and prefill chunks
-(cpu_decode_attention.cpp, cpu_chunk_attention.cpp), all wrapped in cpu_rowops.py; the
+(cpu_decode_attention.cpp, cpu_chunk_attention.cpp), all wrapped in cpu_rowops.py, and a decoder
+layer of decode rows made of them in one call (cpu_decode_layer.cpp, decode_layer.py); the
 prototypes are in cpu_kernels.h, the Python bindings in cpu_kernels.cpp.
 
 It is built for one instruction set, the best the CPU has (`isa()`): "avx512" (AVX-512
@@ -31,7 +32,8 @@ from pathlib import Path
 MODULE_NAME = "specmesh_cpu_kernels"
 SOURCES = [str(Path(__file__).with_name(name)) for name in (
     "cpu_kernels.cpp", "cpu_linear.cpp", "cpu_amx_linear.cpp", "cpu_gguf_linear.cpp", "cpu_rowops.cpp",
-    "cpu_decode_attention.cpp", "cpu_chunk_attention.cpp", "cpu_argmax_screen.cpp", "cpu_argmax_rows.cpp")]
+    "cpu_decode_attention.cpp", "cpu_decode_layer.cpp", "cpu_chunk_attention.cpp", "cpu_argmax_screen.cpp",
+    "cpu_argmax_rows.cpp")]
 _FLAGS = ["-O3", "-fopenmp"]
 # Per ISA: the compiler's target flags and the define that picks the C++ loops (cpu_simd.h).
 ISA_FLAGS = {

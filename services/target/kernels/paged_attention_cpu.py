@@ -90,7 +90,7 @@ class CpuAttentionPlan(list):
     grouped: frozenset[int]
     decode_rows: "DecodeRows | None"  # set by _decode_rows on first use
     chunk_pieces: "ChunkPieces | None"  # set by _chunk_pieces on first use
-    every_row_decode: bool  # set by store_and_attend on first use: decode rows cover every plan
+    every_row_decode: bool  # set by every_row_decode on first use: decode rows cover every plan
 
 
 def paged_attention_cpu(
@@ -315,17 +315,24 @@ def store_and_attend(
     step's layer spends its time in the ~15 torch calls between the two otherwise (one row at 200
     tokens of context: 2.1 ms of attention a step, 0.65 of it the kernel). None where the plan has
     other rows (prefill chunks, large trees) or another dtype: the caller takes the two calls."""
-    every = getattr(plan, "every_row_decode", None)
-    if every is None:
-        rows = _decode_rows(plan)
-        every = rows is not None and len(rows.plans) == len(plan)
-        if isinstance(plan, CpuAttentionPlan):
-            plan.every_row_decode = every
-    if not every or not (query.dtype == key.dtype == value.dtype == k_cache.dtype == torch.bfloat16) \
+    rows = every_row_decode(plan)
+    if rows is None or not (query.dtype == key.dtype == value.dtype == k_cache.dtype == torch.bfloat16) \
             or slot_mapping.dtype != torch.long:
         return None
     return cpu_rowops.store_decode_attention(query.contiguous(), key.contiguous(), value.contiguous(), k_cache, v_cache,
-                                             slot_mapping, *plan.decode_rows.tensors, scale)
+                                             slot_mapping, *rows, scale)
+
+
+def every_row_decode(plan: list[SeqPlan]) -> tuple | None:
+    """The plan's DecodeRows tensors where every row of the step attends one by one in C++ (a decode
+    row or a row of a small tree), else None; decided once per plan (kept on it)."""
+    if getattr(plan, "every_row_decode", None) is False:
+        return None
+    rows = _decode_rows(plan)  # kept on the plan after its first call
+    every = rows is not None and len(rows.plans) == len(plan)
+    if isinstance(plan, CpuAttentionPlan):
+        plan.every_row_decode = every
+    return rows.tensors if every else None
 
 
 def _attention_bf16(

@@ -29,6 +29,7 @@ from torch import nn
 
 from services.target.model.attention import AttentionMetadata, paged_attention
 from services.target.kernels import cpu_linear, cpu_rowops
+from services.target.model import decode_layer
 from services.target.model.gguf_weights import GGUFLinear, tied_embedding_rows
 from services.target.model.linear import AVX512LinearBF16, direct_rows
 from services.target.model.output_layer import OutputLayer
@@ -181,6 +182,7 @@ class Gemma3PagedForward:
         self.act = text.layers[0].mlp.act_fn  # config.hidden_activation, the same in every layer
         self.row_ops = row_ops = choose_row_ops(row_ops, self.lm_head, self.embed)
         self.gelu_tanh = row_ops and getattr(config, "hidden_activation", None) == "gelu_pytorch_tanh"
+        self._fused: dict[int, list | None] = {}  # rows -> decode_layer's parts per layer (_fused_parts)
         self.layers = []
         for i, layer in enumerate(text.layers[:config.num_hidden_layers]):
             attn, mlp = layer.self_attn, layer.mlp
@@ -192,6 +194,17 @@ class Gemma3PagedForward:
                 direct_rows(attn.o_proj), _one_plus(layer.post_attention_layernorm),
                 _one_plus(layer.pre_feedforward_layernorm), direct_rows(getattr(fused, f"gate_up_{i}")),
                 direct_rows(mlp.down_proj), _one_plus(layer.post_feedforward_layernorm)))
+
+    def _fused_parts(self, rows: int) -> list | None:
+        """Each layer's linears as decode_layer's one C++ call takes them at `rows` rows (kept per row
+        count), or None where it does not run (decode_layer.py)."""
+        if not self.gelu_tanh or not decode_layer.enabled():
+            return None
+        if rows not in self._fused:
+            parts = [decode_layer.layer_parts((layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj),
+                                              rows) for layer in self.layers]
+            self._fused[rows] = None if any(p is None for p in parts) else parts
+        return self._fused[rows]
 
     @property
     def takes_output_rows(self) -> bool:
@@ -261,8 +274,18 @@ class Gemma3PagedForward:
         selecting the logit rows after gives the same rows)."""
         eps = self.eps
         x = cpu_rowops.rms_norm(h, self.layers[0].input_norm, eps)
+        fused = self._fused_parts(x.shape[0])  # per layer, or None: every layer's nine calls
         for i, layer in enumerate(self.layers):
             cos, sin = rope[layer.rope]  # [T, 1, D]
+            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
+            attention = (decode_layer.attention_args(meta, layer.index, self.head_dim, layer.sliding_window)
+                         if fused is not None and (read is None or i < len(self.layers) - 1) else None)
+            if attention is not None:  # every row a decode row: the layer in one C++ call
+                h, x = decode_layer.decode_layer(x, h, fused[i], layer.qk_norm, cos, sin, self.num_heads,
+                                                 self.num_kv_heads, attention, self.scaling,
+                                                 layer.post_attention_norm, layer.pre_feedforward_norm,
+                                                 layer.post_feedforward_norm, next_norm, eps)
+                continue
             qkv = layer.qkv_proj(x)  # [T, q_size + 2 * kv_size]
             q, k, v = cpu_rowops.qk_norm_rope(qkv, layer.qk_norm, cos, sin, self.num_heads, self.num_kv_heads, eps)
             last = read if i == len(self.layers) - 1 else None  # past its keys and values, only the rows read
@@ -275,7 +298,6 @@ class Gemma3PagedForward:
                 d = layer.down_proj(cpu_rowops.gelu_tanh_mul(gate_up))
             else:
                 d = layer.down_proj(self.act(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:])
-            next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
             h, x = cpu_rowops.add_rms_norm(h, d, layer.post_feedforward_norm, next_norm, eps)
         logits = self.output(x.index_select(0, logit_rows), vocab_subsets)  # [R, vocab]
         return logits if feature_rows is None else (logits, x.index_select(0, feature_rows))

@@ -1,0 +1,103 @@
+"""A lean forward's decoder layer for a step of decode rows in one C++ call (cpu_decode_layer.cpp).
+
+A decode step's layer is nine kernel calls (qkv, q/k norm + RoPE, store + attention, o, add + norm,
+gate|up, the activation, down, add + norm), each with its Python wrappers, argument checks and a
+release and re-take of the GIL; one row of the default model spends ~1 ms a step between them
+(py-spy: ~10% of the engine thread outside any kernel in those wrappers). `decode_layer_bf16` makes
+the same calls with the same arguments in the same order from C++, so its outputs are the loop's
+bit for bit (tests/target/test_decode_layer.py). It runs where every row of the step attends as a
+decode row in C++ (store_and_attend's case: bf16 pool, no FP8 scales) and every linear of the
+layer is one of specmesh's kernels without AMX at that many rows. `SPECMESH_FUSED_DECODE_LAYER=0`
+keeps the nine calls (an A/B switch for benchmarks).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+
+import torch
+
+from services.target.kernels import cpu_linear
+from services.target.kernels.cpu_kernels import module
+from services.target.kernels.paged_attention_cpu import every_row_decode
+from services.target.model.attention import AttentionMetadata
+from services.target.model.gguf_weights import GGUFLinear
+from services.target.model.linear import AVX512LinearBF16
+
+_EMPTY = torch.empty(0)  # "not these parts" to the C++ side
+_NO_MASK = torch.empty(0, dtype=torch.bool)
+
+
+@functools.cache
+def _dot() -> bool:
+    return cpu_linear.bf16_dot_instruction()
+
+
+def enabled() -> bool:
+    return os.environ.get("SPECMESH_FUSED_DECODE_LAYER", "1") != "0"
+
+
+def linear_parts(linear, rows: int) -> list[torch.Tensor] | None:
+    """[quants, scales, offsets, panels] for the C++ layer to multiply `linear` (a lean forward's
+    `direct_rows` callable) at `rows` rows as its own matmul_rows would, or None where it cannot."""
+    owner = getattr(linear, "__self__", None)  # the module of a bound matmul_rows
+    if isinstance(owner, GGUFLinear) and owner.out_dtype in (None, torch.bfloat16):
+        if cpu_linear.takes_amx(rows, owner.in_features):
+            return None  # the AMX tile path: not taken here
+        if owner.panels is not None and rows > owner.block_rows:
+            return [_EMPTY, _EMPTY, _EMPTY, owner.panels]
+        p = owner.packed
+        return [p.quants, p.scales, p.offsets, _EMPTY]
+    if isinstance(owner, AVX512LinearBF16) and not owner.has_bias and owner.out_dtype in (None, torch.bfloat16):
+        if cpu_linear.takes_amx(rows, owner.in_features):
+            return None
+        return [_EMPTY, _EMPTY, _EMPTY, owner.panels]
+    return None
+
+
+def layer_parts(linears: tuple, rows: int) -> tuple[list[torch.Tensor], list[int]] | None:
+    """The four linears (qkv, o, gate|up, down) of a layer as the C++ call takes them, or None."""
+    parts, out_features = [], []
+    for linear in linears:
+        p = linear_parts(linear, rows)
+        if p is None:
+            return None
+        parts += p
+        out_features.append(linear.__self__.out_features)
+    return parts, out_features
+
+
+def attention_args(meta: AttentionMetadata, layer: int, head_dim: int, sliding_window: int | None) -> tuple | None:
+    """(k_cache, v_cache, slot_mapping, rows, tables, offsets, lens, masks) where every row of the step
+    attends in store_decode_attention's one C++ call for this layer, else None (the layer's own path)."""
+    kernels = meta.kernels
+    k_cache, v_cache, k_scale, _ = meta.kv_pool.layer(layer)
+    if (kernels.store_and_attend is None or k_scale is not None or k_cache.dtype != torch.bfloat16
+            or meta.slot_mapping.dtype != torch.long):
+        return None
+    plan = meta.plans.get(sliding_window)
+    if plan is None:  # as paged_attention plans it (the plan reads the query's dtype and head size only)
+        query = torch.empty(0, 1, head_dim, dtype=torch.bfloat16)
+        plan = meta.plans[sliding_window] = kernels.plan(
+            query, k_cache, meta.block_tables, meta.context_lens, meta.query_start_loc, meta.query_positions,
+            sliding_window, meta.tree_mask)
+    rows = every_row_decode(plan)
+    if rows is None:
+        return None
+    *tensors, masks = rows
+    return (k_cache, v_cache, meta.slot_mapping, *tensors, _NO_MASK if masks is None else masks)
+
+
+def decode_layer(x: torch.Tensor, h: torch.Tensor, parts: tuple[list[torch.Tensor], list[int]],
+                 qk_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                 attention: tuple, scale: float, post_attention_norm: torch.Tensor | None,
+                 pre_feedforward_norm: torch.Tensor, post_feedforward_norm: torch.Tensor | None,
+                 next_norm: torch.Tensor, eps: float, weight_after: bool = False, gelu_tanh: bool = True,
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """One layer: x [T, hidden] (its normed input), h [T, hidden] (the residual) -> (h, next layer's x)."""
+    linears, out_features = parts
+    return module().decode_layer_bf16(
+        x, h, linears, out_features, _dot(), qk_norm, cos, sin, heads, kv_heads,
+        *attention, scale, _EMPTY if post_attention_norm is None else post_attention_norm, pre_feedforward_norm,
+        _EMPTY if post_feedforward_norm is None else post_feedforward_norm, next_norm, eps, weight_after, gelu_tanh)
