@@ -12,6 +12,7 @@ from services.target.model.model_runner import ModelRunner, load_model
 from services.target.model.model_runner_inputs import StepInput
 from tests.target.test_gemma3_forward import EMPTY
 from tests.target.test_gguf_weights import gguf_gemma_dir  # noqa: F401  (the fixture)
+from tests.target.test_llama_forward import FAMILIES, family_dirs  # noqa: F401  (the fixture)
 
 
 def _runner(model_dir, weights: str) -> ModelRunner:
@@ -57,6 +58,22 @@ def test_one_call_a_layer_equals_the_nine_calls(gguf_gemma_dir, weights, monkeyp
         assert torch.equal(got, want)
 
 
+@pytest.mark.parametrize("family", list(FAMILIES))
+def test_the_llama_family_takes_the_same_one_call(family_dirs, family, monkeypatch):  # noqa: F811
+    """Llama's norm rounding (weight_after), no post norms, SiLU, Qwen3's q/k norms, Mistral's window:
+    the same call with the family's switches, bit for bit the nine calls; Qwen2's q/k/v bias (one
+    more input column) is not a part it takes, so Qwen2 keeps the nine calls."""
+    calls = []
+    one_call = decode_layer.decode_layer
+    monkeypatch.setattr(decode_layer, "decode_layer", lambda *a, **k: calls.append(1) or one_call(*a, **k))
+    fused = _run(_runner(family_dirs(family), "bf16-avx512"))
+    assert (len(calls) > 0) == (family != "qwen2")
+    monkeypatch.setenv("SPECMESH_FUSED_DECODE_LAYER", "0")
+    for got, want in zip(fused, _run(_runner(family_dirs(family), "bf16-avx512"))):
+        assert torch.isfinite(want).all()
+        assert torch.equal(got, want)
+
+
 def test_a_linear_the_call_cannot_take_keeps_the_nine_calls(gguf_gemma_dir, monkeypatch):  # noqa: F811
     """C++ row ops over linears that are not specmesh's kernels (fbgemm's fp16 here): no one call."""
     calls = []
@@ -64,5 +81,5 @@ def test_a_linear_the_call_cannot_take_keeps_the_nine_calls(gguf_gemma_dir, monk
     runner = _runner(gguf_gemma_dir, "fp16")
     runner.lean_forward = type(runner.lean_forward)(runner.model, row_ops=True)
     logits = _run(runner)
-    assert calls == [] and runner.lean_forward._fused_parts(1) is None
+    assert calls == [] and runner.lean_forward.fused_parts(1) is None
     assert all(torch.isfinite(rows).all() for rows in logits)

@@ -68,6 +68,23 @@ def layer_parts(linears: tuple, rows: int) -> tuple[list[torch.Tensor], list[int
     return parts, out_features
 
 
+class LayerParts:
+    """A lean forward's layers' linears as the one call takes them, per row count (kept: a step's
+    rows take the same parts every time), or None where some linear cannot go (or the switch is off)."""
+
+    def __init__(self, layers: list[tuple]) -> None:
+        self.layers = layers  # per layer: (qkv, o, gate|up, down) `direct_rows` callables
+        self._by_rows: dict[int, list | None] = {}
+
+    def __call__(self, rows: int) -> list | None:
+        if not enabled():
+            return None
+        if rows not in self._by_rows:
+            parts = [layer_parts(linears, rows) for linears in self.layers]
+            self._by_rows[rows] = None if any(p is None for p in parts) else parts
+        return self._by_rows[rows]
+
+
 def attention_args(meta: AttentionMetadata, layer: int, head_dim: int, sliding_window: int | None) -> tuple | None:
     """(k_cache, v_cache, slot_mapping, rows, tables, offsets, lens, masks) where every row of the step
     attends in store_decode_attention's one C++ call for this layer, else None (the layer's own path)."""
@@ -90,7 +107,7 @@ def attention_args(meta: AttentionMetadata, layer: int, head_dim: int, sliding_w
 
 
 def decode_layer(x: torch.Tensor, h: torch.Tensor, parts: tuple[list[torch.Tensor], list[int]],
-                 qk_norm: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
+                 qk_norm: torch.Tensor | None, cos: torch.Tensor, sin: torch.Tensor, heads: int, kv_heads: int,
                  attention: tuple, scale: float, post_attention_norm: torch.Tensor | None,
                  pre_feedforward_norm: torch.Tensor, post_feedforward_norm: torch.Tensor | None,
                  next_norm: torch.Tensor, eps: float, weight_after: bool = False, gelu_tanh: bool = True,
@@ -98,6 +115,6 @@ def decode_layer(x: torch.Tensor, h: torch.Tensor, parts: tuple[list[torch.Tenso
     """One layer: x [T, hidden] (its normed input), h [T, hidden] (the residual) -> (h, next layer's x)."""
     linears, out_features = parts
     return module().decode_layer_bf16(
-        x, h, linears, out_features, _dot(), qk_norm, cos, sin, heads, kv_heads,
+        x, h, linears, out_features, _dot(), _EMPTY if qk_norm is None else qk_norm, cos, sin, heads, kv_heads,
         *attention, scale, _EMPTY if post_attention_norm is None else post_attention_norm, pre_feedforward_norm,
         _EMPTY if post_feedforward_norm is None else post_feedforward_norm, next_norm, eps, weight_after, gelu_tanh)

@@ -182,7 +182,6 @@ class Gemma3PagedForward:
         self.act = text.layers[0].mlp.act_fn  # config.hidden_activation, the same in every layer
         self.row_ops = row_ops = choose_row_ops(row_ops, self.lm_head, self.embed)
         self.gelu_tanh = row_ops and getattr(config, "hidden_activation", None) == "gelu_pytorch_tanh"
-        self._fused: dict[int, list | None] = {}  # rows -> decode_layer's parts per layer (_fused_parts)
         self.layers = []
         for i, layer in enumerate(text.layers[:config.num_hidden_layers]):
             attn, mlp = layer.self_attn, layer.mlp
@@ -194,17 +193,9 @@ class Gemma3PagedForward:
                 direct_rows(attn.o_proj), _one_plus(layer.post_attention_layernorm),
                 _one_plus(layer.pre_feedforward_layernorm), direct_rows(getattr(fused, f"gate_up_{i}")),
                 direct_rows(mlp.down_proj), _one_plus(layer.post_feedforward_layernorm)))
-
-    def _fused_parts(self, rows: int) -> list | None:
-        """Each layer's linears as decode_layer's one C++ call takes them at `rows` rows (kept per row
-        count), or None where it does not run (decode_layer.py)."""
-        if not self.gelu_tanh or not decode_layer.enabled():
-            return None
-        if rows not in self._fused:
-            parts = [decode_layer.layer_parts((layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj),
-                                              rows) for layer in self.layers]
-            self._fused[rows] = None if any(p is None for p in parts) else parts
-        return self._fused[rows]
+        # A decode step's layer in one C++ call (decode_layer.py) where its linears allow
+        self.fused_parts = decode_layer.LayerParts([(layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+                                                    for layer in self.layers]) if self.gelu_tanh else None
 
     @property
     def takes_output_rows(self) -> bool:
@@ -274,7 +265,7 @@ class Gemma3PagedForward:
         selecting the logit rows after gives the same rows)."""
         eps = self.eps
         x = cpu_rowops.rms_norm(h, self.layers[0].input_norm, eps)
-        fused = self._fused_parts(x.shape[0])  # per layer, or None: every layer's nine calls
+        fused = self.fused_parts(x.shape[0]) if self.fused_parts else None  # per layer, or None: nine calls
         for i, layer in enumerate(self.layers):
             cos, sin = rope[layer.rope]  # [T, 1, D]
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm

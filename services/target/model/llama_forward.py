@@ -36,6 +36,7 @@ import torch
 from torch import nn
 
 from services.target.kernels import cpu_rowops
+from services.target.model import decode_layer
 from services.target.model.attention import AttentionMetadata, paged_attention
 from services.target.model.gemma3_forward import FUSED, _rotate_half, choose_row_ops
 from services.target.model.linear import direct_rows
@@ -136,6 +137,9 @@ class LlamaPagedForward:
         self.row_weights = [(layer.input_norm.float(), None if layer.qk_norm is None else layer.qk_norm.float(),
                              layer.post_attention_norm.float()) for layer in self.layers] if row_ops else []
         self.final_norm_f32 = self.final_norm.float() if row_ops else None
+        # A decode step's layer in one C++ call (decode_layer.py) where its linears allow (no bias)
+        self.fused_parts = decode_layer.LayerParts([(layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
+                                                    for layer in self.layers]) if self.silu else None
 
     @property
     def takes_output_rows(self) -> bool:
@@ -193,8 +197,17 @@ class LlamaPagedForward:
         every row and selecting the logit rows after gives the same rows)."""
         eps = self.eps
         x = cpu_rowops.rms_norm(h, self.row_weights[0][0], eps, weight_after=True)
+        fused = self.fused_parts(x.shape[0]) if self.fused_parts else None  # per layer, or None: nine calls
         for i, layer in enumerate(self.layers):
             _, qk_norm, post_attention_norm = self.row_weights[i]
+            next_norm = self.row_weights[i + 1][0] if i + 1 < len(self.layers) else self.final_norm_f32
+            attention = (decode_layer.attention_args(meta, layer.index, self.head_dim, layer.sliding_window)
+                         if fused is not None and (read is None or i < len(self.layers) - 1) else None)
+            if attention is not None:  # every row a decode row: the layer in one C++ call
+                h, x = decode_layer.decode_layer(x, h, fused[i], qk_norm, cos, sin, self.num_heads, self.num_kv_heads,
+                                                 attention, self.scaling, None, post_attention_norm, None, next_norm,
+                                                 eps, weight_after=True, gelu_tanh=False)
+                continue
             qkv = layer.qkv_proj(x)  # [T, q_size + 2 * kv_size]
             q, k, v = cpu_rowops.qk_norm_rope(qkv, qk_norm, cos, sin, self.num_heads, self.num_kv_heads, eps,
                                               weight_after=True)
@@ -208,7 +221,6 @@ class LlamaPagedForward:
                 d = layer.down_proj(cpu_rowops.silu_mul(gate_up))
             else:
                 d = layer.down_proj(self.act(gate_up[:, :self.intermediate]) * gate_up[:, self.intermediate:])
-            next_norm = self.row_weights[i + 1][0] if i + 1 < len(self.layers) else self.final_norm_f32
             h, x = cpu_rowops.add_rms_norm(h, d, None, next_norm, eps, weight_after=True)
         logits = self.output(x.index_select(0, logit_rows), vocab_subsets)  # [R, vocab]
         return logits if feature_rows is None else (logits, x.index_select(0, feature_rows))
