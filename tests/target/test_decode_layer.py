@@ -60,14 +60,15 @@ def test_one_call_a_layer_equals_the_nine_calls(gguf_gemma_dir, weights, monkeyp
 
 @pytest.mark.parametrize("family", list(FAMILIES))
 def test_the_llama_family_takes_the_same_one_call(family_dirs, family, monkeypatch):  # noqa: F811
-    """Llama's norm rounding (weight_after), no post norms, SiLU, Qwen3's q/k norms, Mistral's window:
-    the same call with the family's switches, bit for bit the nine calls; Qwen2's q/k/v bias (one
-    more input column) is not a part it takes, so Qwen2 keeps the nine calls."""
+    """Llama's norm rounding (weight_after), no post norms, SiLU, Qwen2's q/k/v bias (the panels'
+    extra input column), Qwen3's q/k norms, Mistral's window: the same call with the family's
+    switches, bit for bit the nine calls."""
     calls = []
     one_call = decode_layer.decode_layer
     monkeypatch.setattr(decode_layer, "decode_layer", lambda *a, **k: calls.append(1) or one_call(*a, **k))
-    fused = _run(_runner(family_dirs(family), "bf16-avx512"))
-    assert (len(calls) > 0) == (family != "qwen2")
+    runner = _runner(family_dirs(family), "bf16-avx512")
+    fused = _run(runner)
+    assert len(calls) >= 3 * (len(runner.lean_forward.layers) - 1)  # the decode and tree steps, as above
     monkeypatch.setenv("SPECMESH_FUSED_DECODE_LAYER", "0")
     for got, want in zip(fused, _run(_runner(family_dirs(family), "bf16-avx512"))):
         assert torch.isfinite(want).all()

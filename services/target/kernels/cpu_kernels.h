@@ -53,7 +53,7 @@ void masked_softmax_bf16_(at::Tensor& scores, const at::Tensor& hidden);
 // cpu_decode_layer.cpp: one decoder layer of decode rows (the lean forward's nine calls) in one call.
 std::tuple<at::Tensor, at::Tensor> decode_layer_bf16(
     const at::Tensor& x, const at::Tensor& h, const std::vector<at::Tensor>& linears,
-    const std::vector<int64_t>& out_features, bool dot, const at::Tensor& qk_norm, const at::Tensor& cos,
+    const std::vector<int64_t>& dims, bool dot, const at::Tensor& qk_norm, const at::Tensor& cos,
     const at::Tensor& sin, int64_t heads, int64_t kv_heads, at::Tensor& k_cache, at::Tensor& v_cache,
     const at::Tensor& slots, const at::Tensor& rows, const at::Tensor& tables, const at::Tensor& offsets,
     const at::Tensor& lens, const at::Tensor& masks, double scale, const at::Tensor& post_attention_norm,

@@ -7,7 +7,8 @@ release and re-take of the GIL; one row of the default model spends ~1 ms a step
 the same calls with the same arguments in the same order from C++, so its outputs are the loop's
 bit for bit (tests/target/test_decode_layer.py). It runs where every row of the step attends as a
 decode row in C++ (store_and_attend's case: bf16 pool, no FP8 scales) and every linear of the
-layer is one of specmesh's kernels without AMX at that many rows. `SPECMESH_FUSED_DECODE_LAYER=0`
+layer is one of specmesh's kernels without AMX at that many rows (a bias rides as the panels' extra
+input column, as AVX512LinearBF16 carries Qwen2's q/k/v bias). `SPECMESH_FUSED_DECODE_LAYER=0`
 keeps the nine calls (an A/B switch for benchmarks).
 """
 
@@ -38,34 +39,33 @@ def enabled() -> bool:
     return os.environ.get("SPECMESH_FUSED_DECODE_LAYER", "1") != "0"
 
 
-def linear_parts(linear, rows: int) -> list[torch.Tensor] | None:
-    """[quants, scales, offsets, panels] for the C++ layer to multiply `linear` (a lean forward's
-    `direct_rows` callable) at `rows` rows as its own matmul_rows would, or None where it cannot."""
+def linear_parts(linear, rows: int) -> tuple[list[torch.Tensor], int, int] | None:
+    """([quants, scales, offsets, panels], outputs, inputs) for the C++ layer to multiply `linear` (a
+    lean forward's `direct_rows` callable) at `rows` rows as its own matmul_rows would, or None where
+    it cannot. inputs past the layer's own: the panels' bias column and its zero padding."""
     owner = getattr(linear, "__self__", None)  # the module of a bound matmul_rows
-    if isinstance(owner, GGUFLinear) and owner.out_dtype in (None, torch.bfloat16):
-        if cpu_linear.takes_amx(rows, owner.in_features):
-            return None  # the AMX tile path: not taken here
-        if owner.panels is not None and rows > owner.block_rows:
-            return [_EMPTY, _EMPTY, _EMPTY, owner.panels]
+    if not isinstance(owner, (GGUFLinear, AVX512LinearBF16)) or owner.out_dtype not in (None, torch.bfloat16):
+        return None  # another kernel (or none), or another output dtype
+    inputs = owner.extended if isinstance(owner, AVX512LinearBF16) else owner.in_features
+    if cpu_linear.takes_amx(rows, inputs):
+        return None  # the AMX tile path: not taken here
+    if isinstance(owner, GGUFLinear) and (owner.panels is None or rows <= owner.block_rows):
         p = owner.packed
-        return [p.quants, p.scales, p.offsets, _EMPTY]
-    if isinstance(owner, AVX512LinearBF16) and not owner.has_bias and owner.out_dtype in (None, torch.bfloat16):
-        if cpu_linear.takes_amx(rows, owner.in_features):
-            return None
-        return [_EMPTY, _EMPTY, _EMPTY, owner.panels]
-    return None
+        return [p.quants, p.scales, p.offsets, _EMPTY], owner.out_features, inputs
+    return [_EMPTY, _EMPTY, _EMPTY, owner.panels], owner.out_features, inputs
 
 
 def layer_parts(linears: tuple, rows: int) -> tuple[list[torch.Tensor], list[int]] | None:
-    """The four linears (qkv, o, gate|up, down) of a layer as the C++ call takes them, or None."""
-    parts, out_features = [], []
+    """The four linears (qkv, o, gate|up, down) of a layer as the C++ call takes them: 16 tensors and
+    (outputs, inputs) per linear; or None."""
+    parts, dims = [], []
     for linear in linears:
         p = linear_parts(linear, rows)
         if p is None:
             return None
-        parts += p
-        out_features.append(linear.__self__.out_features)
-    return parts, out_features
+        parts += p[0]
+        dims += p[1:]
+    return parts, dims
 
 
 class LayerParts:
@@ -113,8 +113,8 @@ def decode_layer(x: torch.Tensor, h: torch.Tensor, parts: tuple[list[torch.Tenso
                  next_norm: torch.Tensor, eps: float, weight_after: bool = False, gelu_tanh: bool = True,
                  ) -> tuple[torch.Tensor, torch.Tensor]:
     """One layer: x [T, hidden] (its normed input), h [T, hidden] (the residual) -> (h, next layer's x)."""
-    linears, out_features = parts
+    linears, dims = parts
     return module().decode_layer_bf16(
-        x, h, linears, out_features, _dot(), _EMPTY if qk_norm is None else qk_norm, cos, sin, heads, kv_heads,
+        x, h, linears, dims, _dot(), _EMPTY if qk_norm is None else qk_norm, cos, sin, heads, kv_heads,
         *attention, scale, _EMPTY if post_attention_norm is None else post_attention_norm, pre_feedforward_norm,
         _EMPTY if post_feedforward_norm is None else post_feedforward_norm, next_norm, eps, weight_after, gelu_tanh)
