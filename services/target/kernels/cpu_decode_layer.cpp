@@ -1,5 +1,5 @@
-// One decoder layer of decode rows in one call: the lean forwards' row-ops loop
-// (gemma3_forward.py `_call_row_ops`) for a step whose rows all attend as decode rows. The same
+// One decoder layer of decode rows in one call: the lean forwards' row-ops loop (`_call_row_ops` of
+// gemma3_forward.py and llama_forward.py) for a step whose rows all attend as decode rows. The same
 // kernels with the same arguments in the same order as that loop's nine calls, so the same bits;
 // what it saves is the Python between them (the calls, their wrappers and the GIL's hand-offs:
 // decode_layer.py says when the lean forward takes it).
@@ -16,8 +16,9 @@ namespace {
 // Linear i of the layer (0 qkv, 1 o, 2 gate|up, 3 down): parts[4i .. 4i + 3] = GGUF quants, scales,
 // offsets and bf16 panels; non-empty quants multiply the blocks (gguf_linear), else the panels
 // (bf16_linear). The caller picks per step what the layer's own module would (decode_layer.py).
-// in_features[i] > K: the panels carry a bias as input column K (AVX512LinearBF16, Qwen2's q/k/v),
-// so x gets that column of ones and zeros up to in_features[i], as the module's forward builds it.
+// dims[2i], dims[2i + 1]: its outputs and inputs. Inputs past K (the rows' width): the panels carry a
+// bias as input column K (AVX512LinearBF16, Qwen2's q/k/v), so x gets that column of ones and zeros up
+// to the inputs, as the module's forward builds it.
 at::Tensor linear_rows(const at::Tensor& x, const std::vector<at::Tensor>& parts, const std::vector<int64_t>& dims,
                        size_t i, bool dot) {
   const int64_t N = dims[2 * i], K = x.size(1), extended = dims[2 * i + 1];
