@@ -84,6 +84,15 @@ class LayerParts:
             self._by_rows[rows] = None if any(p is None for p in parts) else parts
         return self._by_rows[rows]
 
+    @staticmethod
+    def attention(fused: list | None, read, i: int, meta: AttentionMetadata, layer: int, head_dim: int,
+                  sliding_window: int | None) -> tuple | None:
+        """attention_args for layer i of a step whose parts are `fused` (None: the nine calls), or None
+        where the layer keeps its nine calls (the last layer of a step that reads only some rows)."""
+        if fused is None or (read is not None and i == len(fused) - 1):
+            return None
+        return attention_args(meta, layer, head_dim, sliding_window)
+
 
 def attention_args(meta: AttentionMetadata, layer: int, head_dim: int, sliding_window: int | None) -> tuple | None:
     """(k_cache, v_cache, slot_mapping, rows, tables, offsets, lens, masks) where every row of the step

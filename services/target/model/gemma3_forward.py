@@ -269,8 +269,8 @@ class Gemma3PagedForward:
         for i, layer in enumerate(self.layers):
             cos, sin = rope[layer.rope]  # [T, 1, D]
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm
-            attention = (decode_layer.attention_args(meta, layer.index, self.head_dim, layer.sliding_window)
-                         if fused is not None and (read is None or i < len(self.layers) - 1) else None)
+            attention = decode_layer.LayerParts.attention(fused, read, i, meta, layer.index, self.head_dim,
+                                                          layer.sliding_window)
             if attention is not None:  # every row a decode row: the layer in one C++ call
                 h, x = decode_layer.decode_layer(x, h, fused[i], layer.qk_norm, cos, sin, self.num_heads,
                                                  self.num_kv_heads, attention, self.scaling,

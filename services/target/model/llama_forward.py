@@ -201,8 +201,8 @@ class LlamaPagedForward:
         for i, layer in enumerate(self.layers):
             _, qk_norm, post_attention_norm = self.row_weights[i]
             next_norm = self.row_weights[i + 1][0] if i + 1 < len(self.layers) else self.final_norm_f32
-            attention = (decode_layer.attention_args(meta, layer.index, self.head_dim, layer.sliding_window)
-                         if fused is not None and (read is None or i < len(self.layers) - 1) else None)
+            attention = decode_layer.LayerParts.attention(fused, read, i, meta, layer.index, self.head_dim,
+                                                          layer.sliding_window)
             if attention is not None:  # every row a decode row: the layer in one C++ call
                 h, x = decode_layer.decode_layer(x, h, fused[i], qk_norm, cos, sin, self.num_heads, self.num_kv_heads,
                                                  attention, self.scaling, None, post_attention_norm, None, next_norm,
