@@ -172,6 +172,27 @@ def test_sampled_chain_sends_the_distribution_each_token_came_from(drafter):
         assert token in d.token_ids and set(d.token_ids) <= vocab
 
 
+def test_a_sampled_tree_plan_gets_a_tree_of_deterministic_proposals_ranked_at_its_temperature(drafter):
+    """A sampled request whose plan allows more nodes than depth gets the EAGLE-2 tree (no q: its
+    siblings are the head's distinct top tokens); its confidence is taken at the request's
+    temperature, so a colder request's tree is the tree ranked by sharper probabilities."""
+    proposer = EagleProposer(drafter, top_k=3)
+    store = DraftStateStore()
+    state = store.append("a", [1, 50, 51, 52], "", 7)
+    proposer.observe("a", [1, 50, 51, 52])
+    proposer.add_features("a", 0, drafter.parts.final_norm(
+        torch.randn(3, drafter.head.config.hidden_size, generator=torch.Generator().manual_seed(1))))
+    proposer.set_sampling("a", DraftSampling(0.8, 0, 0.0, 7))
+    tree = proposer.propose([state], 3, 8)[0]
+    ctx = proposer._seqs["a"].context
+    assert tree == drafter.tree(ctx, "a", 3, 8, top_k=3, temperature=0.8)
+    assert tree.num_nodes == 8 and tree.distributions == () and len(set(tree.parents)) < tree.num_nodes
+    assert tree.token_ids[:3] == drafter.chain(ctx, "a", 3, DraftSampling(), None, 16).token_ids  # argmax path kept
+    assert proposer.propose([state], 3, 3)[0].distributions  # a chain plan keeps real q
+    cold = [drafter.tree(ctx, "a", 3, 8, top_k=3, temperature=t) for t in (1.0, 0.05)]
+    assert cold[0] != cold[1]  # the temperature reaches the ranking
+
+
 def test_proposer_drafts_only_with_the_newest_feature_and_restarts_after_a_gap(drafter):
     proposer = EagleProposer(drafter)
     store = DraftStateStore()
@@ -236,9 +257,9 @@ def test_a_batch_of_sequences_gets_the_chains_and_trees_of_single_calls(drafter)
     histories = [[1, 80, 81, 82, 83, 84, 85], [1, 90, 91], [1, 100, 101, 102, 103], [1, 110, 111, 112],
                  [1, 120, 121, 122, 123, 124], [1, 130, 131], [1, 140, 141, 142]]
     features = [drafter.parts.final_norm(torch.randn(len(h) - 1, hidden, generator=gen)) for h in histories]
-    samplings = [DraftSampling(), DraftSampling(0.8, 4, 0.0, 11), DraftSampling(), DraftSampling(1.0, 0, 0.9, 5),
+    samplings = [DraftSampling(), DraftSampling(0.8, 4, 0.0, 11), DraftSampling(), DraftSampling(0.7, 0, 0.9, 5),
                  DraftSampling(), DraftSampling(), DraftSampling()]
-    # chains, a sampled request asking for a tree (a chain), and greedy trees of different shapes
+    # chains, a sampled request asking for a tree (ranked at its temperature), and greedy trees of different shapes
     limits = [(4, 4), (3, 3), (2, 2), (4, 8), (4, 8), (3, 10), (2, 5)]
 
     def open_all(proposer):
@@ -265,7 +286,7 @@ def test_a_batch_of_sequences_gets_the_chains_and_trees_of_single_calls(drafter)
     states = open_all(single)
     alone = [single.propose([state], d, n)[0] for state, (d, n) in zip(states, limits)]
     assert [(t.token_ids, t.parents) for t in trees] == [(t.token_ids, t.parents) for t in alone]
-    assert [t.num_nodes for t in trees] == [4, 3, 2, 4, 8, 10, 5]
+    assert [t.num_nodes for t in trees] == [4, 3, 2, 8, 8, 10, 5]
     for got, want in zip(trees, alone):
         assert len(got.distributions) == len(want.distributions)
         for a, b in zip(got.distributions, want.distributions):

@@ -4,7 +4,8 @@ second): the target sends its features on ProposeStream and the draft's eagle pr
 Shown: greedy output equals the target alone token for token (chains and EAGLE-2 trees) and
 the head's drafts are accepted; the features on the wire are the target's own (its
 transformers forward's last hidden state, after the final norm, as training records them);
-sampled output follows the target's distribution (chi-square homogeneity) and a broken head
+sampled output follows the target's distribution (chi-square homogeneity; chains with real q
+and trees of deterministic proposals) and a broken head
 that drafts the least likely token of the q it sends fails the same test; lost features and a draft
 that loses every sequence (as a restart does) fall back to plain decoding for those steps,
 output unchanged; a prompt whose blocks come from the prefix cache still sends the features of
@@ -293,6 +294,30 @@ def test_sampling_with_the_head_follows_the_target(tiny_llama_dir, head_path, sa
     assert sum(u.accepted_tokens for _, u in samples) > 0
     stat, df = chi2_homogeneity(sampled_alone, _outcomes(samples))
     print(f"eagle, real q: chi2 {stat:.1f}, df {df}, bound {chi2_bound(df):.1f}; "
+          f"accepted {sum(u.accepted_tokens for _, u in samples)} of {sum(u.proposed_tokens for _, u in samples)}")
+    assert stat < chi2_bound(df), f"chi2 {stat:.1f} >= {chi2_bound(df):.1f} (df {df})"
+
+
+class RecordsTrees(EagleProposer):
+    def __init__(self, drafter) -> None:
+        super().__init__(drafter)
+        self.branching = self.with_q = 0
+
+    def propose_batch(self, states, max_depths, max_nodes):
+        trees = super().propose_batch(states, max_depths, max_nodes)
+        self.branching += sum(len(set(t.parents)) < t.num_nodes for t in trees)
+        self.with_q += sum(bool(t.distributions) for t in trees)
+        return trees
+
+
+def test_sampled_trees_from_the_head_follow_the_target(tiny_llama_dir, head_path, sampled_alone):
+    """Sampled requests on a tree plan: EAGLE-2 trees of deterministic proposals (no q)."""
+    samples, proposer = asyncio.run(_run(tiny_llama_dir, head_path, PROMPTS[:1], 4, (2, 5), proposer=RecordsTrees,
+                                         seeds=list(range(20_000, 20_000 + CHI_SAMPLES)), **CHI_SAMPLING))
+    assert proposer.branching > 0 and proposer.with_q == 0
+    assert sum(u.accepted_tokens for _, u in samples) > 0
+    stat, df = chi2_homogeneity(sampled_alone, _outcomes(samples))
+    print(f"eagle, sampled trees: chi2 {stat:.1f}, df {df}, bound {chi2_bound(df):.1f}; "
           f"accepted {sum(u.accepted_tokens for _, u in samples)} of {sum(u.proposed_tokens for _, u in samples)}")
     assert stat < chi2_bound(df), f"chi2 {stat:.1f} >= {chi2_bound(df):.1f} (df {df})"
 

@@ -10,7 +10,16 @@ feature after it: the head then attends fewer positions (weaker drafts), never w
 Trees (EAGLE-2, arXiv 2406.16858): expansion by cumulative draft probability, `top_k`
 children per expanded node and `top_k` nodes expanded per depth (one head forward per depth
 for all of them and for every sequence of the batch, under a tree mask), then the kept nodes
-reranked to the node budget. The candidate bookkeeping is the draft model's dynamic tree's (`dynamic_tree._Candidates`,
+reranked to the node budget. Sampled requests get the same trees, their confidence taken at the
+request's temperature, and no draft distributions: siblings are the head's distinct most likely
+tokens, not draws from one q, so the target verifies each node as a deterministic proposal
+(accepted with the target's own probability of it, then the residual without it; lossless
+whatever the tokens). A node's chance to be accepted is then the product of the target's
+probabilities along its path, which the head's cumulative confidence estimates. (A chain, the
+default, keeps real q: one node accepts sum min(p, q), more than p of the head's top token; a
+tree's siblings add the target's probability of each: on the default model's held-out sampled
+answers at T=0.8 the first draft token is accepted 0.38 with real q, 0.33 / 0.43 / 0.51 for the
+head's top 1 / 2 / 4 as deterministic proposals.) The candidate bookkeeping is the draft model's dynamic tree's (`dynamic_tree._Candidates`,
 `_frontier`, `_keep`: the greedy path is always kept, so a tree never accepts less than the
 chain under greedy verification).
 """
@@ -152,21 +161,24 @@ class HeadDrafter:
         distributions.append(Distribution(tuple(ids.tolist()), tuple(probs.tolist())))
 
     def tree(self, ctx: HeadContext, sequence_id: str, max_depth: int, max_nodes: int,
-             top_k: int) -> DraftTree:
-        """An EAGLE-2 dynamic tree (greedy requests): see the module docstring."""
-        return self.trees([ctx], [sequence_id], [max_depth], [max_nodes], top_k)[0]
+             top_k: int, temperature: float = 1.0) -> DraftTree:
+        """An EAGLE-2 dynamic tree: see the module docstring."""
+        return self.trees([ctx], [sequence_id], [max_depth], [max_nodes], top_k, [temperature])[0]
 
     @torch.inference_mode()
     def trees(self, ctxs: Sequence[HeadContext], sequence_ids: Sequence[str], max_depths: Sequence[int],
-              max_nodes: Sequence[int], top_k: int) -> list[DraftTree]:
+              max_nodes: Sequence[int], top_k: int, temperatures: Sequence[float] | None = None) -> list[DraftTree]:
         """`tree` for several sequences at once: one head forward per depth for every frontier, the
-        cached keys padded to the longest context and the frontiers to the widest (padding masked)."""
+        cached keys padded to the longest context and the frontiers to the widest (padding masked).
+        `temperatures`: per sequence, the temperature its draft probabilities (the nodes'
+        confidence) are taken at: 1 for greedy requests, the request's own for sampled ones."""
         b = len(ctxs)
+        scale = torch.tensor([1.0 / t for t in (temperatures or [1.0] * b)], device=self.device)  # [b]
         k, v, context = self._padded(ctxs)  # [b, heads, width, head_dim] x2, [b, width]: the row's own context
         width, context = k.shape[2], context.cpu()
         widths = [1 if nodes <= depth else top_k for depth, nodes in zip(max_depths, max_nodes)]
         cands = [_Candidates() for _ in ctxs]
-        root = torch.softmax(self.output(torch.stack([c.last for c in ctxs])), -1)  # [b, V']
+        root = torch.softmax(self.output(torch.stack([c.last for c in ctxs])) * scale[:, None], -1)  # [b, V']
         for c, probs, w in zip(cands, root, widths):
             c.add_children(ROOT, 0, 1.0, probs, w, self.output.vocab)
         sources = [[ctx.last] * len(c.tokens) for ctx, c in zip(ctxs, cands)]  # per candidate: its predicted feature
@@ -197,7 +209,7 @@ class HeadDrafter:
                                     mask[:, None].to(self.device))  # out [b, f, hidden]
             k, v = torch.cat([k, nk], dim=-2), torch.cat([v, nv], dim=-2)
             predicted = self.parts.final_norm(out)  # [b, f, hidden]
-            probs = torch.softmax(self.output(predicted), -1)  # [b, f, V']
+            probs = torch.softmax(self.output(predicted) * scale[:, None, None], -1)  # [b, f, V']
             for i, frontier in enumerate(frontiers):
                 c = cands[i]
                 fed[i] += frontier

@@ -9,8 +9,9 @@ Feature j (the target's last-layer feature at position j) is fed with token j + 
 n committed tokens the head can hold positions up to n - 2 (the newest token's feature is
 computed by the next verify pass). A sequence drafts only when its context reaches position
 n - 2; otherwise (features lost on the wire, a draft restart, a target without a lean forward)
-it gets an empty tree and that step decodes plainly. Proposals with a distribution (sampled
-requests) are chains whose nodes carry their sparse q; greedy requests get EAGLE-2 trees.
+it gets an empty tree and that step decodes plainly. A plan whose node budget exceeds its depth
+gets EAGLE-2 trees (sampled requests too, their nodes sent without q: deterministic proposals);
+otherwise chains, a sampled request's nodes carrying their sparse q.
 """
 
 from __future__ import annotations
@@ -101,13 +102,14 @@ class EagleProposer(Proposer):
         for i, (state, seq, depth, nodes) in enumerate(zip(states, seqs, max_depths, max_nodes, strict=True)):
             if seq.context.last is None or seq.context.end != state.num_tokens - 1:
                 trees[i] = DraftTree.empty(state.sequence_id)  # no feature of the newest position
-            elif seq.sampling.greedy and nodes > depth:
+            elif nodes > depth:  # a tree (sampled requests' too: deterministic proposals, drafter.py)
                 dynamic.append(i)
             else:
                 chains.append(i)
         if dynamic:
             drafted = self.drafter.trees([seqs[i].context for i in dynamic], [states[i].sequence_id for i in dynamic],
-                                         [max_depths[i] for i in dynamic], [max_nodes[i] for i in dynamic], self.top_k)
+                                         [max_depths[i] for i in dynamic], [max_nodes[i] for i in dynamic], self.top_k,
+                                         [seqs[i].sampling.temperature or 1.0 for i in dynamic])
             for i, tree in zip(dynamic, drafted):
                 trees[i] = tree
         if chains:
