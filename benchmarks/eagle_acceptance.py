@@ -17,7 +17,9 @@ answers sampled at T (seeded): the first draft token's acceptance probability su
 (speculative sampling's), p the target's distribution at temperature T (from its own feature at
 that position), q the head's sparse distribution (its top `--max-top-k` tokens) at each draft
 temperature. Any q is lossless (the verify pass draws what q leaves to it from the residual); the
-draft temperature that maximises this sum accepts the most.
+draft temperature that maximises this sum accepts the most. Beside it, a sampled tree's first
+level: the head's top 1, 2 and 4 tokens sent without q, one of which is accepted with the target's
+probability of them.
 """
 
 from __future__ import annotations
@@ -92,13 +94,19 @@ def score(head: Path, model_dir: Path, prompts: list[list[int]], rollouts: list,
             "first_token_hit": first / passes, "lookup_matched": matched / passes}
 
 
+SIBLINGS = (1, 2, 4)  # a sampled tree's first-level widths scored
+
+
 @torch.inference_mode()
 def sampled_acceptance(head: Path, model_dir: Path, prompts: list[list[int]], rollouts: list, temperature: float,
-                       draft_temperatures: list[float], max_top_k: int) -> dict[float, float]:
-    """Mean first-draft-token acceptance probability per draft temperature (see the docstring)."""
+                       draft_temperatures: list[float], max_top_k: int) -> tuple[dict[float, float], dict[int, float]]:
+    """Mean first-draft-token acceptance probability per draft temperature (see the docstring), and
+    per k the same for a tree's first level of the head's top k tokens sent without q (deterministic
+    proposals: one of them is accepted with the target's probability of the k, sum_top-k p)."""
     from services.draft.proposers.draft_model import sparse_distribution
     drafter = EagleProposer.load(head, model_dir, torch.bfloat16).drafter
     totals, positions = dict.fromkeys(draft_temperatures, 0.0), 0
+    siblings = dict.fromkeys(SIBLINGS, 0.0)
     for prompt, rollout in zip(prompts, rollouts, strict=True):
         ids = rollout.token_ids.tolist()
         ctx = HeadContext()
@@ -110,8 +118,12 @@ def sampled_acceptance(head: Path, model_dir: Path, prompts: list[list[int]], ro
             for t in draft_temperatures:
                 index, q = sparse_distribution(logits, DraftSampling(t), max_top_k)  # [k], [k]
                 totals[t] += float(torch.minimum(p[drafter.output.token_ids(index)], q).sum())
+            top = drafter.output.token_ids(torch.topk(logits, max(SIBLINGS)).indices)  # [max k] token ids
+            for k in SIBLINGS:
+                siblings[k] += float(p[top[:k]].sum())
             positions += 1
-    return {t: total / positions for t, total in totals.items()}
+    return {t: total / positions for t, total in totals.items()}, {k: v / positions for k, v in siblings.items()}
+
 
 
 def _run(chain: list[int], truth: list[int]) -> int:
@@ -145,12 +157,14 @@ def main() -> None:
         for name, accepted in result["accepted_per_pass"].items():
             print(f"  {name:<18} {accepted:.2f} accepted per pass (τ {1 + accepted:.2f})")
         if args.sampled > 0:
-            alphas = sampled_acceptance(head, model_dir, prompts, sampled_rollouts, args.sampled,
-                                        args.draft_temperatures, args.max_top_k)
+            alphas, siblings = sampled_acceptance(head, model_dir, prompts, sampled_rollouts, args.sampled,
+                                                  args.draft_temperatures, args.max_top_k)
             print(f"  on answers sampled at T={args.sampled}, q = the head's top {args.max_top_k}: first draft "
                   f"token's acceptance probability by draft temperature")
             for t, alpha in alphas.items():
                 print(f"    draft T={t:<5} {alpha:.3f}")
+            print("  a tree's first level, the head's top k sent without q (deterministic proposals): "
+                  + ", ".join(f"top {k} {v:.3f}" for k, v in siblings.items()))
 
 
 if __name__ == "__main__":
