@@ -125,7 +125,6 @@ def sampled_acceptance(head: Path, model_dir: Path, prompts: list[list[int]], ro
     return {t: total / positions for t, total in totals.items()}, {k: v / positions for k, v in siblings.items()}
 
 
-
 def _run(chain: list[int], truth: list[int]) -> int:
     """Draft tokens a greedy verify accepts: the leading run equal to what the target wrote."""
     run = 0

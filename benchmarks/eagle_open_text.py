@@ -68,6 +68,7 @@ PLANS = {  # label -> (method, depth, nodes)
     "eagle d4 tree 8": ("eagle", 4, 8),
     "eagle d4 tree 12": ("eagle", 4, 12),
 }
+DEFAULT_PLANS = ("off", "prompt lookup d4", "eagle d2", "eagle d4", "eagle d4 tree 12")
 
 
 @dataclass
@@ -311,8 +312,7 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--temperatures", type=float, nargs="+", default=[0.0, 0.8])
     parser.add_argument("--concurrency", type=int, default=16)
-    parser.add_argument("--plans", nargs="*", default=[p for p in PLANS if p not in ("eagle d4 tree 6", "eagle d4 tree 8")],
-                        choices=list(PLANS),
+    parser.add_argument("--plans", nargs="*", default=list(DEFAULT_PLANS), choices=list(PLANS),
                         help="single-stream plans (none: only the concurrent part)")
     parser.add_argument("--rounds", type=int, default=3, help="rounds of the concurrent part (arms take turns)")
     parser.add_argument("--processes", action="store_true",

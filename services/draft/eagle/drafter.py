@@ -10,18 +10,21 @@ feature after it: the head then attends fewer positions (weaker drafts), never w
 Trees (EAGLE-2, arXiv 2406.16858): expansion by cumulative draft probability, `top_k`
 children per expanded node and `top_k` nodes expanded per depth (one head forward per depth
 for all of them and for every sequence of the batch, under a tree mask), then the kept nodes
-reranked to the node budget. Sampled requests get the same trees, their confidence taken at the
-request's temperature, and no draft distributions: siblings are the head's distinct most likely
-tokens, not draws from one q, so the target verifies each node as a deterministic proposal
-(accepted with the target's own probability of it, then the residual without it; lossless
-whatever the tokens). A node's chance to be accepted is then the product of the target's
-probabilities along its path, which the head's cumulative confidence estimates. (A chain, the
-default, keeps real q: one node accepts sum min(p, q), more than p of the head's top token; a
-tree's siblings add the target's probability of each: on the default model's held-out sampled
-answers at T=0.8 the first draft token is accepted 0.38 with real q, 0.33 / 0.43 / 0.51 for the
-head's top 1 / 2 / 4 as deterministic proposals.) The candidate bookkeeping is the draft model's dynamic tree's (`dynamic_tree._Candidates`,
-`_frontier`, `_keep`: the greedy path is always kept, so a tree never accepts less than the
-chain under greedy verification).
+reranked to the node budget. The candidate bookkeeping is the draft model's dynamic tree's
+(`dynamic_tree._Candidates`, `_frontier`, `_keep`: the greedy path is always kept, so a tree
+never accepts less than the chain under greedy verification).
+
+Sampled requests get the same trees, their confidence taken at the request's temperature (its
+top-k / top-p left out: a token they exclude is only rejected), and no draft distributions:
+siblings are the head's distinct most likely tokens, not draws from one q, so the target verifies
+each node as a deterministic proposal (accepted with the target's own probability of it, then
+the residual without it; lossless whatever the tokens). A node's chance to be accepted is then
+the product of the target's probabilities along its path, which the head's cumulative
+confidence estimates. A chain (the default plan) keeps real q: its node accepts sum min(p, q),
+more than p of the head's top token, while a tree's siblings add the target's probability of
+each (on the default model's held-out answers sampled at T=0.8, the first draft token is
+accepted 0.38 with real q, 0.33 / 0.43 / 0.51 with the head's top 1 / 2 / 4 as deterministic
+proposals: benchmarks/eagle_acceptance.py).
 """
 
 from __future__ import annotations
