@@ -265,7 +265,7 @@ class Gemma3PagedForward:
         selecting the logit rows after gives the same rows)."""
         eps = self.eps
         x = cpu_rowops.rms_norm(h, self.layers[0].input_norm, eps)
-        fused = self.fused_parts(x.shape[0]) if self.fused_parts else None  # per layer, or None: nine calls
+        fused = self.fused_parts(x.shape[0]) if self.fused_parts is not None else None  # per layer, or None: nine calls
         for i, layer in enumerate(self.layers):
             cos, sin = rope[layer.rope]  # [T, 1, D]
             next_norm = self.layers[i + 1].input_norm if i + 1 < len(self.layers) else self.final_norm

@@ -137,7 +137,7 @@ class LlamaPagedForward:
         self.row_weights = [(layer.input_norm.float(), None if layer.qk_norm is None else layer.qk_norm.float(),
                              layer.post_attention_norm.float()) for layer in self.layers] if row_ops else []
         self.final_norm_f32 = self.final_norm.float() if row_ops else None
-        # A decode step's layer in one C++ call (decode_layer.py) where its linears allow (no bias)
+        # A decode step's layer in one C++ call (decode_layer.py) where its linears allow
         self.fused_parts = decode_layer.LayerParts([(layer.qkv_proj, layer.o_proj, layer.gate_up_proj, layer.down_proj)
                                                     for layer in self.layers]) if self.silu else None
 
@@ -197,7 +197,7 @@ class LlamaPagedForward:
         every row and selecting the logit rows after gives the same rows)."""
         eps = self.eps
         x = cpu_rowops.rms_norm(h, self.row_weights[0][0], eps, weight_after=True)
-        fused = self.fused_parts(x.shape[0]) if self.fused_parts else None  # per layer, or None: nine calls
+        fused = self.fused_parts(x.shape[0]) if self.fused_parts is not None else None  # per layer, or None: nine calls
         for i, layer in enumerate(self.layers):
             _, qk_norm, post_attention_norm = self.row_weights[i]
             next_norm = self.row_weights[i + 1][0] if i + 1 < len(self.layers) else self.final_norm_f32
