@@ -48,7 +48,7 @@ def parse_arm(text: str) -> tuple[str, dict[str, str]]:
     return name, env
 
 
-async def run(arms: list[tuple[str, dict]], plans: list[str], tokens: int, model: str) -> None:
+async def run(arms: list[tuple[str, dict]], plans: list[str], tokens: int, model: str, rounds: int = 1) -> None:
     meshes = {}
     try:
         for name, env in arms:
@@ -69,7 +69,7 @@ async def run(arms: list[tuple[str, dict]], plans: list[str], tokens: int, model
         totals = {key: [0, 0.0, 0, 0] for key in keys}  # tokens, seconds, verify passes, accepted
         pids = [os.getpid(), *(p.pid for mesh in meshes.values() for p in mesh.procs)]
         with ForeignCpu(lambda: pids) as foreign:
-            for i, prompt in enumerate(tqdm(PROMPTS, desc="prompts")):
+            for i, prompt in enumerate(tqdm(PROMPTS * rounds, desc="prompts")):
                 for key in keys[i % len(keys):] + keys[:i % len(keys)]:
                     start = time.perf_counter()
                     ids, _, last = await collect(clients[key], greedy(prompt, tokens), AUTH_A)
@@ -78,7 +78,8 @@ async def run(arms: list[tuple[str, dict]], plans: list[str], tokens: int, model
                     row[1] += time.perf_counter() - start
                     row[2] += last.usage.verify_passes
                     row[3] += last.usage.accepted_tokens
-        print(f"model={model} bf16, greedy, {len(PROMPTS)} prompts x {tokens} tokens, services in processes")
+        print(f"model={model} bf16, greedy, {len(PROMPTS)} prompts x {tokens} tokens x {rounds} rounds, "
+              "services in processes")
         print(f"foreign CPU (other processes) during the run: {foreign.share()}")
         print(f"{'arm':<12} {'plan':<18} {'tok/s':>7} {'tau':>5}  env")
         env_of = dict(arms)
@@ -99,11 +100,12 @@ def main() -> None:
                         help="METHOD/DEPTH routers per arm")
     parser.add_argument("--tokens", type=int, default=64)
     parser.add_argument("--model", default="default")
+    parser.add_argument("--rounds", type=int, default=1, help="times through the prompts")
     args = parser.parse_args()
     arms = [parse_arm(a) for a in args.arm]
     if len(arms) < 2 or len({name for name, _ in arms}) != len(arms):
         parser.error("give two or more --arm with distinct names")
-    asyncio.run(run(arms, args.plans, args.tokens, args.model))
+    asyncio.run(run(arms, args.plans, args.tokens, args.model, args.rounds))
 
 
 if __name__ == "__main__":
