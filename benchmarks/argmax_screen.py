@@ -1,13 +1,16 @@
 """The argmax screen on the default model: how many tokens it leaves to the exact pass, and what a
 step's output layer costs with it and without it, by rows a step.
 
-    python benchmarks/argmax_screen.py                  # default model, bf16-avx512 weights
-    python benchmarks/argmax_screen.py --steps 8 --repeats 15
+    python -m benchmarks.argmax_screen                  # default model, bf16-avx512 weights
+    python -m benchmarks.argmax_screen --steps 8 --repeats 15 --narrow-bits 7 6
 
 Captures the output layer's input rows of real decode steps (18 sequences of 20 .. 1,380 tokens of
 README and DESIGN text, one token each a step, on the engine's own thread), then, on those rows:
   * candidates: per row, the tokens whose bound reaches the best one (the exact pass's columns),
     with the weights in blocks of 32 and of 64 k (median, 90th percentile, largest);
+  * with --narrow-bits B [B ...]: the same count were the weights quantized to B < 8 bits (a
+    torch estimate of the bound: |x| |w - w_hat| + |x - x_hat| |w_hat|, without the float32
+    slack): what a narrower copy, fewer bytes a token, would leave to the exact pass;
   * timings (medians of --repeats): the whole layer, the int8 pass alone on the VPDPBUSD loop and,
     where the CPU has AMX-INT8, on tiles, and the screen as the engine calls it, at 1 .. 18 rows.
 Machines here are shared and noisy: compare columns within one run.
@@ -50,6 +53,32 @@ def captured_rows(engine: Engine, steps: int) -> tuple[torch.Tensor, output_laye
     return torch.cat(rows), layers[0]
 
 
+def narrow_candidates(x: torch.Tensor, weight_rows, n: int, bits: int, block: int) -> list[int]:
+    """Per row of x [M, K] bf16: the tokens whose bound reaches the row's best lower bound less the
+    tie margin, were the layer's weights quantized to `bits` (symmetric, one scale per `block` k)
+    and the rows to int8 per 64 k as the screen does. A torch estimate, for sizing a narrower copy."""
+    w = torch.cat([weight_rows(torch.arange(i, min(n, i + 32768))) for i in range(0, n, 32768)]).float()
+    k = w.shape[1]
+    qmax = 2 ** (bits - 1) - 1
+    wb = w.view(n, k // block, block)
+    s = wb.abs().amax(-1, keepdim=True) / qmax
+    s = torch.where(s > 0, s, torch.ones_like(s))
+    w_hat = (torch.round(wb / s).clamp(-qmax, qmax) * s).view(n, k)  # [N, K]
+    err, norm = (w - w_hat).norm(dim=1), w_hat.norm(dim=1)  # [N]
+    xf = x.float()
+    xb = xf.view(x.shape[0], k // 64, 64)
+    t = xb.abs().amax(-1, keepdim=True) / 127
+    t = torch.where(t > 0, t, torch.ones_like(t))
+    x_hat = (torch.round(xb / t).clamp(-127, 127) * t).view(x.shape[0], k)
+    counts = []
+    for row, row_hat in zip(xf, x_hat):
+        approx = w_hat @ row_hat  # [N]
+        bound = row.norm() * err + (row - row_hat).norm() * norm
+        best = (approx - bound).max()
+        counts.append(int((approx + bound >= best - best.abs() * argmax_screen._TIE_MARGIN).sum()))
+    return counts
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--model", default="default")
@@ -57,6 +86,8 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=8, help="decode steps captured (18 rows each)")
     parser.add_argument("--repeats", type=int, default=15)
     parser.add_argument("--rows", type=int, nargs="*", default=[1, 2, 4, 8, 12, 16, 18])
+    parser.add_argument("--narrow-bits", type=int, nargs="*", default=[], choices=[4, 5, 6, 7],
+                        help="also estimate the candidates of a copy at these bits a weight")
     args = parser.parse_args()
     model_dir = resolve_model_dir(args.model, Path(read_settings().model_cache).expanduser())
     engine = Engine.load(EngineConfig(model_dir=model_dir, num_blocks=2048, weights=args.weights))
@@ -75,6 +106,14 @@ def main() -> None:
             print(f"candidates a row, blocks of {block} k: median {counts[len(counts) // 2]}, "
                   f"90th percentile {counts[int(0.9 * len(counts))]}, largest {counts[-1]} "
                   f"(int8 copy {w.nbytes() / 1e6:.0f} MB)")
+        for bits in args.narrow_bits:
+            for block in (argmax_screen.BLOCK, argmax_screen.WIDE_BLOCK):
+                counts = sorted(narrow_candidates(x, layer.screen.weight_rows, n, bits, block))
+                print(f"estimate, {bits}-bit weights in blocks of {block} k ({bits * k / 8 + 2 * k / block:.0f} "
+                      f"bytes a column against the int8 copy's {k + 2 * k / argmax_screen.WIDE_BLOCK:.0f}): "
+                      f"median {counts[len(counts) // 2]}, 90th percentile {counts[int(0.9 * len(counts))]}, "
+                      f"largest {counts[-1]}, rows over an eighth of the vocabulary "
+                      f"{sum(c > n // 8 for c in counts)} of {len(counts)}")
         w = layer.screen.weights
 
         def timed_rows():

@@ -303,3 +303,20 @@ def test_products_of_the_largest_quants_are_summed_without_saturating():
     assert (upper >= whole).all() and (best <= whole.amax(dim=1)).all()
     assert torch.allclose(upper, whole, rtol=1e-3, atol=1e-2)  # exact quants: the bound is float32 slack only
     assert torch.equal(union, torch.arange(8))  # the 8 tied maxima, nothing else
+
+
+def test_the_narrow_copy_estimate_counts_only_near_ties_where_the_weights_fit_its_bits():
+    """benchmarks/argmax_screen.py --narrow-bits: weights that are exactly 4-bit values leave a 4-bit
+    copy no quantization error, so only the row's maximum (and the row quantization's slack) is a
+    candidate; random weights leave a 4-bit copy far more candidates than a 7-bit one."""
+    from benchmarks.argmax_screen import narrow_candidates
+    gen = torch.Generator().manual_seed(3)
+    n, k = 2048, 64
+    q = torch.randint(-7, 8, (n, k), generator=gen).float()
+    exact = (q * 0.125).to(torch.bfloat16)  # one scale per block: 4-bit values exactly
+    x = torch.randn(4, k, generator=gen).to(torch.bfloat16)
+    assert max(narrow_candidates(x, lambda ids: exact[ids], n, 4, 32)) <= 3
+    noisy = (torch.randn(n, k, generator=gen) * 0.05).to(torch.bfloat16)
+    four = narrow_candidates(x, lambda ids: noisy[ids], n, 4, 32)
+    seven = narrow_candidates(x, lambda ids: noisy[ids], n, 7, 32)
+    assert all(a >= b >= 1 for a, b in zip(four, seven)) and sum(four) > 2 * sum(seven)
