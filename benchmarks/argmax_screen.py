@@ -56,7 +56,7 @@ def captured_rows(engine: Engine, steps: int) -> tuple[torch.Tensor, output_laye
 def narrow_candidates(x: torch.Tensor, weight_rows, n: int, bits: int, block: int) -> list[int]:
     """Per row of x [M, K] bf16: the tokens whose bound reaches the row's best lower bound less the
     tie margin, were the layer's weights quantized to `bits` (symmetric, one scale per `block` k)
-    and the rows to int8 per 64 k as the screen does. A torch estimate, for sizing a narrower copy."""
+    and the rows to int8 per 64 k (32 where K is no multiple of 64) as the screen does. A torch estimate, for sizing a narrower copy."""
     w = torch.cat([weight_rows(torch.arange(i, min(n, i + 32768))) for i in range(0, n, 32768)]).float()
     k = w.shape[1]
     qmax = 2 ** (bits - 1) - 1
@@ -66,7 +66,8 @@ def narrow_candidates(x: torch.Tensor, weight_rows, n: int, bits: int, block: in
     w_hat = (torch.round(wb / s).clamp(-qmax, qmax) * s).view(n, k)  # [N, K]
     err, norm = (w - w_hat).norm(dim=1), w_hat.norm(dim=1)  # [N]
     xf = x.float()
-    xb = xf.view(x.shape[0], k // 64, 64)
+    row_block = argmax_screen.WIDE_BLOCK if k % argmax_screen.WIDE_BLOCK == 0 else argmax_screen.BLOCK
+    xb = xf.view(x.shape[0], k // row_block, row_block)
     t = xb.abs().amax(-1, keepdim=True) / 127
     t = torch.where(t > 0, t, torch.ones_like(t))
     x_hat = (torch.round(xb / t).clamp(-127, 127) * t).view(x.shape[0], k)
