@@ -22,6 +22,7 @@ import asyncio
 import json
 import os
 import random
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -48,15 +49,9 @@ def bootstrap_median(values: list[float], level: float = 0.90, resamples: int = 
                      ) -> tuple[float, float]:
     """The `level` interval of the median of `values`, by resampling them with replacement."""
     rng = random.Random(seed)
-    medians = sorted(_median([rng.choice(values) for _ in values]) for _ in range(resamples))
+    medians = sorted(statistics.median([rng.choice(values) for _ in values]) for _ in range(resamples))
     tail = (1 - level) / 2
     return medians[int(tail * (resamples - 1))], medians[int((1 - tail) * (resamples - 1))]
-
-
-def _median(values: list[float]) -> float:
-    s = sorted(values)
-    mid = len(s) // 2
-    return s[mid] if len(s) % 2 else (s[mid - 1] + s[mid]) / 2
 
 
 def summarize_pairs(pairs: list[dict], other: str) -> dict:
@@ -69,9 +64,10 @@ def summarize_pairs(pairs: list[dict], other: str) -> dict:
         return out | {"ratio": None}
     ratios = [p[SPECMESH] / p[other] for p in clean]
     low, high = bootstrap_median(ratios)
-    return out | {SPECMESH: _median([p[SPECMESH] for p in clean]), other: _median([p[other] for p in clean]),
-                  "ratio": _median(ratios), "ratio_90": [low, high],
-                  "foreign_median": _median([s for p in clean for s in p["foreign"].values()])}
+    return out | {SPECMESH: statistics.median([p[SPECMESH] for p in clean]),
+                  other: statistics.median([p[other] for p in clean]),
+                  "ratio": statistics.median(ratios), "ratio_90": [low, high],
+                  "foreign_median": statistics.median([s for p in clean for s in p["foreign"].values()])}
 
 
 def report(summary: dict, header: str) -> str:
